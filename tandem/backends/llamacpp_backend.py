@@ -1,0 +1,358 @@
+"""llama.cpp backend: GGUF models run by llama.cpp's kernels (CPU, Vulkan, Metal, CUDA) through llama-cpp-python.
+
+We use only the low-level ctypes API (`llama_cpp.llama_cpp`), never the high-level `Llama` class: tandem owns the
+loop, so all it needs is "decode these tokens at these positions, give me every row's logits" and "forget positions
+>= n". One `llama_model` (the weights, mmapped once) serves any number of `llama_context`s; each `LlamaCppSequence`
+owns one context with a single KV sequence (seq_id 0), and rewinding is `llama_memory_seq_rm(mem, 0, n, -1)`: it
+marks cells free and copies nothing.
+
+Threads. The draft and the target run one after the other in tandem's loop (draft k steps, then verify), never at
+the same time, so both contexts may use every core. Built with OpenMP (llama.cpp's default), every context's graph
+runs on the calling thread's one OpenMP team, so an idle context has no threads of its own that could spin and steal
+cores from the busy one (measured: the draft's step costs the same with the target context alive and interleaved).
+
+Tokenization is tandem's own `Tokenizer` read from the GGUF metadata, never llama.cpp's, so this backend and the torch
+backend turn text into the same ids; the `ModelConfig` comes from the same metadata (no weights are dequantised).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections import deque
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import torch
+
+import llama_cpp.llama_cpp as llc
+from tandem.backends.base import Model, Sequence
+from tandem.loading.gguf import open_gguf
+from tandem.loading.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tandem.config import ModelConfig
+
+SEQ_ID = 0  # every context holds one sequence
+DEFAULT_N_CTX = 4096
+DEFAULT_N_BATCH = 512  # prefill chunk: the most tokens one llama_decode call takes
+DRAFT_N_BATCH = 32  # enough for a draft's prefill chunks and any k + 1; smaller compute buffers
+MAX_FREE_CONTEXTS = 4  # closed sequences' contexts kept per model for reuse
+GPU_DEVICES = ("vulkan", "metal", "cuda", "rocm", "hip", "sycl", "gpu")
+ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "offload every layer"
+
+# ggml_log_level: keep errors (and their continuation lines), drop the rest.
+_LOG_LEVEL_ERROR = 4
+_LOG_LEVEL_CONT = 5
+_recent_errors: deque[str] = deque(maxlen=20)  # llama.cpp's last error lines, quoted when a load fails
+_log_state = {"last_level": 0}
+
+
+def _log_callback(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
+    if level == _LOG_LEVEL_CONT:
+        level = _log_state["last_level"]
+    _log_state["last_level"] = level
+    if level >= _LOG_LEVEL_ERROR and text:
+        message = text.decode("utf-8", errors="replace")
+        _recent_errors.append(message.rstrip())
+        sys.stderr.write(message)
+
+
+# Kept alive on the module: llama.cpp holds a raw pointer to it for the life of the process.
+_LOG_CALLBACK = llc.llama_log_callback(_log_callback)
+_initialized = False
+
+
+def _init_llama() -> None:
+    global _initialized  # once per process, as llama.cpp requires
+    if _initialized:
+        return
+    llc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    llc.llama_backend_init()
+    _initialized = True
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthread siblings counted once)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def _gpu_layers_for(device: str, n_gpu_layers: int) -> int:
+    kind = device.split(":")[0].lower()
+    if kind == "cpu":
+        return n_gpu_layers
+    if kind not in GPU_DEVICES:
+        raise ValueError(f"unknown device {device!r} for the llama.cpp backend: use 'cpu' or one of {GPU_DEVICES}")
+    if not llc.llama_supports_gpu_offload():
+        raise ValueError(
+            f"device {device!r} asked for, but this llama-cpp-python build has no GPU backend "
+            f"(rebuild it with e.g. CMAKE_ARGS='-DGGML_VULKAN=on')"
+        )
+    return n_gpu_layers if n_gpu_layers not in (0, 99) else ALL_LAYERS
+
+
+class _Context:
+    """One llama_context with its batch and numpy views onto the batch's arrays."""
+
+    def __init__(self, model: LlamaCppModel, n_ctx: int, n_batch: int, n_threads: int) -> None:
+        params = llc.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch  # one graph per llama_decode: a verify batch is never split
+        params.n_seq_max = 1
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        params.no_perf = True
+        if model.flash_attn is not None:
+            params.flash_attn_type = (
+                llc.LLAMA_FLASH_ATTN_TYPE_ENABLED if model.flash_attn else llc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
+        ctx = llc.llama_init_from_model(model._model, params)
+        if not ctx:
+            raise RuntimeError(
+                f"llama.cpp could not create a context (n_ctx={n_ctx}, n_batch={n_batch}) for {model.path!r}: "
+                + " | ".join(_recent_errors)
+            )
+        self.ctx = ctx
+        self.key = (n_ctx, n_batch, n_threads)
+        self.n_batch = n_batch
+        self.memory = llc.llama_get_memory(ctx)
+        self.batch = llc.llama_batch_init(n_batch, 0, 1)
+        self.tokens = np.ctypeslib.as_array(self.batch.token, shape=(n_batch,))  # int32
+        self.positions = np.ctypeslib.as_array(self.batch.pos, shape=(n_batch,))  # int32
+        self.wants_logits = np.ctypeslib.as_array(self.batch.logits, shape=(n_batch,))  # int8
+        np.ctypeslib.as_array(self.batch.n_seq_id, shape=(n_batch,))[:] = 1
+        for i in range(n_batch):
+            self.batch.seq_id[i][0] = SEQ_ID
+
+    def clear(self) -> None:
+        llc.llama_memory_clear(self.memory, True)
+
+    def free(self) -> None:
+        if self.ctx:
+            llc.llama_batch_free(self.batch)
+            llc.llama_free(self.ctx)
+            self.ctx = None
+
+
+class LlamaCppSequence(Sequence):
+    """One llama.cpp context = one KV cache of `capacity` tokens."""
+
+    def __init__(self, model: LlamaCppModel, context: _Context, capacity: int) -> None:
+        self.model = model
+        self.capacity = capacity
+        self._context: _Context | None = context
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def forward(
+        self, tokens: Seq[int] | torch.Tensor, logits: Literal["all", "last"] = "all"
+    ) -> torch.Tensor:
+        """Feed T tokens at positions length..length+T-1.
+
+        Args:
+            tokens: T token ids.
+            logits: "all" returns [T, vocab]; "last" returns only the last row, [1, vocab] (prefill: llama.cpp then
+                computes the output layer for one row instead of T, and long inputs go in chunks of n_batch).
+        Returns:
+            float32 logits, a copy owned by the caller.
+        """
+        context = self._live_context()
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        n_tokens = len(ids)
+        self._check_room(n_tokens)
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        vocab = self.model.vocab_size
+        if n_tokens == 0:
+            return torch.empty((0, vocab), dtype=torch.float32)
+        out = np.empty((n_tokens if logits == "all" else 1, vocab), dtype=np.float32)
+        start_length = self._length
+        for start in range(0, n_tokens, context.n_batch):
+            chunk = ids[start : start + context.n_batch]
+            n = len(chunk)
+            last_chunk = start + n == n_tokens
+            context.tokens[:n] = chunk
+            context.positions[:n] = np.arange(self._length, self._length + n, dtype=np.int32)
+            if logits == "all":
+                context.wants_logits[:n] = 1
+            else:
+                context.wants_logits[:n] = 0
+                context.wants_logits[n - 1] = 1 if last_chunk else 0
+            context.batch.n_tokens = n
+            rc = llc.llama_decode(context.ctx, context.batch)
+            if rc != 0:
+                self._length = start_length
+                llc.llama_memory_seq_rm(context.memory, SEQ_ID, start_length, -1)
+                raise RuntimeError(
+                    f"llama_decode failed with {rc} for {n} tokens at position {start_length + start} "
+                    f"({self.model.path!r}): " + " | ".join(_recent_errors)
+                )
+            self._length += n
+            if logits == "all":
+                rows = llc.llama_get_logits(context.ctx)  # [n, vocab], in batch order
+                out[start : start + n] = np.ctypeslib.as_array(rows, shape=(n, vocab))
+            elif last_chunk:
+                out[0] = np.ctypeslib.as_array(llc.llama_get_logits_ith(context.ctx, n - 1), shape=(vocab,))
+        return torch.from_numpy(out)
+
+    def rewind(self, length: int) -> None:
+        context = self._live_context()
+        self._check_rewind(length)
+        if length == self._length:
+            return
+        if not llc.llama_memory_seq_rm(context.memory, SEQ_ID, length, -1):
+            raise RuntimeError(f"llama.cpp refused to remove positions >= {length} from {self.model.path!r}")
+        self._length = length
+
+    def close(self) -> None:
+        if self._context is not None:
+            self.model._release_context(self._context)
+            self._context = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the module globals may be gone
+            pass
+
+    def _live_context(self) -> _Context:
+        if self._context is None:
+            raise RuntimeError("this sequence is closed")
+        return self._context
+
+
+class LlamaCppModel(Model):
+    """A GGUF file loaded by llama.cpp: weights once, one context per sequence."""
+
+    backend = "llama.cpp"
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        n_ctx: int = DEFAULT_N_CTX,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        device: str = "cpu",
+        n_batch: int = DEFAULT_N_BATCH,
+        flash_attn: bool | None = None,
+        use_mmap: bool = True,
+        repack: bool = True,
+    ) -> None:
+        """Args:
+        path: the GGUF file.
+        n_ctx: default capacity of new sequences.
+        n_threads: threads per decode (default: every physical core; a draft may be given its own count).
+        n_gpu_layers: layers to offload to a GPU build's device (-1 or 99 = all); device="vulkan"/"metal"/"cuda"
+            offloads all of them.
+        n_batch: most tokens per llama_decode call (also the prefill chunk); DRAFT_N_BATCH suits a draft.
+        flash_attn: None lets llama.cpp decide.
+        repack: let llama.cpp's CPU backend repack quantised weights into its interleaved layouts (faster GEMM);
+            see NUMERICS below for what it does to batched-vs-single-token logits.
+        """
+        self.path = os.fspath(path)
+        gguf = open_gguf(self.path)  # a GGUFError (a ValueError) names the path when the file is missing or bad
+        self.config: ModelConfig = gguf.config
+        self.tokenizer: Tokenizer = Tokenizer.from_gguf(gguf)
+        self.device = device
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.n_threads = n_threads or physical_cores()
+        self.flash_attn = flash_attn
+        self.n_gpu_layers = _gpu_layers_for(device, n_gpu_layers)
+        self._free_contexts: list[_Context] = []
+
+        _init_llama()
+        params = llc.llama_model_default_params()
+        params.n_gpu_layers = self.n_gpu_layers
+        params.use_mmap = use_mmap
+        params.use_extra_bufts = repack
+        _recent_errors.clear()
+        model = llc.llama_model_load_from_file(self.path.encode(), params)
+        if not model:
+            raise ValueError(f"llama.cpp could not load {self.path!r}: " + (" | ".join(_recent_errors) or "no reason given"))
+        self._model = model
+        n_vocab = llc.llama_vocab_n_tokens(llc.llama_model_get_vocab(model))
+        if n_vocab != self.config.vocab_size:
+            # llama.cpp's logits rows have n_vocab entries; every tensor we return must match config.vocab_size.
+            raise ValueError(f"{self.path!r}: llama.cpp sees {n_vocab} tokens, the GGUF metadata {self.config.vocab_size}")
+
+    def new_sequence(self, n_ctx: int | None = None, n_batch: int | None = None) -> LlamaCppSequence:
+        """Open an empty KV cache of n_ctx tokens (default self.n_ctx); n_batch defaults to the model's."""
+        if self._model is None:
+            raise RuntimeError(f"model {self.path!r} is closed")
+        capacity = n_ctx or self.n_ctx
+        n_batch = min(n_batch or self.n_batch, capacity)
+        key = (capacity, n_batch, self.n_threads)
+        for i, context in enumerate(self._free_contexts):
+            if context.key == key:
+                del self._free_contexts[i]
+                return LlamaCppSequence(self, context, capacity)
+        return LlamaCppSequence(self, _Context(self, capacity, n_batch, self.n_threads), capacity)
+
+    def _release_context(self, context: _Context) -> None:
+        if self._model is None or len(self._free_contexts) >= MAX_FREE_CONTEXTS:
+            context.free()
+            return
+        context.clear()
+        self._free_contexts.append(context)
+
+    def close(self) -> None:
+        """Free the cached contexts and the weights; sequences still open must be closed first."""
+        for context in self._free_contexts:
+            context.free()
+        self._free_contexts.clear()
+        if self._model is not None:
+            llc.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def load_llamacpp(
+    path: str | os.PathLike,
+    n_ctx: int = DEFAULT_N_CTX,
+    n_threads: int | None = None,
+    n_gpu_layers: int = 0,
+    device: str = "cpu",
+    n_batch: int = DEFAULT_N_BATCH,
+    flash_attn: bool | None = None,
+    repack: bool = True,
+) -> LlamaCppModel:
+    """Load a GGUF file with llama.cpp.
+
+    Args:
+        path: GGUF file.
+        n_ctx: default capacity of the model's sequences.
+        n_threads: threads per decode; default every physical core.
+        n_gpu_layers: layers to offload on a GPU build (-1 = all).
+        device: "cpu", or "vulkan"/"metal"/"cuda" to offload every layer.
+        n_batch: most tokens per llama_decode (prefill chunk size); a draft model is fine with DRAFT_N_BATCH.
+        flash_attn: force flash attention on/off; None lets llama.cpp choose.
+    Returns:
+        The loaded model.
+    Raises:
+        ValueError: the file is missing, not GGUF, or llama.cpp cannot load it.
+    """
+    return LlamaCppModel(
+        path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, device=device, n_batch=n_batch,
+        flash_attn=flash_attn, repack=repack,
+    )

@@ -1,0 +1,204 @@
+"""`tandem generate | serve | bench | doctor | models`: one small function per subcommand behind one dispatcher."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tandem.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+
+
+def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_TARGET, help=f"target: GGUF path or registry name [{DEFAULT_TARGET}]")
+    if draft:
+        group = p.add_mutually_exclusive_group()
+        group.add_argument("--draft", "-d", default=None,
+                           help=f"draft: GGUF path, registry name or 'ngram' [{DEFAULT_DRAFT} with the default target]")
+        group.add_argument("--no-draft", action="store_true", help="plain decoding")
+        p.add_argument("--draft-max", type=int, default=8, help="most draft tokens per iteration [8]")
+        p.add_argument("--draft-policy", choices=["adaptive", "fixed"], default="adaptive",
+                       help="adaptive: pick k (or none) from measured costs; fixed: always --draft-max [adaptive]")
+        p.add_argument("--draft-device", default=None, help="device of the draft [same as --device]")
+    p.add_argument("--backend", choices=["auto", "torch", "llama.cpp"], default="auto",
+                   help="auto: llama.cpp for GGUF on CPU/Vulkan/Metal when installed, else torch [auto]")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (torch); cpu, vulkan, metal (llama.cpp)")
+    p.add_argument("--dtype", default=None, help="torch compute dtype [float32 on cpu, bfloat16 on cuda]")
+    p.add_argument("--ctx", type=int, default=None, help="context length in tokens [min(4096, trained)]")
+
+
+def resolve_draft_name(args: argparse.Namespace) -> str | None:
+    if getattr(args, "no_draft", False):
+        return None
+    if args.draft is not None:
+        return args.draft
+    return DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None
+
+
+def load_pair(args: argparse.Namespace):
+    """(target, draft-or-'ngram'-or-None) as the command line asks."""
+    import tandem
+
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    target = tandem.load(args.model, device=args.device, dtype=dtype, backend=args.backend, n_ctx=args.ctx,
+                         progress=sys.stderr.isatty())
+    name = resolve_draft_name(args)
+    if name is None or name == "ngram":
+        return target, name
+    draft_device = getattr(args, "draft_device", None) or args.device
+    draft = tandem.load(name, device=draft_device, dtype=dtype, backend=target.backend, n_ctx=args.ctx,
+                        progress=sys.stderr.isatty())
+    return target, draft
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import tandem
+
+    target, draft = load_pair(args)
+    options = dict(
+        draft=draft, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, draft_max=args.draft_max, draft_policy=args.draft_policy,
+        stop=args.stop or None, n_ctx=args.ctx,
+    )
+    if args.chat is not None:
+        options["messages"] = [{"role": "user", "content": args.chat}]
+    else:
+        options["prompt"] = args.prompt
+    if args.json:
+        result = tandem.generate(target, **options)
+        print(json.dumps({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+                          "stats": result.stats.to_dict()}, ensure_ascii=False))
+        return 0
+    final = None
+    for chunk in tandem.stream_generate(target, **options):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        final = chunk
+    s = final.stats
+    print(file=sys.stdout)
+    print(f"[{final.finish_reason}] {s.generated_tokens} tokens, {s.tokens_per_second:.1f} tokens/s; prefill "
+          f"{s.prefill_ms:.0f} ms; drafted {s.draft_tokens}, accepted {s.accepted_tokens} "
+          f"({100 * s.acceptance_rate:.0f}%); draft {s.draft_ms:.0f} ms, verify {s.verify_ms:.0f} ms in total",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from tandem.loading import registry
+
+    if args.action == "list":
+        for m in registry.list_models():
+            state = "pulled" if m.is_pulled else "not pulled"
+            print(f"{m.name:32} {m.role:7} {m.bytes / 2**20:8.0f} MiB  {state:10}  {m.description}")
+    elif args.action == "pull":
+        print(registry.pull(args.name))
+    elif args.action == "path":
+        print(registry.path(args.name))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tandem.server.app import serve
+
+    return serve(args)
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from tandem.bench.load import run_loadtest
+
+    return run_loadtest(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tandem.bench.bench import run_bench
+
+    return run_bench(args)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from tandem.bench.doctor import run_doctor
+
+    return run_doctor(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text, speculatively when a draft is given")
+    add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw text prompt (no chat template)")
+    src.add_argument("--chat", help="a user message, wrapped with the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [0]")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, tokens, stats")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list, pull or locate the registry's models")
+    msub = m.add_subparsers(dest="action", required=True)
+    msub.add_parser("list")
+    for action in ("pull", "path"):
+        a = msub.add_parser(action)
+        a.add_argument("name")
+    m.set_defaults(func=cmd_models)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--max-queue", type=int, default=64)
+    s.add_argument("--slots", type=int, default=1, help="requests decoded at once")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get a 413 [4 MiB]")
+    s.add_argument("--served-model-name", default=None, help="the model id clients see [--model]")
+    s.set_defaults(func=cmd_serve)
+
+    lt = sub.add_parser("loadtest", help="N concurrent streaming clients against a running server")
+    lt.add_argument("--url", default="http://127.0.0.1:8080")
+    lt.add_argument("--concurrency", "-c", type=int, default=4)
+    lt.add_argument("--requests", "-n", type=int, default=16)
+    lt.add_argument("--max-tokens", type=int, default=256)
+    lt.add_argument("--prompt-kinds", default="code,freeform,json,summary")
+    lt.add_argument("--temperature", type=float, default=0.0)
+    lt.add_argument("--api-key", default=None)
+    lt.add_argument("--model", default=None, help="model name to send [the server's first]")
+    lt.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="also write the results as JSON")
+    lt.set_defaults(func=cmd_loadtest)
+
+    b = sub.add_parser("bench", help="plain vs speculative side by side on a prompt suite")
+    add_model_args(b)
+    b.add_argument("--suite", default="default")
+    b.add_argument("--max-tokens", type=int, default=256)
+    b.add_argument("--json", dest="json_out", default=None, metavar="OUT")
+    b.add_argument("--plot", default=None, metavar="OUT.png")
+    b.add_argument("--peer", action="append", default=[], help="also run a peer: hf")
+    b.add_argument("--configs", default=None, help="comma list: plain,adaptive,fixed3,fixed8,ngram")
+    b.add_argument("--synthetic-acceptance", type=float, default=None)
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("doctor", help="measure draft and verify costs on this device and explain them")
+    add_model_args(d)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as e:  # our errors name the problem; no traceback for bad input
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

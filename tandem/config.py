@@ -1,0 +1,46 @@
+"""Model configuration read from GGUF metadata.
+
+One dataclass describes every decoder tandem runs; per-architecture quirks are fields, not subclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # GGUF `general.architecture`: qwen2 | llama | gemma3
+    vocab_size: int  # rows of token_embd
+    n_layers: int
+    d_model: int  # embedding width
+    d_ffn: int  # feed-forward hidden width
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (GQA when < n_heads)
+    head_dim: int  # per-head width (gemma3 sets it apart from d_model / n_heads)
+    context_length: int  # trained context; the cache may be smaller
+    rms_eps: float
+    rope_base: float
+    rope_interleaved: bool = False  # llama.cpp's "normal" rope (pairs 2i, 2i+1), used by `llama`; qwen2/gemma3 rotate halves
+    rope_scale: float = 1.0  # linear position scaling (positions divided by this)
+    rope_base_local: float | None = None  # gemma3: sliding-window layers use their own base
+    sliding_window: int | None = None  # gemma3: window of the local layers
+    sliding_window_pattern: int = 0  # gemma3: every Nth layer is global, the rest local (0 = all global)
+    attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim)
+    embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(d_model)
+    activation: str = "silu"  # silu (SwiGLU) or gelu_tanh (GeGLU)
+    qkv_bias: bool = False  # qwen2
+    qk_norm: bool = False  # gemma3: RMSNorm on each query/key head
+    sandwich_norm: bool = False  # gemma3: extra norms after attention and after the FFN
+    tied_embeddings: bool = False  # no output.weight in the file: reuse token_embd
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    name: str = ""
+
+    def is_local_layer(self, layer: int) -> bool:
+        """True for a sliding-window layer (gemma3 alternates 5 local : 1 global)."""
+        if not self.sliding_window or self.sliding_window_pattern <= 0:
+            return False
+        return (layer + 1) % self.sliding_window_pattern != 0

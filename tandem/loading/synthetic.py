@@ -1,0 +1,355 @@
+"""Tiny GGUF files with random weights, for tests (and random models of real shapes).
+
+Files follow llama.cpp's naming for metadata keys and tensors, so llama.cpp can load them too. The 2-D matrices
+are stored in the requested `qtype`; norms and biases stay F32, as llama.cpp's quantiser leaves them.
+
+gguf-py (0.19) can quantise F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 but none of the K-quants. For those we
+write random blocks directly: random quant bits and sub-block scales, with the per-block fp16 super-scales
+(`d`, `dmin`) chosen so the dequantised values have roughly zero mean and the target std. K-quant rows must be a
+multiple of 256 values, so use d_model / d_ffn / n_heads*head_dim that are multiples of 256 with them
+(e.g. d_model=256, d_ffn=512, n_heads=4, head_dim=64).
+
+The embedded tokenizer is a gpt2-style byte-level BPE: the 256 byte symbols, a few dozen fixed merges of common
+English pairs, and the ChatML special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (CONTROL).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+# Merges applied in this order (rank); each result becomes a token. Spelled in gpt2's byte-level alphabet
+# (Ġ is the space byte), and every part is a byte symbol or an earlier merge's result.
+TINY_MERGES: tuple[tuple[str, str], ...] = (
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("i", "n"),
+    ("Ġ", "a"),
+    ("e", "r"),
+    ("o", "n"),
+    ("Ġt", "he"),
+    ("r", "e"),
+    ("Ġ", "s"),
+    ("a", "t"),
+    ("o", "r"),
+    ("e", "n"),
+    ("Ġ", "w"),
+    ("Ġ", "c"),
+    ("i", "s"),
+    ("i", "t"),
+    ("Ġ", "o"),
+    ("e", "s"),
+    ("Ġ", "f"),
+    ("a", "n"),
+    ("Ġ", "b"),
+    ("in", "g"),
+    ("Ġ", "p"),
+    ("Ġ", "i"),
+    ("e", "d"),
+    ("Ġ", "d"),
+    ("o", "u"),
+    ("l", "l"),
+    ("Ġ", "m"),
+    ("a", "r"),
+    ("Ġ", "h"),
+    ("Ġ", "Ġ"),
+    ("ĠĠ", "ĠĠ"),
+    ("Ġa", "n"),
+    ("Ġan", "d"),
+    ("Ġo", "f"),
+    ("Ġt", "o"),
+    ("Ġ", "in"),
+    ("d", "e"),
+    ("de", "f"),
+    ("Ġ", "def"),
+    ("r", "n"),
+    ("u", "rn"),
+    ("Ġ", "re"),
+    ("Ġre", "t"),
+    ("Ġret", "urn"),
+    ("Ġ", "="),
+    ("Ġ", "("),
+    ("(", ")"),
+    (")", ":"),
+    ("Ċ", "ĠĠĠĠ"),
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNUSED = 1, 3, 5
+
+# llama.cpp's `general.file_type` (LlamaFileType) for a file whose matrices are all `qtype`.
+FILE_TYPE = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "Q2_K": 10,
+    "Q3_K": 12,
+    "Q4_K": 15,
+    "Q5_K": 17,
+    "Q6_K": 18,
+    "BF16": 32,
+}
+# Byte offsets of the fp16 super-block scale `d` and, where the type has one, the min scale `dmin` in each block.
+K_QUANT_SCALE_OFFSETS: dict[str, tuple[int, int | None]] = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108, None),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208, None),
+}
+SUPPORTED_QTYPES = tuple(FILE_TYPE)
+
+from tandem.loading.tokenizer import CHATML_TEMPLATE  # noqa: E402  (the tiny files' chat template)
+
+
+def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of the tiny byte-level BPE, specials last."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values())  # the 256 byte symbols
+    known = set(tokens)
+    merges = []
+    for left, right in TINY_MERGES:
+        if left not in known or right not in known:
+            raise AssertionError(f"merge {left!r} + {right!r} uses a token not yet in the vocabulary")
+        if left + right not in known:
+            tokens.append(left + right)
+            known.add(left + right)
+        merges.append(f"{left} {right}")
+    types = [TOKEN_TYPE_NORMAL] * len(tokens)
+    tokens += SPECIAL_TOKENS
+    types += [TOKEN_TYPE_CONTROL] * len(SPECIAL_TOKENS)
+    return tokens, types, merges
+
+
+def _random_k_blocks(rows: int, cols: int, qtype: str, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid K-quant blocks [rows, row_bytes] whose values have ~zero mean and ~`std` spread."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    gtype = GGMLQuantizationType[qtype]
+    block, type_size = GGML_QUANT_SIZES[gtype]
+    n_blocks = rows * cols // block
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    d_off, dmin_off = K_QUANT_SCALE_OFFSETS[qtype]
+
+    def set_scales(d: float, dmin: float) -> np.ndarray:
+        blocks[:, d_off : d_off + 2] = np.full((n_blocks, 1), d, np.float16).view(np.uint8)
+        if dmin_off is not None:
+            blocks[:, dmin_off : dmin_off + 2] = np.full((n_blocks, 1), dmin, np.float16).view(np.uint8)
+        return dequantize(blocks, gtype)
+
+    # Values are d * A - dmin * B: measure A and B once, then pick dmin to centre and a common factor for std.
+    mean_a = float(set_scales(1.0, 0.0).mean())
+    dmin_ratio = mean_a / float(-set_scales(0.0, 1.0).mean()) if dmin_off is not None else 0.0
+    spread = float(set_scales(1.0, dmin_ratio).std()) or 1.0
+    factor = std / spread
+    values = set_scales(factor, factor * dmin_ratio)
+    if not np.isfinite(values).all():
+        raise AssertionError(f"random {qtype} blocks dequantised to non-finite values")
+    return blocks.reshape(rows, n_blocks // rows * type_size)
+
+
+def _encode_matrix(values: np.ndarray, qtype: str, std: float, rng: np.random.Generator) -> tuple[np.ndarray, Any]:
+    """(array for GGUFWriter.add_tensor, raw_dtype) for a float32 matrix stored as `qtype`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if qtype == "F32":
+        return values.astype(np.float32), None
+    if qtype == "F16":
+        return values.astype(np.float16), None
+    if qtype == "F64":  # not runnable by tandem; used to test the unsupported-type error
+        return values.astype(np.float64), None
+    gtype = GGMLQuantizationType[qtype]
+    block = GGML_QUANT_SIZES[gtype][0]
+    if values.shape[-1] % block:
+        raise ValueError(
+            f"{qtype} needs rows that are a multiple of {block} values; got a row of {values.shape[-1]} "
+            f"(pick d_model/d_ffn/n_heads*head_dim multiples of {block}, e.g. d_model=256)"
+        )
+    if qtype in K_QUANT_SCALE_OFFSETS:
+        return _random_k_blocks(values.shape[0], values.shape[1], qtype, std, rng), gtype
+    return quantize(values.astype(np.float32), gtype), gtype
+
+
+def _value_type(value: Any) -> Any:
+    from gguf import GGUFValueType
+
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    if isinstance(value, int):
+        return GGUFValueType.INT32 if value < 0 else GGUFValueType.UINT32
+    if isinstance(value, float):
+        return GGUFValueType.FLOAT32
+    if isinstance(value, str):
+        return GGUFValueType.STRING
+    if isinstance(value, (list, tuple)):
+        return GGUFValueType.ARRAY
+    raise TypeError(f"cannot store metadata value {value!r} of type {type(value).__name__} in GGUF")
+
+
+def write_tiny_gguf(
+    path: str | os.PathLike[str],
+    arch: str = "qwen2",
+    qtype: str = "F32",
+    n_layers: int = 2,
+    d_model: int = 64,
+    d_ffn: int = 128,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int | None = None,
+    vocab_size: int | None = None,
+    context_length: int = 512,
+    seed: int = 0,
+    tie_embeddings: bool = False,
+    *,
+    qkv_bias: bool | None = None,
+    rope_base: float | None = None,
+    rms_eps: float = 1e-6,
+    sliding_window: int = 8,
+    metadata: dict[str, Any] | None = None,
+    tensor_qtypes: dict[str, str] | None = None,
+    skip_tensors: Iterable[str] = (),
+    shape_overrides: dict[str, tuple[int, ...]] | None = None,
+) -> str:
+    """Write a random-weight GGUF for `arch` and return its path.
+
+    Args:
+        qtype: storage type of the 2-D matrices (one of SUPPORTED_QTYPES); norms and biases stay F32.
+        head_dim: per-head width; default d_model // n_heads (gemma3 writes it as attention.key_length).
+        vocab_size: default the tiny tokenizer's size; larger pads with unused `[PADn]` tokens.
+        qkv_bias: q/k/v biases; default on for qwen2 only.
+        metadata: raw metadata keys to add or replace (a value of None deletes the key).
+        tensor_qtypes, skip_tensors, shape_overrides: per-tensor storage type, tensors to leave out, and
+            shapes to write instead of the correct ones (for testing the loader's errors).
+    """
+    from gguf import GGUFWriter
+
+    if qtype not in SUPPORTED_QTYPES:
+        raise ValueError(f"unsupported qtype {qtype!r}; supported: {', '.join(SUPPORTED_QTYPES)}")
+    path = os.fspath(path)
+    rng = np.random.default_rng(seed)
+    head_dim = head_dim or d_model // n_heads
+    qkv_bias = (arch == "qwen2") if qkv_bias is None else qkv_bias
+    rope_base = rope_base if rope_base is not None else (10000.0 if arch == "llama" else 1_000_000.0)
+
+    tokens, types, merges = tiny_vocab()
+    n_real = len(tokens)
+    vocab_size = vocab_size or n_real
+    if vocab_size < n_real:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tiny tokenizer's {n_real} tokens")
+    tokens += [f"[PAD{i}]" for i in range(n_real, vocab_size)]
+    types += [TOKEN_TYPE_UNUSED] * (vocab_size - n_real)
+    endoftext, im_end = tokens.index("<|endoftext|>"), tokens.index("<|im_end|>")
+
+    a = arch
+    kv: dict[str, Any] = {
+        "general.name": f"tiny-{arch}-{qtype.lower()}",
+        "general.file_type": FILE_TYPE.get(qtype, 0),
+        "general.quantization_version": 2,
+        f"{a}.context_length": context_length,
+        f"{a}.embedding_length": d_model,
+        f"{a}.feed_forward_length": d_ffn,
+        f"{a}.block_count": n_layers,
+        f"{a}.attention.head_count": n_heads,
+        f"{a}.attention.head_count_kv": n_kv_heads,
+        f"{a}.attention.layer_norm_rms_epsilon": float(rms_eps),
+        f"{a}.rope.freq_base": float(rope_base),
+        f"{a}.rope.dimension_count": head_dim,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": endoftext,
+        "tokenizer.ggml.eos_token_id": im_end,
+        "tokenizer.ggml.padding_token_id": endoftext,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": CHATML_TEMPLATE,
+    }
+    if arch == "gemma3" or head_dim != d_model // n_heads:
+        kv[f"{a}.attention.key_length"] = head_dim
+        kv[f"{a}.attention.value_length"] = head_dim
+    if arch == "gemma3":
+        kv[f"{a}.attention.sliding_window"] = sliding_window
+    if arch == "llama":
+        kv[f"{a}.vocab_size"] = vocab_size
+    for key, value in (metadata or {}).items():
+        if value is None:
+            kv.pop(key, None)
+        else:
+            kv[key] = value
+
+    writer = GGUFWriter(path, arch)
+    for key, value in kv.items():
+        vtype = _value_type(value)
+        if isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        else:
+            writer.add_key_value(key, value, vtype)
+
+    # --- tensors: torch-order shapes, same names as tandem.loading.weights.expected_tensors --------------------
+    q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
+    specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab_size, d_model), "matrix")]
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        specs += [
+            (p + "attn_norm.weight", (d_model,), "norm"),
+            (p + "attn_q.weight", (q_width, d_model), "matrix"),
+            (p + "attn_k.weight", (kv_width, d_model), "matrix"),
+            (p + "attn_v.weight", (kv_width, d_model), "matrix"),
+            (p + "attn_output.weight", (d_model, q_width), "matrix"),
+        ]
+        if qkv_bias:
+            specs += [
+                (p + "attn_q.bias", (q_width,), "bias"),
+                (p + "attn_k.bias", (kv_width,), "bias"),
+                (p + "attn_v.bias", (kv_width,), "bias"),
+            ]
+        if arch == "gemma3":
+            specs += [
+                (p + "attn_q_norm.weight", (head_dim,), "norm"),
+                (p + "attn_k_norm.weight", (head_dim,), "norm"),
+                (p + "post_attention_norm.weight", (d_model,), "norm"),
+                (p + "post_ffw_norm.weight", (d_model,), "norm"),
+            ]
+        specs += [
+            (p + "ffn_norm.weight", (d_model,), "norm"),
+            (p + "ffn_gate.weight", (d_ffn, d_model), "matrix"),
+            (p + "ffn_up.weight", (d_ffn, d_model), "matrix"),
+            (p + "ffn_down.weight", (d_model, d_ffn), "matrix"),
+        ]
+    specs.append(("output_norm.weight", (d_model,), "norm"))
+    if not tie_embeddings:
+        specs.append(("output.weight", (vocab_size, d_model), "matrix"))
+
+    skip, shape_overrides, tensor_qtypes = set(skip_tensors), shape_overrides or {}, tensor_qtypes or {}
+    for name, shape, kind in specs:
+        if name in skip:
+            continue
+        shape = tuple(shape_overrides.get(name, shape))
+        if kind == "norm":  # norms near 1 (for gemma3 this is the 1 + w llama.cpp's converter already folds in)
+            writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        if kind == "bias":
+            writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        std = 0.1 if name == "token_embd.weight" else min(0.1, 1.0 / math.sqrt(shape[-1]))
+        values = (std * rng.standard_normal(shape)).astype(np.float32)
+        array, raw_dtype = _encode_matrix(values, tensor_qtypes.get(name, qtype), std, rng)
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

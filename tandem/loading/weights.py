@@ -1,0 +1,80 @@
+"""The tensors a config needs, by GGUF name and torch shape, and a strict loader for them.
+
+Names are llama.cpp's (`blk.{i}.attn_q.weight`, ...); shapes are torch order ([out_features, in_features]).
+Loading checks every expected tensor exists with exactly that shape before a model ever sees it (nanoGPT's habit of
+asserting every shape when importing foreign weights).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tandem.config import ModelConfig
+from tandem.loading.gguf import GGUFError, GGUFFile
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor `config` requires: GGUF name -> torch shape."""
+    d, vocab, ffn, hd = config.d_model, config.vocab_size, config.d_ffn, config.head_dim
+    q_width, kv_width = config.n_heads * hd, config.n_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
+    if not config.tied_embeddings:
+        shapes["output.weight"] = (vocab, d)
+    for i in range(config.n_layers):
+        p = f"blk.{i}."
+        shapes[p + "attn_norm.weight"] = (d,)
+        shapes[p + "attn_q.weight"] = (q_width, d)
+        shapes[p + "attn_k.weight"] = (kv_width, d)
+        shapes[p + "attn_v.weight"] = (kv_width, d)
+        shapes[p + "attn_output.weight"] = (d, q_width)
+        if config.qkv_bias:
+            shapes[p + "attn_q.bias"] = (q_width,)
+            shapes[p + "attn_k.bias"] = (kv_width,)
+            shapes[p + "attn_v.bias"] = (kv_width,)
+        if config.qk_norm:
+            shapes[p + "attn_q_norm.weight"] = (hd,)
+            shapes[p + "attn_k_norm.weight"] = (hd,)
+        if config.sandwich_norm:
+            shapes[p + "post_attention_norm.weight"] = (d,)
+            shapes[p + "post_ffw_norm.weight"] = (d,)
+        shapes[p + "ffn_norm.weight"] = (d,)
+        shapes[p + "ffn_gate.weight"] = (ffn, d)
+        shapes[p + "ffn_up.weight"] = (ffn, d)
+        shapes[p + "ffn_down.weight"] = (d, ffn)
+    return shapes
+
+
+def check_tensors(gguf_file: GGUFFile, config: ModelConfig | None = None) -> dict[str, tuple[int, ...]]:
+    """Raise GGUFError unless every expected tensor is present with its exact shape; return the expectations."""
+    expected = expected_tensors(config or gguf_file.config)
+    missing = [name for name in expected if not gguf_file.has_tensor(name)]
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise GGUFError(f"{gguf_file.path}: missing tensor {shown}")
+    for name, shape in expected.items():
+        found = gguf_file.tensor_shape(name)
+        if found != shape:
+            raise GGUFError(f"{gguf_file.path}: tensor {name!r} has shape {list(found)}, expected {list(shape)}")
+    return expected
+
+
+def load_weights(
+    gguf_file: GGUFFile,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Every expected tensor, dequantised and cast to `dtype` on `device`, keyed by GGUF name.
+
+    Shapes are checked for all tensors before any is dequantised, so a bad file fails in milliseconds.
+    """
+    from tqdm import tqdm
+
+    expected = check_tensors(gguf_file)
+    weights: dict[str, torch.Tensor] = {}
+    bar = tqdm(expected, desc="loading weights", unit="tensor", disable=not progress or not sys.stderr.isatty())
+    for name in bar:
+        weights[name] = gguf_file.tensor(name, dtype=dtype, device=device)
+    return weights

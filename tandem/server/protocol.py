@@ -1,0 +1,262 @@
+"""OpenAI's request and response shapes for /v1/chat/completions and /v1/completions, and their validation.
+
+Requests are parsed from the raw body with pydantic in strict JSON mode, so a known field of the wrong type is a 400
+naming the field (OpenAI does the same), while unknown fields are ignored (OpenAI's clients send extras such as
+`presence_penalty` or `logit_bias`). Every error leaves the server as `{"error": {message, type, param, code}}`.
+Reference: https://platform.openai.com/docs/api-reference/chat and llama.cpp's tools/server README (`timings`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.spec.stats import GenerationStats
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_DRAFT_OVERRIDE = 64  # a per-request draft_max above this is surely a mistake (and each new k calibrates once)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error the client caused (or may retry), sent as OpenAI's error object with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --- requests -------------------------------------------------------------------------------------------------
+
+class _Lenient(BaseModel):
+    """Strict types for the fields we know, silence for the ones we don't."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SpeculativeOptions(_Lenient):
+    """Per-request draft override: {"draft_max": k} caps draft tokens per iteration; {"enabled": false} is off."""
+
+    enabled: bool = True
+    draft_max: int | None = Field(None, ge=0, le=MAX_DRAFT_OVERRIDE)
+
+
+class _GenerationRequest(_Lenient):
+    """Fields common to chat and text completions. Defaults are OpenAI's (temperature 1, top_p 1)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    speculative: bool | SpeculativeOptions | None = None
+
+    def checked(self) -> _GenerationRequest:
+        """Cross-field checks pydantic's per-field constraints can't express."""
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: only n=1 (no batching)", param="n")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                           param="stop")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise APIError(400, f"seed must fit in 64 bits, got {self.seed}", param="seed")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def draft_override(self) -> tuple[bool, int | None]:
+        """(speculation enabled, draft_max override or None)."""
+        spec = self.speculative
+        if spec is None or spec is True:
+            return True, None
+        if spec is False:
+            return False, None
+        return spec.enabled, spec.draft_max
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+
+    def checked(self) -> ChatCompletionRequest:
+        super().checked()
+        if not self.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        for i, m in enumerate(self.messages):
+            if m.role not in ROLES:
+                raise APIError(400, f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
+                               param=f"messages[{i}].role")
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or part.text is None:
+                        raise APIError(400, f"messages[{i}].content[{j}]: only {{type: 'text', text}} parts are "
+                                       f"supported, got type {part.type!r}", param=f"messages[{i}].content")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template wants them: content as one string, `developer` as `system`."""
+        out = []
+        for m in self.messages:
+            text = m.content if isinstance(m.content, str) else "".join(p.text or "" for p in m.content)
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        return out
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def checked(self) -> CompletionRequest:
+        super().checked()
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                raise APIError(400, f"a batch of {len(self.prompt)} prompts is not supported (n/batch not "
+                               f"supported): send one prompt per request", param="prompt")
+            self.prompt = self.prompt[0]
+        return self
+
+
+def parse_request(model: type[_GenerationRequest], body: bytes) -> Any:
+    """Validate a raw JSON body into `model`; raise APIError(400) naming the first offending field."""
+    if not body.strip():
+        raise APIError(400, "the request body is empty; expected a JSON object")
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as e:
+        # The deepest location is the most specific: for `stop: [1]` it is stop[0], not the `str` branch of stop.
+        err = max(e.errors(include_url=False), key=lambda x: len(x["loc"]))
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"malformed JSON in the request body: {err['msg']}") from None
+        param = _param_name(err["loc"])
+        where = f"{param}: " if param else "the request body: "
+        raise APIError(400, where + err["msg"], param=param) from None
+    return request.checked()
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+
+
+def _param_name(loc: tuple) -> str | None:
+    """'messages[0].content' from pydantic's loc, dropping the union-member tags it inserts ('str', 'list[int]')."""
+    name = ""
+    for item in loc:
+        if isinstance(item, int):
+            name += f"[{item}]"
+        elif not _TYPE_TAG.match(item):
+            name += f".{item}" if name else item
+    return name or None
+
+
+# --- responses ------------------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def timings(stats: GenerationStats, queue_ms: float = 0.0) -> dict[str, Any]:
+    """llama-server's `timings` object for one request, plus tandem's own fields.
+
+    Every figure covers this request only (never a server-lifetime total); durations are milliseconds.
+    prompt_*: the prefill (target and draft prompt processing, up to the first token). predicted_*: tokens
+    returned and the decode time after the first token (as llama-server counts them). draft_n / draft_n_accepted:
+    draft tokens proposed to the verifier / accepted by it. draft_ms / verify_ms: total time drafting / in the
+    target's verify (or plain) forwards; iterations: target forwards after the prefill; queue_ms: time waiting
+    for a slot before the prefill began.
+    """
+    def per_second(n: int, ms: float) -> float:
+        return 1000.0 * n / ms if ms > 0 else 0.0
+
+    return {
+        "prompt_n": stats.prompt_tokens,
+        "prompt_ms": stats.prefill_ms,
+        "prompt_per_second": per_second(stats.prompt_tokens, stats.prefill_ms),
+        "predicted_n": stats.generated_tokens,
+        "predicted_ms": stats.decode_ms,
+        "predicted_per_second": per_second(stats.generated_tokens, stats.decode_ms),
+        "draft_n": stats.draft_tokens,
+        "draft_n_accepted": stats.accepted_tokens,
+        "draft_ms": stats.draft_ms,
+        "verify_ms": stats.verify_ms,
+        "acceptance_rate": stats.acceptance_rate,
+        "iterations": stats.iterations,
+        "queue_ms": queue_ms,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+Kind = Literal["chat", "text"]
+
+
+def completion_response(kind: Kind, request_id: str, model: str, text: str, finish_reason: str,
+                        usage_: dict[str, int], timings_: dict[str, Any]) -> dict[str, Any]:
+    """A whole (non-streamed) chat.completion or text_completion object."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage_, "timings": timings_}
+
+
+def stream_chunk(kind: Kind, request_id: str, created: int, model: str, text: str | None,
+                 finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    """One chat.completion.chunk (or streamed text_completion) carrying `text`; the first chat chunk has the role."""
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}

@@ -1,0 +1,141 @@
+"""The decode loop: prefill, then draft k -> verify k+1 in one target forward -> keep n+1 -> roll back the rest.
+
+Plain decoding is the same loop with k = 0, so speculative and plain output come from one code path.
+Invariant between iterations: the target's cache holds every token but the last (the *pending* token, which the
+next forward feeds first), and the proposer has been told how many tokens are final.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence as Seq
+
+import torch
+
+from tandem.backends.base import ContextOverflowError, Model
+from tandem.sampling import SamplingParams, make_generator, next_token, probs_from_logits
+from tandem.spec.policy import DraftPolicy, FixedPolicy
+from tandem.spec.proposer import Proposer
+from tandem.spec.stats import GenerationStats
+from tandem.spec.verify import verify_greedy, verify_sampled
+from tandem.timing import PhaseClock
+
+
+class SpeculativeDecoder:
+    """One generation. Iterate `run(prompt)` for lists of new tokens; then read `finish_reason` and `stats`."""
+
+    def __init__(
+        self,
+        target: Model,
+        sampling: SamplingParams,
+        proposer: Proposer | None = None,
+        policy: DraftPolicy | None = None,
+        max_tokens: int = 256,
+        stop_token_ids: Seq[int] = (),
+        n_ctx: int | None = None,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.target = target
+        self.sampling = sampling
+        self.proposer = proposer
+        self.policy = policy or FixedPolicy(0)
+        self.max_tokens = max_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.n_ctx = n_ctx
+        self.device = torch.device(getattr(target, "torch_device", "cpu"))
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(
+            proposer=proposer.name if proposer else "none", policy=self.policy.name if proposer else "none"
+        )
+
+    def _verify(self, draft_tokens: torch.Tensor, draft_probs, logits: torch.Tensor, generator):
+        if self.sampling.greedy:
+            return verify_greedy(draft_tokens, logits)
+        return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, self.sampling), generator)
+
+    def _emit(self, new_tokens: list[int], emitted: int) -> list[int]:
+        """Cut new tokens at a stop token (not returned) or at max_tokens; set finish_reason when cut."""
+        out = []
+        for token in new_tokens:
+            if token in self.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+            out.append(token)
+            if emitted + len(out) >= self.max_tokens:
+                self.finish_reason = "length"
+                break
+        return out
+
+    def run(self, prompt: Seq[int]) -> Iterator[list[int]]:
+        prompt = list(prompt)
+        stats, proposer = self.stats, self.proposer
+        target_seq = self.target.new_sequence(self.n_ctx)
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(prompt) >= target_seq.capacity:
+            target_seq.close()
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt)} tokens but the context holds {target_seq.capacity}, with room for at "
+                f"least one generated token: {len(prompt) - target_seq.capacity + 1} tokens too many"
+            )
+        generator = None if self.sampling.greedy else make_generator(self.sampling.seed, self.device)
+        clock = PhaseClock(self.device)
+        stats.prompt_tokens = len(prompt)
+        try:
+            clock.mark()
+            first = next_token(target_seq.forward(prompt, logits="last"), self.sampling, generator)
+            if proposer is not None:
+                proposer.start(prompt)
+            clock.mark()
+            tokens = prompt + [int(first.item())]
+            stats.prefill_ms = clock.spans_ms()[0]
+            out = self._emit(tokens[-1:], 0)
+            emitted = len(out)
+            stats.generated_tokens = emitted
+            yield out
+            while self.finish_reason is None:
+                # Wall time of the iteration itself; time the caller spends between our yields is not ours.
+                iteration_started = time.perf_counter()
+                room = target_seq.capacity - target_seq.length
+                if room < 1:
+                    self.finish_reason = "length"
+                    break
+                k = self.policy.choose() if proposer is not None else 0
+                k = max(0, min(k, self.max_tokens - emitted - 1, room - 1))
+                clock.mark()
+                if k > 0:
+                    proposal = proposer.propose(tokens, k)
+                    draft_tokens, draft_probs = proposal.tokens, proposal.probs
+                else:
+                    draft_tokens, draft_probs = torch.empty(0, dtype=torch.long, device=self.device), None
+                k = draft_tokens.shape[0]
+                clock.mark()
+                base = target_seq.length
+                pending = torch.tensor(tokens[-1:], dtype=torch.long, device=self.device)
+                logits = target_seq.forward(torch.cat([pending, draft_tokens]), logits="all")  # [k+1, V]
+                n_accepted, recovered = self._verify(draft_tokens, draft_probs, logits, generator)
+                clock.mark()
+                # The one host sync of the iteration: how many were accepted, and which tokens they are.
+                result = torch.cat([n_accepted.view(1), draft_tokens, recovered.view(1)]).tolist()
+                n = result[0]
+                new_tokens = result[1 : 1 + n] + result[-1:]
+                target_seq.rewind(base + 1 + n)
+                if proposer is not None:
+                    proposer.accept(len(tokens) + n)
+                draft_ms, verify_ms = clock.spans_ms()
+                stats.draft_ms += draft_ms
+                stats.verify_ms += verify_ms
+                stats.record_iteration(k, n)
+                self.policy.observe(k, n, draft_ms, verify_ms)
+                tokens += new_tokens
+                out = self._emit(new_tokens, emitted)
+                emitted += len(out)
+                stats.generated_tokens = emitted
+                stats.decode_ms += 1000.0 * (time.perf_counter() - iteration_started)
+                if out:
+                    yield out
+        finally:
+            target_seq.close()
+            if proposer is not None:
+                proposer.close()

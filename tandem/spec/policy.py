@@ -1,0 +1,126 @@
+"""Draft-length policies: how many tokens to draft before each verify (0 = plain decoding).
+
+The arithmetic (Leviathan et al. 2023, sec. 3.4): with per-token acceptance a, drafting k tokens yields
+E(k) = (1 - a^(k+1)) / (1 - a) tokens per iteration, at a cost of k * c_d (draft steps) + V(k+1) (one target
+forward over k+1 tokens). Plain decoding is k = 0: one token per V(1). The adaptive policy measures c_d and V(n)
+on the device it runs on, tracks a per request, and each iteration takes the k with the most tokens per ms.
+"""
+
+from __future__ import annotations
+
+import bisect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+EWMA_WEIGHT = 0.2  # weight of a new timing in the running cost estimates
+ACCEPTANCE_DECAY = 0.9  # per iteration: acceptance evidence halves in ~7 iterations, so the policy can follow a prompt
+ACCEPTANCE_PRIOR = (1.2, 2.0)  # pseudo-counts (accepted, drafted) before any evidence: a = 0.6
+PROBE_EVERY = 8  # iterations at k = 0 between probes, doubled after each failed probe ...
+PROBE_EVERY_MAX = 64  # ... up to this
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E(k): tokens an iteration yields, accepted drafts plus the target's own token."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass
+class CostModel:
+    """Measured costs in ms: one draft step, and the target's forward over n tokens (n = 1 is a plain step)."""
+
+    draft_step_ms: float
+    verify_ms: dict[int, float] = field(default_factory=dict)
+
+    def verify(self, n: int) -> float:
+        """V(n), linear between (and beyond) the measured points: a forward's cost is affine in its tokens."""
+        if n in self.verify_ms:
+            return self.verify_ms[n]
+        ns = sorted(self.verify_ms)
+        if len(ns) == 1:
+            return self.verify_ms[ns[0]]
+        i = min(max(bisect.bisect(ns, n), 1), len(ns) - 1)
+        (n0, v0), (n1, v1) = (ns[i - 1], self.verify_ms[ns[i - 1]]), (ns[i], self.verify_ms[ns[i]])
+        return max(v0 + (v1 - v0) * (n - n0) / (n1 - n0), 1e-6)
+
+    def tokens_per_ms(self, acceptance: float, k: int) -> float:
+        return expected_tokens(acceptance, k) / (k * self.draft_step_ms + self.verify(k + 1))
+
+    def best_draft_len(self, acceptance: float, k_max: int) -> int:
+        return max(range(k_max + 1), key=lambda k: (self.tokens_per_ms(acceptance, k), -k))
+
+    def predicted_speedup(self, acceptance: float, k_max: int) -> float:
+        k = self.best_draft_len(acceptance, k_max)
+        return self.tokens_per_ms(acceptance, k) / self.tokens_per_ms(acceptance, 0)
+
+    def observe(self, k: int, draft_ms: float, verify_ms: float) -> None:
+        if k > 0:
+            self.draft_step_ms += EWMA_WEIGHT * (draft_ms / k - self.draft_step_ms)
+        n = k + 1
+        old = self.verify_ms.get(n)
+        self.verify_ms[n] = verify_ms if old is None else old + EWMA_WEIGHT * (verify_ms - old)
+
+
+class DraftPolicy(ABC):
+    name: str
+
+    @abstractmethod
+    def choose(self) -> int:
+        """Draft length for the next iteration, 0..k_max."""
+
+    def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float) -> None:
+        """What the last iteration cost and earned."""
+
+
+class FixedPolicy(DraftPolicy):
+    name = "fixed"
+
+    def __init__(self, k: int) -> None:
+        if k < 0:
+            raise ValueError(f"draft length must be >= 0, got {k}")
+        self.k = k
+
+    def choose(self) -> int:
+        return self.k
+
+
+class AdaptivePolicy(DraftPolicy):
+    """argmax_k E(k) / (k c_d + V(k+1)) from measured costs and this request's acceptance, probing when off."""
+
+    name = "adaptive"
+
+    def __init__(self, costs: CostModel, k_max: int, prior: tuple[float, float] = ACCEPTANCE_PRIOR) -> None:
+        if k_max < 0:
+            raise ValueError(f"k_max must be >= 0, got {k_max}")
+        self.costs = costs  # a copy per request: online refinements must not leak between requests' devices
+        self.k_max = k_max
+        self.accepted, self.drafted = prior  # decayed counts of accepted and attempted draft positions
+        self.idle = 0  # iterations since the last draft
+        self.probe_every = PROBE_EVERY
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted > 0 else 0.0
+
+    def choose(self) -> int:
+        k = self.costs.best_draft_len(self.acceptance, self.k_max)
+        if k == 0 and self.k_max > 0 and self.idle >= self.probe_every:
+            # Acceptance is only learned by drafting; a short probe lets the policy notice a turn for the better.
+            return 1
+        return k
+
+    def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float) -> None:
+        self.costs.observe(k, draft_ms, verify_ms)
+        if k == 0:
+            self.idle += 1
+            return
+        was_probe = self.idle >= self.probe_every
+        self.idle = 0
+        # Positions reached: every accepted one, plus the rejected one if the run stopped early.
+        attempted = n_accepted + (1 if n_accepted < k else 0)
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + n_accepted
+        self.drafted = ACCEPTANCE_DECAY * self.drafted + attempted
+        if was_probe:
+            paid = self.costs.best_draft_len(self.acceptance, self.k_max) > 0
+            self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, PROBE_EVERY_MAX)

@@ -1,0 +1,76 @@
+"""Statistics of one generation. Every duration covers this generation only and is in milliseconds (`_ms`).
+
+llama.cpp's `dur(g)` is a server-lifetime total that its own user read as a per-step time; nothing here is
+cumulative across requests, and per-token figures say so in their name.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0  # tokens of the prompt fed to the target
+    generated_tokens: int = 0  # tokens returned to the caller
+    draft_tokens: int = 0  # draft tokens proposed to the verifier, over the whole generation
+    accepted_tokens: int = 0  # of those, kept by the verifier
+    iterations: int = 0  # target forwards after the prefill (one per speculative or plain step)
+    prefill_ms: float = 0.0  # target (and draft) prompt processing, up to the first token
+    decode_ms: float = 0.0  # everything after the first token: draft + verify + bookkeeping
+    draft_ms: float = 0.0  # total time proposing draft tokens in this generation
+    verify_ms: float = 0.0  # total time of the target's verify/plain forwards and acceptance in this generation
+    proposer: str = "none"  # "draft-model", "ngram", "none"
+    policy: str = "none"  # "fixed", "adaptive", "none"
+    draft_len_counts: dict[int, int] = field(default_factory=dict)  # k chosen -> iterations that used it
+    accepted_per_position: list[int] = field(default_factory=list)  # [i] = iterations that accepted draft token i
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted_tokens / draft_tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per target forward after the prefill (1.0 = plain decoding)."""
+        return (self.generated_tokens - 1) / self.iterations if self.iterations else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """generated_tokens / (prefill_ms + decode_ms), the throughput the caller saw."""
+        total_ms = self.prefill_ms + self.decode_ms
+        return 1000.0 * self.generated_tokens / total_ms if total_ms > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first per second of decode time (excludes the prompt)."""
+        return 1000.0 * (self.generated_tokens - 1) / self.decode_ms if self.decode_ms > 0 else 0.0
+
+    @property
+    def draft_ms_per_token(self) -> float:
+        return self.draft_ms / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def verify_ms_per_iteration(self) -> float:
+        return self.verify_ms / self.iterations if self.iterations else 0.0
+
+    def record_iteration(self, k: int, n_accepted: int) -> None:
+        self.iterations += 1
+        self.draft_tokens += k
+        self.accepted_tokens += n_accepted
+        counts = Counter(self.draft_len_counts)
+        counts[k] += 1
+        self.draft_len_counts = dict(sorted(counts.items()))
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
+        for i in range(n_accepted):
+            self.accepted_per_position[i] += 1
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["draft_len_counts"] = {str(k): v for k, v in self.draft_len_counts.items()}
+        for name in ("acceptance_rate", "mean_accepted_len", "tokens_per_second", "decode_tokens_per_second",
+                     "draft_ms_per_token", "verify_ms_per_iteration"):
+            out[name] = getattr(self, name)
+        return out

@@ -1,0 +1,71 @@
+"""Verification: which draft tokens the target keeps. Pure functions of tensors; they never touch a model.
+
+Terms (as vLLM defines them): of k draft tokens the first n are *accepted*; then the target emits one more token,
+a *recovered* token drawn from the residual distribution when draft token n+1 was rejected, or a *bonus* token
+drawn from the target's last row when all k were accepted. Each iteration therefore yields n + 1 tokens.
+
+Sampled verification is the rule of Leviathan et al. 2023 and Chen et al. 2023: accept draft token x with
+probability min(1, p(x) / q(x)); on rejection draw from norm(max(0, p - q)). The emitted tokens then follow the
+target's distribution p exactly, whatever the draft's q.
+
+Both functions return device tensors and never synchronise: the caller reads (n, token) in one transfer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix of draft_tokens [k] that matches the target's argmax, plus the target's own next token.
+
+    Args:
+        draft_tokens: [k] int64 proposed tokens.
+        target_logits: [k+1, V] the target's logits at the pending token and at each draft token.
+    Returns:
+        (n_accepted [] int64, next_token [] int64).
+    """
+    target_tokens = target_logits.argmax(dim=-1)  # [k+1]
+    k = draft_tokens.shape[0]
+    n_accepted = torch.cumprod((target_tokens[:k] == draft_tokens).long(), dim=0).sum()
+    return n_accepted, target_tokens[n_accepted]
+
+
+def verify_sampled(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of k draft tokens against the target.
+
+    Args:
+        draft_tokens: [k] int64, drawn from draft_probs.
+        draft_probs: [k, V] the distribution each draft token was drawn from; None for a deterministic proposer
+            (n-gram lookup), whose q is one-hot on its token.
+        target_probs: [k+1, V] the target's (transformed) distribution at every position.
+        generator: the request's generator, on target_probs' device.
+    Returns:
+        (n_accepted [] int64, next_token [] int64): the recovered or bonus token.
+    """
+    k, vocab = draft_tokens.shape[0], target_probs.shape[-1]
+    rows = torch.arange(k, device=target_probs.device)
+    if draft_probs is None:
+        draft_probs = torch.zeros(k, vocab, dtype=target_probs.dtype, device=target_probs.device)
+        draft_probs[rows, draft_tokens] = 1.0
+    p_draft = target_probs[rows, draft_tokens]  # [k] p(x_i)
+    q_draft = draft_probs[rows, draft_tokens]  # [k] q(x_i) > 0, since x_i was drawn from q
+    u = torch.rand(k, generator=generator, device=target_probs.device, dtype=target_probs.dtype)
+    # u < p/q, written without the division so q's rounding can't turn a certain accept into a reject.
+    accepted = u * q_draft < p_draft
+    n_accepted = torch.cumprod(accepted.long(), dim=0).sum()
+
+    # Candidates for every outcome at once, so choosing one needs no host sync: the residual after a rejection at
+    # row i (i < k), or the target's last row (bonus) when all k were accepted.
+    residual = (target_probs[:k] - draft_probs).clamp_min(0.0)  # [k, V]
+    mass = residual.sum(dim=-1, keepdim=True)
+    # mass == 0 means p == q on that row, where rejection has probability 0; any valid row avoids a 0/0.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), target_probs[:k])
+    candidates = torch.cat([residual, target_probs[k:]], dim=0)  # [k+1, V]
+    next_token = torch.multinomial(candidates[n_accepted], 1, generator=generator).squeeze(-1)
+    return n_accepted, next_token

@@ -1,0 +1,266 @@
+"""The speculative loop end to end on tiny random GGUF models: lossless greedy and sampled decoding."""
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import tandem
+from tandem.backends.base import ContextOverflowError
+from tandem.sampling import SamplingParams, probs_from_logits, sample
+from tandem.spec import decoder as decoder_module
+from tandem.spec.decoder import SpeculativeDecoder
+from tandem.spec.policy import FixedPolicy
+from tandem.spec.proposer import DraftModelProposer, NgramProposer
+from tandem.spec.verify import verify_sampled
+
+PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,"]
+
+
+@pytest.fixture(scope="module")
+def pair64(tiny_model_path):
+    """float64 target and a draft that mostly agrees with it (same weights, quantized to Q4_0)."""
+    target = tandem.load(tiny_model_path(seed=0), dtype="float64")
+    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64")
+    return target, draft
+
+
+def run(target, prompt, draft=None, k=4, max_tokens=24, **sampling):
+    return tandem.generate(target, prompt=prompt, draft=draft, draft_max=k, draft_policy="fixed",
+                           max_tokens=max_tokens, **sampling)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_speculative_equals_plain(pair64, k):
+    target, draft = pair64
+    for prompt in PROMPTS:
+        plain = run(target, prompt)
+        spec = run(target, prompt, draft=draft, k=k)
+        assert spec.tokens == plain.tokens, (k, prompt)
+        assert spec.text == plain.text
+        assert spec.stats.draft_tokens > 0
+    assert plain.stats.draft_tokens == 0
+
+
+def test_partial_acceptance_is_exercised(pair64):
+    target, draft = pair64
+    stats = [run(target, p, draft=draft, k=6, max_tokens=48).stats for p in PROMPTS]
+    drafted = sum(s.draft_tokens for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    assert 0 < accepted < drafted, (accepted, drafted)  # both accepts and rejections happened
+
+
+@pytest.mark.parametrize("arch, qtype, dtype", [
+    ("qwen2", "Q8_0", "float32"), ("qwen2", "Q4_K", "float64"), ("qwen2", "Q6_K", "float64"),
+    ("llama", "Q5_0", "float64"), ("gemma3", "F16", "float64"), ("llama", "Q4_1", "float64"),
+])
+@pytest.mark.parametrize("model_seed", [1, 2])
+def test_greedy_identity_across_models(tiny_model_path, arch, qtype, dtype, model_seed):
+    target = tandem.load(tiny_model_path(arch=arch, qtype=qtype, seed=model_seed), dtype=dtype)
+    draft_qtype = "Q4_0" if not qtype.endswith("_K") else "Q4_K"
+    draft = tandem.load(tiny_model_path(arch=arch, qtype=draft_qtype, seed=model_seed, **(
+        {} if qtype.endswith("_K") else {})), dtype=dtype)
+    # gemma3's window is 8 tokens in the tiny files: 40 tokens cross it several times.
+    for prompt in PROMPTS[:2]:
+        plain = run(target, prompt, max_tokens=40)
+        spec = run(target, prompt, draft=draft, k=5, max_tokens=40)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.draft_tokens > 0
+
+
+def test_self_draft_accepts_everything(pair64):
+    target, _ = pair64
+    greedy = run(target, PROMPTS[0], draft=target, k=5, max_tokens=30)
+    assert greedy.stats.draft_tokens > 0 and greedy.stats.acceptance_rate == 1.0
+    sampled = run(target, PROMPTS[0], draft=target, k=5, max_tokens=30, temperature=0.8, seed=3)
+    assert sampled.stats.draft_tokens > 0 and sampled.stats.acceptance_rate > 0.99
+
+
+def test_ngram_proposer_is_lossless(pair64):
+    target, _ = pair64
+    prompt = "abc abc abc abc abc abc"
+    plain = run(target, prompt, max_tokens=40)
+    spec = run(target, prompt, draft="ngram", k=4, max_tokens=40)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.draft_tokens > 0 and spec.stats.proposer == "ngram"
+
+
+def test_ngram_example():
+    proposer = NgramProposer(max_ngram=2)
+    proposer.start([])
+    assert proposer.propose([5, 6, 7, 8, 5, 6], 3).tokens.tolist() == [7, 8, 5]
+    assert proposer.propose([5, 6, 7, 8, 5, 6, 9], 3).tokens.tolist() == []
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_seeded_runs_reproduce(pair64, seed):
+    target, draft = pair64
+    a = run(target, PROMPTS[1], draft=draft, temperature=1.0, top_p=0.9, seed=seed)
+    b = run(target, PROMPTS[1], draft=draft, temperature=1.0, top_p=0.9, seed=seed)
+    c = run(target, PROMPTS[1], temperature=1.0, top_p=0.9, seed=seed)
+    d = run(target, PROMPTS[1], temperature=1.0, top_p=0.9, seed=seed)
+    assert a.tokens == b.tokens and c.tokens == d.tokens
+    assert a.stats.draft_tokens > 0
+
+
+# --- the sampled distribution, exactly -------------------------------------------------------------------------
+
+# Random tiny models have near-flat logits; a low temperature gives the target a spread but clearly uneven p.
+TARGET_SAMPLING = dict(temperature=0.06, top_k=3)
+
+
+class ContraryDraft(DraftModelProposer):
+    """Drafts from the target's own top 3 but favours the least likely of them: q overlaps p and is far from it,
+    so both the acceptance test and the residual decide what comes out. (Any q must keep the output exact.)"""
+
+    def _draw(self, logits):
+        logits = logits[-1:, : self.target_vocab]
+        top = logits.topk(3, dim=-1).indices
+        flipped = torch.full_like(logits, -math.inf).scatter(-1, top, -logits.gather(-1, top))
+        probs = probs_from_logits(flipped, self.params)
+        return sample(probs, self.generator), probs
+
+
+N_GENERATED = 3
+N_SAMPLES = 1200
+
+
+def exact_distribution(target, prompt_ids, params):
+    """P(t1, t2, t3) of the target under params, by enumerating the top-k tree: {tuple: prob}."""
+    dist = {(): 1.0}
+    for _ in range(N_GENERATED):
+        grown = {}
+        for prefix, mass in dist.items():
+            probs = probs_from_logits(target.logits(prompt_ids + list(prefix))[-1:], params)[0]
+            for token in torch.nonzero(probs > 0).flatten().tolist():
+                grown[prefix + (token,)] = mass * float(probs[token])
+        dist = grown
+    return dist
+
+
+def sample_sequences(target, prompt_ids, n, monkeypatch=None, verify=None):
+    if verify is not None:
+        monkeypatch.setattr(decoder_module, "verify_sampled", verify)
+    counts, drafted = {}, 0
+    for seed in range(n):
+        params = SamplingParams(seed=seed, **TARGET_SAMPLING)
+        proposer = ContraryDraft(target, SamplingParams(seed=seed, **TARGET_SAMPLING), target.vocab_size, "cpu")
+        dec = SpeculativeDecoder(target, params, proposer, FixedPolicy(2), max_tokens=N_GENERATED)
+        tokens = tuple(t for chunk in dec.run(prompt_ids) for t in chunk)
+        counts[tokens] = counts.get(tokens, 0) + 1
+        drafted += dec.stats.draft_tokens
+    assert drafted >= n  # every generation drafted
+    return counts
+
+
+def chi_square_pvalue(counts, dist, n):
+    cells = sorted(dist)
+    assert set(counts) <= set(cells), "sampled a sequence the target gives probability 0"
+    observed = [counts.get(c, 0) for c in cells]
+    total = sum(dist.values())  # 1 up to float32 rounding, which scipy's own sum check would trip on
+    expected = [dist[c] / total * n for c in cells]
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.fixture(scope="module")
+def distribution_setup(tiny_model_path):
+    target = tandem.load(tiny_model_path(seed=11), dtype="float32")
+    prompt_ids = target.tokenizer.encode("Once upon")
+    return target, prompt_ids, exact_distribution(target, prompt_ids, SamplingParams(**TARGET_SAMPLING))
+
+
+def test_sampled_speculative_matches_target_distribution(distribution_setup):
+    target, prompt_ids, dist = distribution_setup
+    assert math.isclose(sum(dist.values()), 1.0, rel_tol=1e-6)
+    counts = sample_sequences(target, prompt_ids, N_SAMPLES)
+    p = chi_square_pvalue(counts, dist, N_SAMPLES)
+    assert p > 1e-3, f"speculative sampling departs from the target's distribution (p={p:.3g})"
+
+
+def test_plain_sampling_matches_target_distribution(distribution_setup):
+    target, prompt_ids, dist = distribution_setup
+    counts = {}
+    for seed in range(N_SAMPLES):
+        r = run(target, prompt_ids, max_tokens=N_GENERATED, seed=seed, **TARGET_SAMPLING)
+        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    assert chi_square_pvalue(counts, dist, N_SAMPLES) > 1e-3
+
+
+def test_distribution_test_catches_biased_rule(distribution_setup, monkeypatch):
+    def biased(draft_tokens, draft_probs, target_probs, generator):
+        # Accept by min(1, p/q) but recover from p itself instead of the residual: over-weights draft tokens.
+        n, _ = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+        return n, torch.multinomial(target_probs[n], 1, generator=generator).squeeze(-1)
+
+    target, prompt_ids, dist = distribution_setup
+    counts = sample_sequences(target, prompt_ids, N_SAMPLES, monkeypatch, verify=biased)
+    p = chi_square_pvalue(counts, dist, N_SAMPLES)
+    assert p < 1e-4, f"the biased acceptance rule went unnoticed (p={p:.3g})"
+
+
+# --- stopping --------------------------------------------------------------------------------------------------
+
+def test_stop_token_ends_generation(pair64):
+    target, draft = pair64
+    ids = target.tokenizer.encode(PROMPTS[0])
+    reference = run(target, ids, max_tokens=12).tokens
+    stop_at = next(i for i in range(2, 12) if reference[i] not in reference[:i])
+    for proposer in (None, DraftModelProposer(draft, SamplingParams(), target.vocab_size, "cpu")):
+        dec = SpeculativeDecoder(target, SamplingParams(), proposer, FixedPolicy(4), max_tokens=12,
+                                 stop_token_ids=[reference[stop_at]])
+        got = [t for chunk in dec.run(ids) for t in chunk]
+        assert got == reference[:stop_at] and dec.finish_reason == "stop"
+
+
+def test_stop_string(pair64):
+    target, draft = pair64
+    full = run(target, PROMPTS[2], max_tokens=30)
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    for d in (None, draft):
+        r = run(target, PROMPTS[2], draft=d, max_tokens=30, stop=[stop])
+        assert r.text == full.text[: full.text.index(stop)] and r.finish_reason == "stop"
+
+
+def test_max_tokens(pair64):
+    target, draft = pair64
+    for max_tokens in (1, 2, 7):
+        r = run(target, PROMPTS[0], draft=draft, k=8, max_tokens=max_tokens)
+        assert len(r.tokens) == max_tokens and r.finish_reason == "length"
+        assert r.stats.generated_tokens == max_tokens
+
+
+def test_context_limit(tiny_model_path):
+    target = tandem.load(tiny_model_path(seed=0), dtype="float64", n_ctx=32)
+    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64", n_ctx=32)
+    ids = target.tokenizer.encode(PROMPTS[0])[:20]
+    plain = run(target, ids, max_tokens=100)
+    spec = run(target, ids, draft=draft, k=8, max_tokens=100)
+    assert plain.finish_reason == spec.finish_reason == "length"
+    assert len(plain.tokens) == 32 - 20 + 1  # the last generated token need not enter the cache
+    assert spec.tokens == plain.tokens
+    with pytest.raises(ContextOverflowError, match="too many"):
+        run(target, list(range(40)), max_tokens=4)
+
+
+def test_invalid_sampling_parameters(pair64):
+    target, _ = pair64
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2),
+                dict(temperature=float("nan"))):
+        with pytest.raises(ValueError):
+            run(target, PROMPTS[0], **bad)
+    with pytest.raises(ValueError):
+        run(target, PROMPTS[0], max_tokens=0)
+
+
+def test_stats_fields(pair64):
+    target, draft = pair64
+    s = run(target, PROMPTS[0], draft=draft, k=4, max_tokens=20).stats
+    d = s.to_dict()
+    for key in ("prompt_tokens", "generated_tokens", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                "iterations", "mean_accepted_len", "prefill_ms", "decode_ms", "draft_ms", "verify_ms",
+                "tokens_per_second"):
+        assert key in d
+    assert s.generated_tokens == 20 and s.iterations >= 1 and s.draft_tokens > 0
+    assert s.accepted_tokens <= s.draft_tokens and s.prefill_ms > 0 and s.decode_ms >= s.verify_ms
+    assert sum(s.draft_len_counts.values()) == s.iterations

@@ -1,0 +1,191 @@
+"""The llama.cpp backend on tiny random GGUF models: shapes, batching, rewind, overflow, errors, agreement with torch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.llamacpp
+
+from tandem.backends.base import ContextOverflowError  # noqa: E402
+from tandem.backends.llamacpp_backend import LlamaCppModel, load_llamacpp  # noqa: E402
+from tandem.loading.tokenizer import Tokenizer  # noqa: E402
+
+MODEL_KINDS = [("qwen2", "F32"), ("qwen2", "Q8_0"), ("qwen2", "Q4_K"), ("llama", "F32")]
+IDS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 30, 201, 77, 8, 150, 23]
+REAL_TARGET = os.path.expanduser("~/.cache/tandem/models/qwen2.5-coder-1.5b-instruct.gguf")
+
+
+@pytest.fixture(scope="module")
+def load(tiny_model_path):
+    """Factory: load(arch, qtype, **kw) -> LlamaCppModel, cached for the module."""
+    cache: dict[tuple, LlamaCppModel] = {}
+
+    def make(arch: str = "qwen2", qtype: str = "F32", **kw) -> LlamaCppModel:
+        key = (arch, qtype, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = load_llamacpp(tiny_model_path(arch=arch, qtype=qtype), n_ctx=128, n_threads=1, **kw)
+        return cache[key]
+
+    yield make
+    for model in cache.values():
+        model.close()
+
+
+@pytest.fixture(params=MODEL_KINDS, ids=lambda kind: "-".join(kind))
+def model(request, load) -> LlamaCppModel:
+    return load(*request.param)
+
+
+def test_loads_with_metadata_config_and_tandem_tokenizer(model):
+    assert model.backend == "llama.cpp"
+    assert model.device == "cpu"
+    assert isinstance(model.tokenizer, Tokenizer)
+    assert model.vocab_size == model.config.vocab_size > max(IDS)
+    assert model.config.architecture in ("qwen2", "llama")
+
+
+def test_forward_returns_float32_rows_for_every_token(model):
+    seq = model.new_sequence()
+    out = seq.forward(IDS[:7])
+    assert out.shape == (7, model.vocab_size) and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert seq.length == 7
+    assert seq.forward(torch.tensor(IDS[7:9])).shape == (2, model.vocab_size)
+    assert seq.forward([]).shape == (0, model.vocab_size)
+    assert seq.length == 9
+    seq.close()
+
+
+def test_prefill_then_single_steps_agree_with_one_batch(model):
+    batched = model.logits(IDS)
+    seq = model.new_sequence()
+    rows = [seq.forward(IDS[:6])] + [seq.forward([t]) for t in IDS[6:]]
+    pieces = torch.cat(rows)
+    seq.close()
+    assert torch.equal(pieces.argmax(-1), batched.argmax(-1))
+    torch.testing.assert_close(pieces, batched, atol=1e-3, rtol=1e-3)
+
+
+def test_last_row_only_matches_all_rows(model):
+    seq = model.new_sequence()
+    last = seq.forward(IDS, logits="last")
+    seq.close()
+    assert last.shape == (1, model.vocab_size)
+    torch.testing.assert_close(last[0], model.logits(IDS)[-1], atol=1e-3, rtol=1e-3)
+
+
+def test_long_input_is_chunked_by_n_batch(load):
+    small = load("qwen2", "F32", n_batch=4)  # 16 tokens -> 4 llama_decode calls
+    whole = load("qwen2", "F32")
+    chunked = small.logits(IDS)
+    assert chunked.shape == (len(IDS), small.vocab_size)
+    torch.testing.assert_close(chunked, whole.logits(IDS), atol=1e-3, rtol=1e-3)
+    seq = small.new_sequence()
+    torch.testing.assert_close(seq.forward(IDS, logits="last")[0], chunked[-1], atol=1e-3, rtol=1e-3)
+    seq.close()
+
+
+def test_rewind_then_reforward_repeats_the_logits(model):
+    seq = model.new_sequence()
+    seq.forward(IDS[:4])
+    first = seq.forward(IDS[4:9])
+    seq.rewind(4)
+    assert seq.length == 4
+    seq.forward([200, 201, 202])  # a rejected draft
+    seq.rewind(4)
+    again = seq.forward(IDS[4:9])
+    assert torch.equal(first, again)
+    seq.rewind(0)
+    torch.testing.assert_close(seq.forward(IDS[:9])[4:], first, atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError):
+        seq.rewind(10)
+    seq.close()
+
+
+def test_logits_has_no_side_effects(model):
+    seq = model.new_sequence()
+    seq.forward(IDS[:5])
+    model.logits(IDS[8:])  # uses (and returns) another context
+    after = seq.forward(IDS[5:8])
+    seq.close()
+    torch.testing.assert_close(after, model.logits(IDS[:8])[5:], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(model.logits(IDS[:8]), model.logits(IDS[:8]))
+
+
+def test_overflow_raises_and_changes_nothing(model):
+    seq = model.new_sequence(12)
+    assert seq.capacity == 12
+    seq.forward(IDS[:10])
+    with pytest.raises(ContextOverflowError):
+        seq.forward(IDS[10:13])
+    assert seq.length == 10
+    out = seq.forward(IDS[10:12])  # exactly full still works, at the right positions
+    torch.testing.assert_close(out, model.logits(IDS[:12])[10:], atol=1e-3, rtol=1e-3)
+    with pytest.raises(ContextOverflowError):
+        seq.forward([1])
+    seq.close()
+
+
+def test_closed_sequence_context_is_reused_empty(model):
+    seq = model.new_sequence(32)
+    seq.forward(IDS)
+    seq.close()
+    with pytest.raises(RuntimeError):
+        seq.forward([1])
+    again = model.new_sequence(32)
+    assert again.length == 0
+    torch.testing.assert_close(again.forward(IDS[:4]), model.logits(IDS[:4]), atol=1e-3, rtol=1e-3)
+    again.close()
+
+
+def test_missing_file_raises_value_error_with_path(tmp_path):
+    missing = str(tmp_path / "nope.gguf")
+    with pytest.raises(ValueError, match="nope.gguf"):
+        load_llamacpp(missing)
+
+
+def test_non_gguf_file_raises_value_error_with_path(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"this is not a model" * 100)
+    with pytest.raises(ValueError, match="junk.gguf"):
+        load_llamacpp(str(junk))
+
+
+def test_unknown_device_raises(tiny_model_path):
+    with pytest.raises(ValueError, match="device"):
+        load_llamacpp(tiny_model_path(), device="tpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_agrees_with_torch_reference(load, tiny_model_path, arch):
+    torch_backend = pytest.importorskip("tandem.backends.torch_backend")
+    reference = torch_backend.load_torch(tiny_model_path(arch=arch, qtype="F32"), dtype="float32", progress=False)
+    expected = reference.logits(IDS)
+    got = load(arch, "F32").logits(IDS)
+    assert got.shape == expected.shape
+    top1_agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert top1_agree >= 0.9, f"top-1 agrees on only {top1_agree:.0%} of positions"
+    assert (got - expected).abs().max().item() < 1e-2
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not os.path.exists(REAL_TARGET), reason="real target model not assembled")
+def test_real_target_batched_verify_matches_single_steps():
+    model = load_llamacpp(REAL_TARGET, n_ctx=256)
+    ids = model.tokenizer.encode_chat([{"role": "user", "content": "Write a Python function is_prime(n)."}])
+    seq = model.new_sequence()
+    last = seq.forward(ids, logits="last")[0]
+    steps, generated = [], []
+    for _ in range(16):
+        generated.append(int(last.argmax()))
+        last = seq.forward(generated[-1:])[0]
+        steps.append(last)
+    seq.rewind(len(ids))
+    verify = torch.cat([seq.forward(generated[i : i + 8]) for i in range(0, 16, 8)])
+    seq.close()
+    model.close()
+    assert (verify.argmax(-1) == torch.stack(steps).argmax(-1)).float().mean() >= 0.9

@@ -1,0 +1,405 @@
+"""`tandem serve` end to end: real uvicorn servers on loopback, tiny random models, the official openai client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import tandem
+from tandem.server.app import create_app
+
+CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
+PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", '{"name": "tandem", "items": [1, 2,']
+API_KEY = "sk-test-key"
+
+
+class LiveServer:
+    """A uvicorn server for `app` on a free loopback port, in a background thread."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+
+def load(path: str, **kw):
+    # float64 keeps batched-verify numerics from flipping a near-tie, so greedy texts compare exactly.
+    return tandem.load(path, backend="torch", dtype="float64", **kw)
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_model_path):
+    """A target, and a draft that mostly agrees with it (the same weights quantized to Q4_0)."""
+    return tiny_model_path(seed=0), tiny_model_path(qtype="Q4_0", seed=0)
+
+
+@pytest.fixture(scope="module")
+def spec_server(paths):
+    """Speculative, 4 slots (round-robin), fixed k so drafting always happens."""
+    target, draft = load(paths[0]), load(paths[1])
+    app = create_app(target, draft, model_name="tiny", aliases=["tiny-alias"], draft_max=4, draft_policy="fixed",
+                     slots=4, max_queue=64)
+    with LiveServer(app) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def plain_server(paths):
+    """Plain decoding, strictly serial (slots=1), with an API key."""
+    app = create_app(load(paths[0]), None, model_name="tiny", api_key=API_KEY, slots=1, max_queue=64)
+    with LiveServer(app) as server:
+        yield server
+
+
+def stream_text(client: openai.OpenAI, **kw) -> tuple[str, list]:
+    chunks = list(client.chat.completions.create(model="tiny", stream=True, **kw))
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    if param != "any":
+        assert error["param"] == param, error
+    return error
+
+
+# --- the openai client ---------------------------------------------------------------------------------------
+
+def test_chat_usage_and_timings(spec_server, paths):
+    client = spec_server.client()
+    response = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
+    choice = response.choices[0]
+    assert response.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    expected = tandem.generate(load(paths[0]), messages=CHAT, max_tokens=12)
+    assert choice.message.content == expected.text
+    assert response.usage.completion_tokens == len(expected.tokens)
+    assert response.usage.prompt_tokens == expected.stats.prompt_tokens
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    timings = response.model_extra["timings"]
+    for key in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms", "predicted_per_second",
+                "draft_n", "draft_n_accepted", "draft_ms", "verify_ms", "acceptance_rate", "iterations"):
+        assert key in timings, key
+    assert timings["predicted_n"] == response.usage.completion_tokens
+    assert timings["prompt_n"] == response.usage.prompt_tokens
+
+
+def test_completion_prompt_forms(spec_server):
+    client = spec_server.client()
+    text = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert text.object == "text_completion" and text.choices[0].logprobs is None
+    ids = load_tokenizer_ids(spec_server, PROMPTS[0])
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    as_list = client.completions.create(model="tiny-alias", prompt=[PROMPTS[0]], max_tokens=8, temperature=0)
+    assert text.choices[0].text == by_ids.choices[0].text == as_list.choices[0].text
+    assert text.usage.prompt_tokens == len(ids)
+
+
+def load_tokenizer_ids(server: LiveServer, text: str) -> list[int]:
+    return server.server.config.app.state.server.target.tokenizer.encode(text)
+
+
+def test_streaming_equals_non_streaming(spec_server):
+    client = spec_server.client()
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+        streamed, chunks = stream_text(client, messages=messages, max_tokens=20, temperature=0,
+                                       stream_options={"include_usage": True})
+        assert streamed == whole.choices[0].message.content
+        assert chunks[0].choices[0].delta.role == "assistant"
+        finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(finish) == 1 and finish[0].model_extra["timings"]["predicted_n"] == whole.usage.completion_tokens
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    text = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=15, temperature=0)
+    pieces = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=15, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == text.choices[0].text
+
+
+def test_sse_wire_format(spec_server):
+    body = {"messages": CHAT, "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{spec_server.url}/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][len("data: "):])
+    assert last["object"] == "chat.completion.chunk" and last["choices"][0]["finish_reason"] == "length"
+    assert last["timings"]["predicted_n"] == 5
+
+
+def test_models_list(spec_server):
+    models = spec_server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_stop_and_sampling_fields(spec_server):
+    client = spec_server.client()
+    greedy = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0)
+    text = greedy.choices[0].message.content
+    if len(text) > 4:
+        stop = text[3:5]
+        stopped = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0, stop=stop)
+        assert stopped.choices[0].message.content == text[: text.find(stop)]
+        assert stopped.choices[0].finish_reason == "stop"
+    seeded = [client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0.9, top_p=0.9,
+                                             seed=7, extra_body={"top_k": 20, "min_p": 0.01}).choices[0].message.content
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+# --- speculative vs plain ------------------------------------------------------------------------------------
+
+def test_speculative_equals_plain_and_drafts(spec_server, plain_server):
+    spec, plain = spec_server.client(), plain_server.client(api_key=API_KEY)
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        a = spec.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+        b = plain.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert a.model_extra["timings"]["draft_n"] > 0
+        assert a.model_extra["timings"]["draft_n_accepted"] > 0
+        assert b.model_extra["timings"]["draft_n"] == 0
+
+
+def test_per_request_draft_override(spec_server):
+    client = spec_server.client()
+    off = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0,
+                                         extra_body={"speculative": False})
+    off2 = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0,
+                                          extra_body={"speculative": {"enabled": False}})
+    k1 = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0,
+                                        extra_body={"speculative": {"draft_max": 1}})
+    assert off.model_extra["timings"]["draft_n"] == off2.model_extra["timings"]["draft_n"] == 0
+    assert 0 < k1.model_extra["timings"]["draft_n"] <= k1.model_extra["timings"]["iterations"]
+    assert off.choices[0].message.content == k1.choices[0].message.content
+
+
+# --- concurrency ---------------------------------------------------------------------------------------------
+
+def test_16_concurrent_streams_equal_serial(spec_server):
+    client = spec_server.client(timeout=60)
+    prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(16)]
+
+    def serial(prompt: str) -> str:
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=16, temperature=0)
+        return r.choices[0].message.content
+
+    expected = [serial(p) for p in prompts]
+
+    def streamed(prompt: str) -> str:
+        return stream_text(client, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0)[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(streamed, prompts))
+    assert got == expected
+    health = httpx.get(f"{spec_server.url}/health").json()
+    assert health == {"status": "ok", "queue_depth": 0, "active": 0}
+
+
+def test_disconnect_frees_the_slot(plain_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"messages": CHAT, "max_tokens": 500, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30, headers=headers) as http:
+        with http.stream("POST", f"{plain_server.url}/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(4)]  # role chunk, a blank, a token chunk, a blank
+            assert got[0].startswith("data: ")
+        # The long generation (slots=1) must be closed by now or very soon: the next request barely queues.
+        started = time.monotonic()
+        r = http.post(f"{plain_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200
+        assert time.monotonic() - started < 2.0
+        assert r.json()["timings"]["queue_ms"] < 1000
+        metrics = http.get(f"{plain_server.url}/metrics").text
+    assert "tandem_cancelled_generations_total 1.0" in metrics
+
+
+def test_queue_full_gives_503_with_retry_after(paths):
+    app = create_app(load(paths[0]), None, slots=1, max_queue=2)
+    with LiveServer(app) as server:
+        body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0}
+
+        def post(_):
+            return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+        with ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(post, range(12)))
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) <= {200, 503}, statuses
+        assert statuses.count(200) >= 3 and statuses.count(503) >= 1, statuses
+        for r in responses:
+            if r.status_code == 503:
+                assert r.headers["retry-after"] == "1"
+                assert assert_openai_error(r, 503)["code"] == "queue_full"
+        assert post(0).status_code == 200
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+
+def test_api_key(plain_server):
+    url = f"{plain_server.url}/v1/chat/completions"
+    body = {"messages": CHAT, "max_tokens": 2}
+    assert_openai_error(httpx.post(url, json=body), 401)
+    r = httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"})
+    assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        plain_server.client(api_key="wrong").models.list()
+    assert plain_server.client(api_key=API_KEY).models.list().data[0].id == "tiny"
+    assert httpx.get(f"{plain_server.url}/health").status_code == 200  # health stays open
+
+
+def chat_body(**fields) -> dict:
+    return {"messages": CHAT, "max_tokens": 4, **fields}
+
+
+BAD_INPUTS = [  # (path, body: dict or raw bytes, status, param)
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", b"\xff\xfe\x00", 400, None),
+    ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", chat_body(temperature=2.5), 400, "temperature"),
+    ("/v1/chat/completions", chat_body(temperature=-1), 400, "temperature"),
+    ("/v1/chat/completions", chat_body(temperature="hot"), 400, "temperature"),
+    ("/v1/chat/completions", chat_body(top_p=0), 400, "top_p"),
+    ("/v1/chat/completions", chat_body(top_p=1.5), 400, "top_p"),
+    ("/v1/chat/completions", chat_body(max_tokens=0), 400, "max_tokens"),
+    ("/v1/chat/completions", chat_body(max_tokens=-5), 400, "max_tokens"),
+    ("/v1/chat/completions", chat_body(max_tokens="10"), 400, "max_tokens"),
+    ("/v1/chat/completions", chat_body(max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("/v1/chat/completions", chat_body(top_k=-1), 400, "top_k"),
+    ("/v1/chat/completions", chat_body(min_p=2), 400, "min_p"),
+    ("/v1/chat/completions", chat_body(stream="yes"), 400, "stream"),
+    ("/v1/chat/completions", chat_body(n=2), 400, "n"),
+    ("/v1/chat/completions", chat_body(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    ("/v1/chat/completions", chat_body(stop=[1]), 400, "stop[0]"),
+    ("/v1/chat/completions", chat_body(seed=2**70), 400, "seed"),
+    ("/v1/chat/completions", chat_body(speculative={"draft_max": -1}), 400, "speculative.draft_max"),
+    ("/v1/chat/completions", chat_body(model="gpt-4"), 404, "model"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, -1]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
+]
+
+
+def test_bad_inputs_then_a_good_request(spec_server):
+    with httpx.Client(base_url=spec_server.url, timeout=30) as http:
+        for path, body, status, param in BAD_INPUTS:
+            if isinstance(body, bytes):
+                r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            else:
+                r = http.post(path, json=body)
+            assert_openai_error(r, status, param)
+        assert_openai_error(http.get("/no/such/route"), 404)
+        assert_openai_error(http.delete("/v1/chat/completions"), 405)
+        ok = http.post("/v1/chat/completions", json=chat_body(temperature=0))
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_prompt_longer_than_context_says_by_how_much(spec_server):
+    n_ctx = spec_server.server.config.app.state.server.target.n_ctx
+    r = httpx.post(f"{spec_server.url}/v1/completions", json={"prompt": [1] * (n_ctx + 9), "max_tokens": 4})
+    error = assert_openai_error(r, 400, "prompt")
+    assert error["code"] == "context_length_exceeded" and "10 tokens too many" in error["message"]
+    # max_tokens beyond the room left is clamped: the generation stops with "length" at the context's end.
+    r = httpx.post(f"{spec_server.url}/v1/completions",
+                   json={"prompt": [1] * (n_ctx - 3), "max_tokens": 100, "temperature": 0}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_body_size_limit(paths):
+    app = create_app(load(paths[0]), None, max_body_bytes=1000)
+    with LiveServer(app) as server:
+        big = json.dumps({"prompt": "x" * 5000, "max_tokens": 1}).encode()
+        assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=big), 413)
+
+        def chunked():  # no Content-Length: the limit must hold on the streamed body too
+            for _ in range(10):
+                yield b" " * 500
+
+        r = httpx.post(f"{server.url}/v1/completions", content=chunked())
+        assert_openai_error(r, 413)
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_metrics_after_requests(spec_server):
+    client = spec_server.client()
+    client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
+    text = httpx.get(f"{spec_server.url}/metrics").text
+    for name in ("tandem_requests_total", "tandem_prompt_tokens_total", "tandem_generated_tokens_total",
+                 "tandem_draft_tokens_total", "tandem_draft_accepted_tokens_total",
+                 "tandem_request_acceptance_rate_bucket", "tandem_request_draft_ms_bucket",
+                 "tandem_request_verify_ms_bucket", "tandem_request_prefill_ms_bucket", "tandem_queue_depth",
+                 "tandem_active_requests"):
+        assert name in text, name
+    assert 'tandem_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    generated = next(line for line in text.splitlines() if line.startswith("tandem_generated_tokens_total"))
+    assert float(generated.split()[-1]) >= 6
+
+
+def test_unexpected_errors_are_generic_500s_and_the_server_survives(paths, monkeypatch):
+    import tandem.server.app as app_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret internal detail")
+        yield  # a generator, like stream_generate
+
+    app = create_app(load(paths[0]), None)
+    with LiveServer(app) as server:
+        monkeypatch.setattr(app_module, "stream_generate", broken)
+        for stream in (False, True):
+            r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream})
+            text = r.text
+            assert "secret" not in text and "Traceback" not in text
+            if stream:  # headers were sent already: the error arrives as an event, then [DONE]
+                assert r.status_code == 200 and '"type":"server_error"' in text and text.endswith("data: [DONE]\n\n")
+            else:
+                assert assert_openai_error(r, 500)["message"] == "internal server error"
+        monkeypatch.undo()
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
