@@ -1,4 +1,4 @@
-"""The llama.cpp backend on tiny random GGUF models: shapes, batching, rewind, overflow, errors, agreement with torch."""
+"""The llama.cpp backend on tiny random GGUF models: shapes, batching, rewind, overflow, errors, torch agreement."""
 
 from __future__ import annotations
 

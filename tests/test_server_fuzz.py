@@ -7,11 +7,12 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from test_server import LiveServer
 
 import tandem
 from tandem.server.app import create_app
-from test_server import LiveServer
 
 N_CTX = 40  # a small context keeps every accepted generation short
 
@@ -23,8 +24,8 @@ json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3) | st
 # Per field: (valid values, edge values that are often out of range). A body is all valid, valid but for one edge
 # field, or junk (any field may be any JSON value, even the prompt may be missing); unknown fields appear in all.
 roles = st.sampled_from(["system", "developer", "user", "assistant", "tool"])
-content = st.text(max_size=40) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}),
-                                          min_size=1, max_size=3)
+text_part = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
+content = st.text(max_size=40) | st.lists(text_part, min_size=1, max_size=3)
 message = st.fixed_dictionaries({"role": roles, "content": content})
 odd_message = st.fixed_dictionaries({}, optional={
     "role": roles | st.sampled_from(["wizard", ""]) | json_values,

@@ -25,10 +25,10 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import llama_cpp.llama_cpp as llc
 import numpy as np
 import torch
 
-import llama_cpp.llama_cpp as llc
 from tandem.backends.base import Model, Sequence
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
@@ -82,7 +82,9 @@ def physical_cores() -> int:
     for cpu in cpus:
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
-            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+            cores.add(
+                ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+            )
         except OSError:
             cores.add(("cpu", str(cpu)))
     return max(1, len(cores))
@@ -159,9 +161,7 @@ class LlamaCppSequence(Sequence):
     def length(self) -> int:
         return self._length
 
-    def forward(
-        self, tokens: Seq[int] | torch.Tensor, logits: Literal["all", "last"] = "all"
-    ) -> torch.Tensor:
+    def forward(self, tokens: Seq[int] | torch.Tensor, logits: Literal["all", "last"] = "all") -> torch.Tensor:
         """Feed T tokens at positions length..length+T-1.
 
         Args:
@@ -284,12 +284,16 @@ class LlamaCppModel(Model):
         _recent_errors.clear()
         model = llc.llama_model_load_from_file(self.path.encode(), params)
         if not model:
-            raise ValueError(f"llama.cpp could not load {self.path!r}: " + (" | ".join(_recent_errors) or "no reason given"))
+            raise ValueError(
+                f"llama.cpp could not load {self.path!r}: " + (" | ".join(_recent_errors) or "no reason given")
+            )
         self._model = model
         n_vocab = llc.llama_vocab_n_tokens(llc.llama_model_get_vocab(model))
         if n_vocab != self.config.vocab_size:
             # llama.cpp's logits rows have n_vocab entries; every tensor we return must match config.vocab_size.
-            raise ValueError(f"{self.path!r}: llama.cpp sees {n_vocab} tokens, the GGUF metadata {self.config.vocab_size}")
+            raise ValueError(
+                f"{self.path!r}: llama.cpp sees {n_vocab} tokens, the GGUF metadata {self.config.vocab_size}"
+            )
 
     def new_sequence(self, n_ctx: int | None = None, n_batch: int | None = None) -> LlamaCppSequence:
         """Open an empty KV cache of n_ctx tokens (default self.n_ctx); n_batch defaults to the model's."""
@@ -353,6 +357,12 @@ def load_llamacpp(
         ValueError: the file is missing, not GGUF, or llama.cpp cannot load it.
     """
     return LlamaCppModel(
-        path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, device=device, n_batch=n_batch,
-        flash_attn=flash_attn, repack=repack,
+        path,
+        n_ctx=n_ctx,
+        n_threads=n_threads,
+        n_gpu_layers=n_gpu_layers,
+        device=device,
+        n_batch=n_batch,
+        flash_attn=flash_attn,
+        repack=repack,
     )

@@ -18,7 +18,8 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
 from contextlib import asynccontextmanager
 from typing import Any
 

@@ -23,7 +23,10 @@ NGRAM_PRIOR = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations unt
 
 def time_forward_ms(model: Model, n_tokens: int, repeats: int = REPEATS, context: int = WARMUP_TOKENS) -> float:
     """Median ms of one forward of n_tokens after `context` tokens, on a scratch sequence (rolled back each time)."""
-    seq = model.new_sequence(min(model.n_ctx, context + n_tokens + 1))
+    if n_tokens + 1 > model.n_ctx:
+        raise ValueError(f"cannot time a forward of {n_tokens} tokens in a context of {model.n_ctx}")
+    context = max(1, min(context, model.n_ctx - n_tokens))
+    seq = model.new_sequence(min(model.n_ctx, context + n_tokens))
     try:
         token = model.tokenizer.bos_token_id or 0
         seq.forward([token] * context, logits="last")
@@ -41,6 +44,7 @@ def time_forward_ms(model: Model, n_tokens: int, repeats: int = REPEATS, context
 
 
 def measure_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
+    k_max = max(0, min(k_max, target.n_ctx - 2))  # a verify of k_max + 1 tokens must fit in the context
     draft_step = time_forward_ms(draft, 1) if draft is not None else NGRAM_STEP_MS
     sizes = sorted({1, 2, k_max + 1})
     return CostModel(draft_step_ms=draft_step, verify_ms={n: time_forward_ms(target, n) for n in sizes})
