@@ -138,6 +138,8 @@ def stream_generate(
     draft_policy: str = "adaptive",
     stop: str | Seq[str] | None = None,
     n_ctx: int | None = None,
+    synthetic_acceptance: float | None = None,
+    ignore_eos: bool = False,
 ) -> Iterator[GenerationChunk]:
     """Like `generate`, but yields text as the target accepts it; the last chunk has finish_reason and stats."""
     target = _as_model(target)
@@ -147,7 +149,8 @@ def stream_generate(
     proposer = make_proposer(target, draft, sampling, n_ctx)
     policy = make_policy(draft_policy, draft_max, target, proposer)
     decoder = SpeculativeDecoder(target, sampling, proposer, policy, max_tokens=max_tokens,
-                                 stop_token_ids=target.tokenizer.eos_token_ids, n_ctx=n_ctx)
+                                 stop_token_ids=() if ignore_eos else target.tokenizer.eos_token_ids, n_ctx=n_ctx,
+                                 synthetic_acceptance=synthetic_acceptance)
     detok = StreamDecoder(target.tokenizer)
     text = ""  # decoded text not yet returned, held back while it could still begin a stop string
     finish, stopped_tokens = None, []

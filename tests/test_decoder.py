@@ -233,7 +233,7 @@ def test_max_tokens(pair64):
 def test_context_limit(tiny_model_path):
     target = tandem.load(tiny_model_path(seed=0), dtype="float64", n_ctx=32)
     draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64", n_ctx=32)
-    ids = target.tokenizer.encode(PROMPTS[0])[:20]
+    ids = (target.tokenizer.encode(PROMPTS[0]) * 5)[:20]
     plain = run(target, ids, max_tokens=100)
     spec = run(target, ids, draft=draft, k=8, max_tokens=100)
     assert plain.finish_reason == spec.finish_reason == "length"

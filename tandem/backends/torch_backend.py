@@ -9,6 +9,7 @@ import torch
 
 from tandem.backends.base import Model, Sequence
 from tandem.cache import KVCache
+from tandem.config import ModelConfig
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
 from tandem.loading.weights import load_weights
@@ -81,20 +82,29 @@ class TorchSequence(Sequence):
 class TorchModel(Model):
     backend = "torch"
 
-    def __init__(self, path: str, device: str = "cpu", dtype: str = "float32", n_ctx: int | None = None,
-                 progress: bool = True) -> None:
-        started = time.perf_counter()
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer, path: str = "",
+                 n_ctx: int | None = None) -> None:
         self.path = str(path)
-        self.torch_device = parse_device(device)
+        self.config = config
+        self.tokenizer = tokenizer
+        any_weight = weights["token_embd.weight"]
+        self.torch_device, self.dtype = any_weight.device, any_weight.dtype
         self.device = str(self.torch_device)
-        self.dtype = parse_dtype(dtype)
-        gguf = open_gguf(self.path)
-        self.config = gguf.config
-        self.tokenizer = Tokenizer.from_gguf(gguf)
-        self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_CTX, self.config.context_length)
-        weights = load_weights(gguf, self.dtype, self.torch_device, progress=progress)
-        self.transformer = Transformer(self.config, weights, max_positions=max(self.n_ctx, 1))
-        self.load_seconds = time.perf_counter() - started
+        self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_CTX, config.context_length)
+        self.transformer = Transformer(config, weights, max_positions=max(self.n_ctx, 1))
+        self.load_seconds = 0.0
+
+    @classmethod
+    def from_gguf(cls, path: str, device: str = "cpu", dtype: str = "float32", n_ctx: int | None = None,
+                  progress: bool = True) -> TorchModel:
+        started = time.perf_counter()
+        torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
+        gguf = open_gguf(path)
+        tokenizer = Tokenizer.from_gguf(gguf)
+        weights = load_weights(gguf, torch_dtype, torch_device, progress=progress)
+        model = cls(gguf.config, weights, tokenizer, path=path, n_ctx=n_ctx)
+        model.load_seconds = time.perf_counter() - started
+        return model
 
     def new_sequence(self, n_ctx: int | None = None) -> TorchSequence:
         capacity = n_ctx or self.n_ctx
@@ -110,4 +120,4 @@ class TorchModel(Model):
 
 def load_torch(path: str, device: str = "cpu", dtype: str = "float32", n_ctx: int | None = None,
                progress: bool = True) -> TorchModel:
-    return TorchModel(path, device=device, dtype=dtype, n_ctx=n_ctx, progress=progress)
+    return TorchModel.from_gguf(path, device=device, dtype=dtype, n_ctx=n_ctx, progress=progress)

@@ -17,7 +17,7 @@ from tandem.sampling import SamplingParams, make_generator, next_token, probs_fr
 from tandem.spec.policy import DraftPolicy, FixedPolicy
 from tandem.spec.proposer import Proposer
 from tandem.spec.stats import GenerationStats
-from tandem.spec.verify import verify_greedy, verify_sampled
+from tandem.spec.verify import verify_greedy, verify_sampled, verify_synthetic
 from tandem.timing import PhaseClock
 
 
@@ -33,6 +33,7 @@ class SpeculativeDecoder:
         max_tokens: int = 256,
         stop_token_ids: Seq[int] = (),
         n_ctx: int | None = None,
+        synthetic_acceptance: float | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -43,6 +44,8 @@ class SpeculativeDecoder:
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.n_ctx = n_ctx
+        # Benchmarks of random-weight models only: accept each draft position with this probability (not lossless).
+        self.synthetic_acceptance = synthetic_acceptance
         self.device = torch.device(getattr(target, "torch_device", "cpu"))
         self.finish_reason: str | None = None
         self.stats = GenerationStats(
@@ -50,6 +53,8 @@ class SpeculativeDecoder:
         )
 
     def _verify(self, draft_tokens: torch.Tensor, draft_probs, logits: torch.Tensor, generator):
+        if self.synthetic_acceptance is not None:
+            return verify_synthetic(draft_tokens, logits, self.synthetic_acceptance, generator)
         if self.sampling.greedy:
             return verify_greedy(draft_tokens, logits)
         return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, self.sampling), generator)
@@ -79,7 +84,8 @@ class SpeculativeDecoder:
                 f"the prompt has {len(prompt)} tokens but the context holds {target_seq.capacity}, with room for at "
                 f"least one generated token: {len(prompt) - target_seq.capacity + 1} tokens too many"
             )
-        generator = None if self.sampling.greedy else make_generator(self.sampling.seed, self.device)
+        random = not self.sampling.greedy or self.synthetic_acceptance is not None
+        generator = make_generator(self.sampling.seed, self.device) if random else None
         clock = PhaseClock(self.device)
         stats.prompt_tokens = len(prompt)
         try:

@@ -69,3 +69,15 @@ def verify_sampled(
     candidates = torch.cat([residual, target_probs[k:]], dim=0)  # [k+1, V]
     next_token = torch.multinomial(candidates[n_accepted], 1, generator=generator).squeeze(-1)
     return n_accepted, next_token
+
+
+def verify_synthetic(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, rate: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Benchmarks only, NOT lossless: accept each draft position with probability `rate` (like llama.cpp's
+    --spec-synth-rates), whatever the tokens are, so the systems cost of a given acceptance can be measured
+    with random-weight models. The next token is the target's argmax at the first rejected position."""
+    k = draft_tokens.shape[0]
+    u = torch.rand(k, generator=generator, device=target_logits.device)
+    n_accepted = torch.cumprod((u < rate).long(), dim=0).sum()
+    return n_accepted, target_logits.argmax(dim=-1)[n_accepted]
