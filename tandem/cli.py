@@ -179,12 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, metavar="OUT.png")
     b.add_argument("--peer", action="append", default=[], help="also run a peer: hf")
     b.add_argument("--configs", default=None, help="comma list: plain,adaptive,fixed3,fixed8,ngram")
-    b.add_argument("--synthetic-acceptance", type=float, default=None)
+    b.add_argument("--synthetic-acceptance", type=float, default=None, metavar="RATE",
+                   help="accept each draft position with this probability (benchmarks only, not lossless)")
+    b.add_argument("--synthetic-shape", default=None, metavar="TARGET[,DRAFT]",
+                   help="random-weight models of named shapes instead of files, e.g. qwen2.5-32b,qwen2.5-1.5b")
+    b.add_argument("--prompts", default=None, help="comma list of suite prompt names to run [all]")
+    b.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and config; the median is kept [1]")
+    b.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("doctor", help="measure draft and verify costs on this device and explain them")
     add_model_args(d)
     d.add_argument("--json", action="store_true")
+    d.add_argument("--synthetic-shape", default=None, metavar="TARGET[,DRAFT]",
+                   help="random-weight models of named shapes instead of files, e.g. qwen2.5-32b,qwen2.5-1.5b")
+    d.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement; medians reported [5]")
     d.set_defaults(func=cmd_doctor)
     return parser
 

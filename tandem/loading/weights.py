@@ -7,6 +7,7 @@ asserting every shape when importing foreign weights).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -60,6 +61,9 @@ def check_tensors(gguf_file: GGUFFile, config: ModelConfig | None = None) -> dic
     return expected
 
 
+LOAD_THREADS = 8
+
+
 def load_weights(
     gguf_file: GGUFFile,
     dtype: torch.dtype = torch.float32,
@@ -72,9 +76,21 @@ def load_weights(
     """
     from tqdm import tqdm
 
+    from concurrent.futures import ThreadPoolExecutor
+
     expected = check_tensors(gguf_file)
-    weights: dict[str, torch.Tensor] = {}
-    bar = tqdm(expected, desc="loading weights", unit="tensor", disable=not progress or not sys.stderr.isatty())
-    for name in bar:
-        weights[name] = gguf_file.tensor(name, dtype=dtype, device=device)
+    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor",
+               disable=not progress or not sys.stderr.isatty())
+
+    def load_one(name: str) -> torch.Tensor:
+        tensor = gguf_file.tensor(name, dtype=dtype, device=device)
+        bar.update(1)
+        return tensor
+
+    # gguf-py's dequantisers are numpy kernels that release the GIL: a few threads divide the load time, and a
+    # small pool keeps peak memory at a few float32 temporaries.
+    workers = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        weights = dict(zip(expected, pool.map(load_one, expected)))
+    bar.close()
     return weights

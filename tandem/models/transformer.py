@@ -78,6 +78,17 @@ class Transformer(torch.nn.Module):
             mask &= keys[None, :] > positions[:, None] - window
         return mask
 
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention without expanding K/V: the G query heads of each KV head become G*T query rows.
+
+        Repeating K/V to H heads would copy the whole cache every step (300 MB a token for a 1.5B model at 4k).
+        """
+        c = self.config
+        group, T = c.n_heads // c.n_kv_heads, q.shape[2]
+        q = q.reshape(1, c.n_kv_heads, group * T, c.head_dim)  # [B, H_kv, G*T, D]; head h reads KV head h // G
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.repeat(group, 1), scale=self.attn_scale)
+        return out.view(1, c.n_heads, T, c.head_dim)
+
     def forward(
         self,
         tokens: torch.Tensor,  # [T] int64
@@ -113,9 +124,7 @@ class Transformer(torch.nn.Module):
             k = apply_rope(k, cos, sin, c.rope_interleaved)
             cache.write(i, positions, k, v)
             keys, values = cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len]  # [B, H_kv, S, D]
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=masks[local], scale=self.attn_scale, enable_gqa=c.n_heads != c.n_kv_heads
-            )  # [B, H, T, D]
+            attn = self.attend(q, keys, values, masks[local])  # [B, H, T, D]
             attn = F.linear(attn.transpose(1, 2).reshape(1, T, c.n_heads * c.head_dim), w[p + "attn_output.weight"])
             if c.sandwich_norm:
                 attn = rms_norm(attn, w[p + "post_attention_norm.weight"], c.rms_eps)

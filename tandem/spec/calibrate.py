@@ -26,7 +26,7 @@ def time_forward_ms(model: Model, n_tokens: int, repeats: int = REPEATS, context
     if n_tokens + 1 > model.n_ctx:
         raise ValueError(f"cannot time a forward of {n_tokens} tokens in a context of {model.n_ctx}")
     context = max(1, min(context, model.n_ctx - n_tokens))
-    seq = model.new_sequence(min(model.n_ctx, context + n_tokens))
+    seq = model.new_sequence()  # the capacity decoding uses: attention over a static cache costs by capacity
     try:
         token = model.tokenizer.bos_token_id or 0
         seq.forward([token] * context, logits="last")

@@ -94,6 +94,7 @@ class SpeculativeDecoder:
             if proposer is not None:
                 proposer.start(prompt)
             clock.mark()
+            pending = first.view(1)  # [1] on the device: the next forward's first token, never re-uploaded
             tokens = prompt + [int(first.item())]
             stats.prefill_ms = clock.spans_ms()[0]
             out = self._emit(tokens[-1:], 0)
@@ -118,13 +119,14 @@ class SpeculativeDecoder:
                 k = draft_tokens.shape[0]
                 clock.mark()
                 base = target_seq.length
-                pending = torch.tensor(tokens[-1:], dtype=torch.long, device=self.device)
-                logits = target_seq.forward(torch.cat([pending, draft_tokens]), logits="all")  # [k+1, V]
+                verify_input = torch.cat([pending, draft_tokens]) if k else pending
+                logits = target_seq.forward(verify_input, logits="all")  # [k+1, V]
                 n_accepted, recovered = self._verify(draft_tokens, draft_probs, logits, generator)
                 clock.mark()
                 # The one host sync of the iteration: how many were accepted, and which tokens they are.
                 result = torch.cat([n_accepted.view(1), draft_tokens, recovered.view(1)]).tolist()
                 n = result[0]
+                pending = recovered.view(1)
                 new_tokens = result[1 : 1 + n] + result[-1:]
                 target_seq.rewind(base + 1 + n)
                 if proposer is not None:

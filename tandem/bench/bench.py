@@ -1,0 +1,424 @@
+"""`tandem bench`: plain and speculative decoding side by side, same process, same prompts, same models.
+
+Each configuration (plain, adaptive, fixedN, ngram) gets one warm-up generation before any timing, so calibration,
+allocations and graph capture stay out of the numbers; then each prompt runs every configuration in turn
+(interleaved, so drift of a shared machine hits them alike), `--repeats` times, keeping the median run. Speed is
+tokens per second of prefill + decode as GenerationStats reports it, with the wall clock beside it. Greedy
+decoding throughout, so every speculative output must equal plain's token for token (the `lossless` flag).
+
+With `--synthetic-shape` the models are random weights of real shapes and `--synthetic-acceptance` accepts each
+draft position with a fixed probability: systems numbers only, labelled synthetic everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import tandem
+from tandem.backends.base import Model
+from tandem.bench.suite import BenchPrompt, load_suite
+from tandem.spec.policy import CostModel, expected_tokens
+from tandem.spec.stats import GenerationStats
+
+WARMUP_TOKENS = 16  # a warm-up generation's length: enough to calibrate and touch every kernel
+SYNTHETIC_CTX = 4096
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str  # as given in --configs
+    draft: str | None  # "model" (the draft model), "ngram" (prompt lookup) or None (plain)
+    policy: str  # "adaptive" | "fixed"
+    draft_max: int
+
+
+@dataclass
+class ConfigResult:
+    config: str
+    tps: float  # generated tokens / (prefill + decode) s, from GenerationStats
+    decode_tps: float  # tokens after the first / decode s
+    wall_tps: float  # generated tokens / wall-clock s of the whole generate() call
+    wall_s: float
+    speedup: float  # tps / tandem plain tps on the same prompt
+    prompt_tokens: int
+    generated_tokens: int
+    draft_tokens: int  # proposed over the generation
+    accepted_tokens: int
+    acceptance_rate: float  # accepted / drafted
+    first_position_acceptance: float  # iterations accepting draft 1 / iterations drafting: per-position rate a
+    mean_accepted_len: float  # tokens per target forward after the prefill (1.0 = plain)
+    draft_ms_per_token: float  # per draft token
+    verify_ms: float  # per target forward (iteration), verify + acceptance
+    prefill_ms: float
+    decode_ms: float
+    k_counts: dict[str, int]  # draft length -> iterations that used it
+    finish_reason: str
+    lossless: bool | None  # tokens == plain's tokens (greedy); None for plain itself and synthetic acceptance
+    predicted_speedup: float | None = None  # E(k)/(k c_d + V(k+1)) over 1/V(1), from measured costs and a
+    fraction_of_prediction: float | None = None  # speedup / predicted_speedup
+
+
+@dataclass
+class PromptResult:
+    name: str
+    kind: str
+    prompt_tokens: int
+    primary: str  # the speculative config the top-level spec_* fields describe
+    baseline_tps: float
+    spec_tps: float
+    speedup: float
+    acceptance_rate: float
+    mean_accepted_len: float
+    draft_ms_per_token: float
+    verify_ms: float
+    lossless: bool | None
+    configs: dict[str, ConfigResult] = field(default_factory=dict)
+    peers: dict[str, dict] = field(default_factory=dict)
+    plain_bandwidth_gb_s: float | None = None  # target weight bytes / plain decode time per token
+
+
+# --- loading (shared with the doctor) -----------------------------------------------------------------------------
+
+
+def compute_dtype(args: argparse.Namespace) -> str:
+    return args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+
+
+def synthetic_shapes(args: argparse.Namespace) -> dict[str, str] | None:
+    spec = getattr(args, "synthetic_shape", None)
+    if not spec:
+        return None
+    names = [s.strip() for s in spec.split(",")]
+    if len(names) > 2 or not names[0]:
+        raise ValueError(f"--synthetic-shape wants TARGET[,DRAFT], got {spec!r}")
+    return {"target": names[0], **({"draft": names[1]} if len(names) == 2 and names[1] else {})}
+
+
+def _check_synthetic_backend(args: argparse.Namespace) -> None:
+    if args.backend == "llama.cpp":
+        raise ValueError("--synthetic-shape builds torch models; use --backend torch (or auto)")
+
+
+def load_target(args: argparse.Namespace) -> Model:
+    shapes = synthetic_shapes(args)
+    if shapes is not None:
+        from tandem.models.shapes import random_model
+
+        _check_synthetic_backend(args)
+        return random_model(shapes["target"], args.device, compute_dtype(args), n_ctx=args.ctx or SYNTHETIC_CTX, seed=0)
+    return tandem.load(args.model, device=args.device, dtype=compute_dtype(args), backend=args.backend,
+                       n_ctx=args.ctx, progress=sys.stderr.isatty())
+
+
+def load_draft(args: argparse.Namespace, backend: str | None) -> Model | str | None:
+    """The draft model, "ngram" or None; `backend` is the target's (None: as --backend says)."""
+    from tandem.cli import resolve_draft_name
+
+    device = getattr(args, "draft_device", None) or args.device
+    shapes = synthetic_shapes(args)
+    if shapes is not None:
+        if "draft" not in shapes:
+            return "ngram" if args.draft == "ngram" else None
+        from tandem.models.shapes import random_model
+
+        _check_synthetic_backend(args)
+        return random_model(shapes["draft"], device, compute_dtype(args), n_ctx=args.ctx or SYNTHETIC_CTX, seed=1)
+    name = resolve_draft_name(args)
+    if name is None or name == "ngram":
+        return name
+    return tandem.load(name, device=device, dtype=compute_dtype(args), backend=backend or args.backend,
+                       n_ctx=args.ctx, progress=sys.stderr.isatty())
+
+
+def environment(target: Model) -> dict:
+    """Where the numbers come from: hardware, software, commit, date."""
+    device = target.device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        device_name = cpu_model()
+    return {
+        "device": device, "device_name": device_name, "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(),
+        "torch_version": torch.__version__, "tandem_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+    }
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(tandem.__file__)),
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+# --- configurations -----------------------------------------------------------------------------------------------
+
+
+def parse_configs(spec: str | None, draft: Model | str | None, draft_max: int) -> list[BenchConfig]:
+    """plain, adaptive, fixed, fixedN, ngram; plain always runs first (every speedup is against it)."""
+    has_model = isinstance(draft, Model)
+    if spec is None:
+        names = ["plain", "adaptive", "ngram"] if has_model else ["plain", "ngram"]
+    else:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+    configs = [BenchConfig("plain", None, "fixed", 0)]
+    for name in names:
+        if name == "plain":
+            continue
+        fixed = re.fullmatch(r"fixed(\d*)", name)
+        if name == "ngram":
+            configs.append(BenchConfig(name, "ngram", "adaptive", draft_max))
+        elif name == "adaptive" or fixed:
+            if not has_model:
+                raise ValueError(f"config {name!r} needs a draft model (--draft PATH or --synthetic-shape T,D)")
+            k = int(fixed.group(1)) if fixed and fixed.group(1) else draft_max
+            configs.append(BenchConfig(name, "model", "adaptive" if name == "adaptive" else "fixed", k))
+        else:
+            raise ValueError(f"unknown config {name!r}; use plain, adaptive, fixed, fixedN (e.g. fixed3), ngram")
+    if len({c.name for c in configs}) != len(configs):
+        raise ValueError(f"a config is named twice in {spec!r}")
+    return configs
+
+
+def first_position_acceptance(stats: GenerationStats) -> float:
+    drafting = sum(n for k, n in stats.draft_len_counts.items() if k > 0)
+    return stats.accepted_per_position[0] / drafting if drafting and stats.accepted_per_position else 0.0
+
+
+def predicted_speedup(costs: CostModel, config: BenchConfig, acceptance: float) -> float:
+    """The arithmetic: E(k) / (k c_d + V(k+1)) over 1 / V(1), for the k this config would draft."""
+    if config.policy == "adaptive":
+        return costs.predicted_speedup(acceptance, config.draft_max)
+    k = config.draft_max
+    return expected_tokens(acceptance, k) / (k * costs.draft_step_ms + costs.verify(k + 1)) * costs.verify(1)
+
+
+# --- running ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    stats: GenerationStats
+    wall_s: float
+    finish_reason: str
+
+
+class Bench:
+    """One target, its draft, the configs: runs a prompt under each config."""
+
+    def __init__(self, target: Model, draft: Model | str | None, configs: list[BenchConfig], max_tokens: int,
+                 synthetic_acceptance: float | None, ignore_eos: bool, repeats: int) -> None:
+        self.target, self.draft, self.configs = target, draft, configs
+        self.max_tokens, self.repeats = max_tokens, repeats
+        self.synthetic_acceptance = synthetic_acceptance
+        self.ignore_eos = ignore_eos or synthetic_acceptance is not None
+
+    def options(self, config: BenchConfig) -> dict:
+        draft = {"model": self.draft, "ngram": "ngram", None: None}[config.draft]
+        return dict(draft=draft, draft_max=config.draft_max, draft_policy=config.policy, temperature=0.0,
+                    synthetic_acceptance=self.synthetic_acceptance, ignore_eos=self.ignore_eos)
+
+    def generate(self, prompt: BenchPrompt, config: BenchConfig, max_tokens: int) -> Run:
+        self.target.synchronize()
+        started = time.perf_counter()
+        result = tandem.generate(self.target, messages=list(prompt.messages), max_tokens=max_tokens,
+                                 **self.options(config))
+        self.target.synchronize()
+        return Run(result.tokens, result.stats, time.perf_counter() - started, result.finish_reason)
+
+    def warm_up(self, prompt: BenchPrompt, config: BenchConfig) -> None:
+        self.generate(prompt, config, min(self.max_tokens, WARMUP_TOKENS))
+
+    def measure(self, prompt: BenchPrompt, config: BenchConfig) -> Run:
+        runs = sorted((self.generate(prompt, config, self.max_tokens) for _ in range(self.repeats)),
+                      key=lambda r: r.stats.tokens_per_second)
+        return runs[len(runs) // 2]  # the median run, whole: its counts and timings belong together
+
+
+def costs_for(target: Model, draft: Model | str | None, configs: list[BenchConfig]) -> dict[str, CostModel]:
+    """Measured costs per proposer kind, the same ones the adaptive policy calibrated (cached on the target)."""
+    from tandem.spec.calibrate import cached_costs
+
+    out = {}
+    for kind in {c.draft for c in configs if c.draft is not None}:
+        k_max = max(c.draft_max for c in configs if c.draft == kind)
+        out[kind] = cached_costs(target, draft if kind == "model" else None, k_max)
+    return out
+
+
+def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: bool) -> ConfigResult:
+    s = run.stats
+    lossless = None if plain is None or synthetic else run.tokens == plain.tokens
+    return ConfigResult(
+        config=config.name, tps=s.tokens_per_second, decode_tps=s.decode_tokens_per_second,
+        wall_tps=s.generated_tokens / run.wall_s if run.wall_s > 0 else 0.0, wall_s=run.wall_s,
+        speedup=s.tokens_per_second / plain.stats.tokens_per_second if plain and plain.stats.tokens_per_second else 1.0,
+        prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens, draft_tokens=s.draft_tokens,
+        accepted_tokens=s.accepted_tokens, acceptance_rate=s.acceptance_rate,
+        first_position_acceptance=first_position_acceptance(s), mean_accepted_len=s.mean_accepted_len,
+        draft_ms_per_token=s.draft_ms_per_token, verify_ms=s.verify_ms_per_iteration, prefill_ms=s.prefill_ms,
+        decode_ms=s.decode_ms, k_counts={str(k): v for k, v in s.draft_len_counts.items()},
+        finish_reason=run.finish_reason, lossless=lossless,
+    )
+
+
+def summarize(prompts: list[PromptResult], configs: list[BenchConfig]) -> dict:
+    per_config = {}
+    for c in configs:
+        rows = [p.configs[c.name] for p in prompts]
+        drafted = sum(r.draft_tokens for r in rows)
+        flags = [r.lossless for r in rows if r.lossless is not None]
+        per_config[c.name] = {
+            "mean_tps": statistics.fmean(r.tps for r in rows),
+            "geomean_speedup": math.exp(statistics.fmean(math.log(max(r.speedup, 1e-9)) for r in rows)),
+            "min_speedup": min(r.speedup for r in rows),
+            "max_speedup": max(r.speedup for r in rows),
+            "acceptance_rate": sum(r.accepted_tokens for r in rows) / drafted if drafted else 0.0,
+            "draft_tokens": drafted,
+            "all_lossless": all(flags) if flags else None,
+        }
+    primary = prompts[0].primary
+    return {
+        "primary": primary,
+        "baseline_tps": per_config["plain"]["mean_tps"],
+        "spec_tps": per_config[primary]["mean_tps"],
+        "speedup": per_config[primary]["geomean_speedup"],
+        "configs": per_config,
+    }
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tandem.bench import report
+    from tandem.models.shapes import weight_bytes
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    repeats = max(1, getattr(args, "repeats", 1) or 1)
+    prompts = load_suite(args.suite, getattr(args, "prompts", None))
+    shapes = synthetic_shapes(args)
+    synthetic = shapes is not None or args.synthetic_acceptance is not None
+    target = load_target(args)
+    draft = load_draft(args, backend=target.backend)
+    configs = parse_configs(args.configs, draft, args.draft_max)
+    bench = Bench(target, draft, configs, args.max_tokens, args.synthetic_acceptance,
+                  getattr(args, "ignore_eos", False), repeats)
+    peers = _load_peers(args, target, draft, shapes)
+
+    console = Console(stderr=True)
+    total = len(configs) + len(prompts) * len(configs) * repeats
+    results: list[PromptResult] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("warm-up", total=total)
+        for config in configs:
+            progress.update(task, description=f"warm-up {config.name}")
+            bench.warm_up(prompts[0], config)
+            progress.advance(task)
+        costs = costs_for(target, draft, configs)
+        for prompt in prompts:
+            runs: dict[str, Run] = {}
+            for config in configs:
+                progress.update(task, description=f"{prompt.name}: {config.name}")
+                runs[config.name] = bench.measure(prompt, config)
+                progress.advance(task, repeats)
+            results.append(_prompt_result(prompt, configs, runs, costs, args.synthetic_acceptance, synthetic,
+                                          weight_bytes(target)))
+            for name, peer in peers.items():
+                progress.update(task, description=f"{prompt.name}: peer {name}")
+                results[-1].peers[name] = peer.run(target.tokenizer.encode_chat(list(prompt.messages)),
+                                                   args.max_tokens)
+
+    env = environment(target)
+    out = {
+        "synthetic": synthetic,
+        "meta": {
+            **env, "backend": target.backend, "dtype": getattr(target, "dtype", None) and str(target.dtype),
+            "target": target.path, "draft": draft.path if isinstance(draft, Model) else draft,
+            "max_tokens": args.max_tokens, "repeats": repeats, "greedy": True, "suite": args.suite,
+            "configs": [asdict(c) for c in configs], "ignore_eos": bench.ignore_eos,
+            "synthetic_acceptance": args.synthetic_acceptance, "shapes": shapes,
+            "weight_bytes": {"target": weight_bytes(target),
+                             "draft": weight_bytes(draft) if isinstance(draft, Model) else None},
+            "peers": {name: peer.describe() for name, peer in peers.items()},
+        },
+        "prompts": [asdict(p) for p in results],
+        "summary": summarize(results, configs),
+    }
+    report.print_table(out, console=Console())
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2)
+    if args.plot:
+        report.plot(out, args.plot)
+    return 0
+
+
+def _prompt_result(prompt: BenchPrompt, configs: list[BenchConfig], runs: dict[str, Run],
+                   costs: dict[str, CostModel], synthetic_acceptance: float | None, synthetic: bool,
+                   target_bytes: int) -> PromptResult:
+    plain = runs["plain"]
+    rows = {}
+    for c in configs:
+        row = config_result(c, runs[c.name], None if c.name == "plain" else plain, synthetic)
+        if c.draft is not None and c.draft in costs:
+            a = synthetic_acceptance if synthetic_acceptance is not None else row.first_position_acceptance
+            row.predicted_speedup = predicted_speedup(costs[c.draft], c, a)
+            row.fraction_of_prediction = row.speedup / row.predicted_speedup if row.predicted_speedup else None
+        rows[c.name] = row
+    spec_configs = [c for c in configs if c.name != "plain"]
+    primary = rows[spec_configs[0].name] if spec_configs else rows["plain"]
+    per_token_s = plain.stats.decode_ms / 1000.0 / max(plain.stats.generated_tokens - 1, 1)
+    return PromptResult(
+        name=prompt.name, kind=prompt.kind, prompt_tokens=plain.stats.prompt_tokens, primary=primary.config,
+        baseline_tps=rows["plain"].tps, spec_tps=primary.tps, speedup=primary.speedup,
+        acceptance_rate=primary.acceptance_rate, mean_accepted_len=primary.mean_accepted_len,
+        draft_ms_per_token=primary.draft_ms_per_token, verify_ms=primary.verify_ms, lossless=primary.lossless,
+        configs=rows,
+        plain_bandwidth_gb_s=target_bytes / per_token_s / 1e9 if target_bytes and plain.stats.decode_ms > 0 else None,
+    )
+
+
+def _load_peers(args: argparse.Namespace, target: Model, draft: Model | str | None, shapes) -> dict:
+    peers = {}
+    for name in args.peer:
+        if name != "hf":
+            raise ValueError(f"unknown peer {name!r}; known: hf")
+        if shapes is not None:
+            raise ValueError("--peer hf needs GGUF files; it cannot run --synthetic-shape models")
+        from tandem.bench.peers import HFPeer
+
+        peers[name] = HFPeer(target.path, draft.path if isinstance(draft, Model) else None, args.device,
+                             compute_dtype(args))
+    return peers

@@ -1,0 +1,219 @@
+"""`tandem doctor`: measure what speculation costs on this device for this pair, and say whether it can pay.
+
+Measured, each the median over repeats, every figure in milliseconds and per call:
+- the draft's one-token step with only the draft loaded (`draft_step_ms_standalone`), then with the target loaded
+  and its verifies interleaved as the real loop does (`draft_step_ms_paired`: k draft steps, one target forward
+  of k + 1 tokens, repeat; only the draft steps are timed). In the report we start from, the draft slowed down
+  ~1000x next to the target; a ratio far above 1 is that failure;
+- the target's forward over n = 1..16 tokens (`verify_ms`; n = 1 is a plain decoding step, `target_step_ms`).
+From those the cost model (tandem.spec.policy) predicts the best draft length and the speed-up at a few acceptance
+rates: E(k) / (k c_d + V(k+1)) tokens per ms against 1 / V(1) for plain decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from tandem.backends.base import Model
+from tandem.spec.calibrate import NGRAM_STEP_MS, time_forward_ms
+from tandem.spec.policy import CostModel
+
+DEFAULT_REPEATS = 5
+CONTEXT_TOKENS = 32  # tokens already in the caches when a step is timed: a short chat's worth
+VERIFY_SIZES = tuple(range(1, 17))
+ACCEPTANCES = (0.5, 0.7, 0.9)
+K_MAX = 15  # V is measured up to 16 tokens, so drafts up to 15 are predicted from measurements alone
+PAIRED_SLOWDOWN_FLAG = 1.2  # paired / standalone draft step above this: the two models interfere
+VERIFY_MARGINAL_FLAG = 0.3  # each extra verified token costs this fraction of a plain step or more: compute-bound
+DRAFT_COST_FLAG = 0.5  # a draft step above this fraction of a target step can rarely pay
+
+
+@dataclass
+class DoctorReport:
+    device: str
+    backend: str
+    target: str
+    draft: str | None
+    draft_len_paired: int  # k of the interleaved measurement
+    repeats: int
+    draft_step_ms_standalone: float | None  # per draft step (one token), only the draft loaded
+    draft_step_ms_paired: float | None  # per draft step, target loaded and verifying between draft runs
+    paired_over_standalone: float | None
+    target_step_ms: float  # per plain decoding step (a forward of one token)
+    verify_ms: dict[int, float]  # n -> ms per target forward over n tokens
+    draft_cost_ratio: float  # c_d / c_t: a draft step as a fraction of a target step
+    weight_bytes_ratio: float | None  # draft's weight bytes / target's: the ratio a memory-bound device would show
+    best_draft_len: dict[float, int]  # acceptance -> the k the cost model picks (0 = plain decoding)
+    predicted_speedup: dict[float, float]  # acceptance -> predicted tokens/s over plain
+    break_even_acceptance: float | None  # lowest acceptance at which some k > 0 beats plain; None: none does
+    flags: list[str] = field(default_factory=list)
+    verdict: str = ""
+    synthetic: bool = False
+    shapes: dict[str, str] | None = None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for key in ("verify_ms", "best_draft_len", "predicted_speedup"):
+            out[key] = {str(k): v for k, v in out[key].items()}  # JSON object keys are strings
+        return out
+
+
+def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, context: int = CONTEXT_TOKENS) -> float:
+    """Median ms of one draft step over `repeats` runs of k steps; with a target, each run is followed by one
+    target forward over k + 1 tokens, as the decode loop interleaves them. The first run is a warm-up."""
+    token = draft.tokenizer.bos_token_id or 0
+    capacity = context + k + 2
+    draft_seq = draft.new_sequence(capacity)
+    target_seq = target.new_sequence(capacity) if target is not None else None
+    try:
+        draft_seq.forward([token] * context, logits="last")
+        if target_seq is not None:
+            target_seq.forward([token] * context, logits="last")
+        steps = []
+        for run in range(repeats + 1):
+            for _ in range(k):
+                draft.synchronize()
+                started = time.perf_counter()
+                draft_seq.forward([token], logits="last")
+                draft.synchronize()
+                if run > 0:
+                    steps.append(1000.0 * (time.perf_counter() - started))
+            if target_seq is not None:
+                target_seq.forward([token] * (k + 1), logits="all")
+                target.synchronize()
+                target_seq.rewind(context)
+            draft_seq.rewind(context)
+        return statistics.median(steps)
+    finally:
+        draft_seq.close()
+        if target_seq is not None:
+            target_seq.close()
+
+
+def break_even_acceptance(costs: CostModel, k_max: int = K_MAX) -> float | None:
+    """Lowest acceptance (to 0.01) at which the cost model prefers some draft over plain decoding."""
+    for step in range(1, 100):
+        if costs.best_draft_len(step / 100, k_max) > 0:
+            return step / 100
+    return None
+
+
+def diagnose(paired_over_standalone: float | None, verify_ms: dict[int, float], draft_cost_ratio: float,
+             weight_bytes_ratio: float | None = None) -> list[str]:
+    """Plain-words flags for the pathologies that make speculation lose. Pure: numbers in, sentences out."""
+    flags = []
+    step = verify_ms[1]
+    if paired_over_standalone is not None and paired_over_standalone > PAIRED_SLOWDOWN_FLAG:
+        flags.append(
+            f"the draft slows down when the target shares the device: a draft step costs "
+            f"{paired_over_standalone:.2f}x its standalone time once the target is loaded and verifying "
+            f"(queue sharing, cache thrashing or extra synchronisation between the two models)"
+        )
+    n = 9 if 9 in verify_ms else max(verify_ms)
+    marginal = (verify_ms[n] - step) / (n - 1) / step if n > 1 else 0.0
+    if marginal > VERIFY_MARGINAL_FLAG:
+        flags.append(
+            f"compute-bound: a verify of {n} tokens costs {verify_ms[n] / step:.1f} plain steps "
+            f"(each extra token +{100 * marginal:.0f}% of a step), so long drafts cannot pay"
+        )
+    if draft_cost_ratio > DRAFT_COST_FLAG:
+        why = (f" although its weights are {weight_bytes_ratio:.2f} of the target's bytes"
+               if weight_bytes_ratio is not None else "")
+        flags.append(
+            f"draft is launch/overhead-bound: its step costs {draft_cost_ratio:.2f} of a target step{why}; "
+            f"a draft must be much cheaper than the target to pay"
+        )
+    return flags
+
+
+def make_verdict(costs: CostModel, break_even: float | None, predicted: dict[float, float],
+                 best: dict[float, int]) -> str:
+    if break_even is None:
+        return (f"Speculation cannot help this pair on this device: even at 99% acceptance no draft length beats "
+                f"plain decoding (a draft step costs {costs.draft_step_ms:.2f} ms, a plain step "
+                f"{costs.verify(1):.2f} ms, a 9-token verify {costs.verify(9):.2f} ms). tandem's adaptive policy "
+                f"will decode plainly.")
+    at = ", ".join(f"{predicted[a]:.2f}x at {a:.0%} (k={best[a]})" for a in ACCEPTANCES)
+    helps = "helps" if predicted[ACCEPTANCES[-1]] > 1.0 else "barely helps"
+    return (f"Speculation {helps} on this device once acceptance exceeds {break_even:.0%} (the break-even point): "
+            f"predicted {at}. Below that, tandem's adaptive policy falls back to plain decoding, so it is never "
+            f"slower by more than its probes.")
+
+
+def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: int, repeats: int,
+            synthetic: bool = False, shapes: dict[str, str] | None = None) -> DoctorReport:
+    """Everything but the standalone draft step, which the caller measured before loading the target."""
+    from tandem.models.shapes import weight_bytes
+
+    verify_ms = {n: time_forward_ms(target, n, repeats=repeats, context=CONTEXT_TOKENS) for n in VERIFY_SIZES}
+    paired_ms = time_draft_steps(draft, target, k, repeats) if draft is not None else None
+    costs = CostModel(draft_step_ms=paired_ms if paired_ms is not None else NGRAM_STEP_MS, verify_ms=verify_ms)
+    ratio = costs.draft_step_ms / verify_ms[1]
+    target_bytes = weight_bytes(target)
+    bytes_ratio = weight_bytes(draft) / target_bytes if draft is not None and target_bytes else None
+    paired_over = paired_ms / standalone_ms if paired_ms is not None and standalone_ms else None
+    best = {a: costs.best_draft_len(a, K_MAX) for a in ACCEPTANCES}
+    predicted = {a: costs.predicted_speedup(a, K_MAX) for a in ACCEPTANCES}
+    even = break_even_acceptance(costs)
+    return DoctorReport(
+        device=target.device, backend=target.backend, target=target.path, draft=draft.path if draft else None,
+        draft_len_paired=k, repeats=repeats, draft_step_ms_standalone=standalone_ms,
+        draft_step_ms_paired=paired_ms, paired_over_standalone=paired_over, target_step_ms=verify_ms[1],
+        verify_ms=verify_ms, draft_cost_ratio=ratio, weight_bytes_ratio=bytes_ratio, best_draft_len=best,
+        predicted_speedup=predicted, break_even_acceptance=even,
+        flags=diagnose(paired_over, verify_ms, ratio, bytes_ratio), verdict=make_verdict(costs, even, predicted, best),
+        synthetic=synthetic, shapes=shapes,
+    )
+
+
+def format_report(r: DoctorReport, device_name: str = "") -> str:
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.3f} ms"
+
+    lines = [
+        f"tandem doctor — {r.backend} on {r.device}{f' ({device_name})' if device_name else ''}"
+        + (" — SYNTHETIC random-weight models " + str(r.shapes) if r.synthetic else ""),
+        f"  target: {r.target}",
+        f"  draft:  {r.draft or '(none: prompt lookup costs)'}",
+        f"  draft step, draft alone (per token):          {ms(r.draft_step_ms_standalone)}",
+        f"  draft step, target loaded, k={r.draft_len_paired} (per token): {ms(r.draft_step_ms_paired)}"
+        + (f"  ({r.paired_over_standalone:.2f}x standalone)" if r.paired_over_standalone else ""),
+        f"  target step (per token, plain decoding):      {ms(r.target_step_ms)}",
+        f"  draft step / target step:                     {r.draft_cost_ratio:.2f}"
+        + (f"  (weight bytes ratio {r.weight_bytes_ratio:.2f})" if r.weight_bytes_ratio else ""),
+        "  verify of n tokens (per call): "
+        + ", ".join(f"{n}: {v:.2f}" for n, v in r.verify_ms.items() if n in (1, 2, 3, 4, 5, 9, 12, 16)) + " ms",
+        "  predicted: " + ", ".join(f"a={a}: k={r.best_draft_len[a]}, {r.predicted_speedup[a]:.2f}x"
+                                    for a in r.predicted_speedup),
+        f"  break-even acceptance: {'none' if r.break_even_acceptance is None else f'{r.break_even_acceptance:.2f}'}",
+    ]
+    lines += [f"  ! {flag}" for flag in r.flags] or ["  no pathologies found"]
+    lines += ["", r.verdict]
+    return "\n".join(lines)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from tandem.bench.bench import environment, load_draft, load_target, synthetic_shapes
+
+    repeats = getattr(args, "repeats", None) or DEFAULT_REPEATS
+    k = max(1, args.draft_max)
+    # The draft first, alone: its standalone step must be timed before the target exists.
+    draft = load_draft(args, backend=None)
+    if isinstance(draft, str):
+        draft = None  # "ngram": no draft model to time; costs are prompt lookup's
+    standalone = time_draft_steps(draft, None, k, repeats) if draft is not None else None
+    target = load_target(args)
+    shapes = synthetic_shapes(args)
+    report = measure(target, draft, standalone, k, repeats, synthetic=shapes is not None, shapes=shapes)
+    env = environment(target)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "environment": env}, indent=2))
+    else:
+        print(format_report(report, env["device_name"]))
+    sys.stdout.flush()
+    return 0
