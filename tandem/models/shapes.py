@@ -42,8 +42,8 @@ SHAPES: dict[str, ModelConfig] = {
     "qwen2.5-coder-1.5b": _qwen2("qwen2.5-coder-1.5b", 28, 1536, 8960, 12, 2, 151936, tied=True),
     "qwen2.5-coder-0.5b": _qwen2("qwen2.5-coder-0.5b", 24, 896, 4864, 14, 2, 151936, tied=True),
     # For tests: milliseconds on a CPU. The vocabulary must hold the tiny tokenizer's ~310 ids.
-    "tiny": replace(_qwen2("tiny", 2, 64, 128, 4, 2, 512, tied=False), context_length=1024),
-    "tiny-draft": replace(_qwen2("tiny-draft", 1, 32, 64, 2, 1, 512, tied=False), context_length=1024),
+    "tiny": replace(_qwen2("tiny", 2, 64, 128, 4, 2, 512, tied=False), context_length=4096),
+    "tiny-draft": replace(_qwen2("tiny-draft", 1, 32, 64, 2, 1, 512, tied=False), context_length=4096),
 }
 
 
