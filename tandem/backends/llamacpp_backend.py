@@ -9,7 +9,12 @@ marks cells free and copies nothing.
 Threads. The draft and the target run one after the other in tandem's loop (draft k steps, then verify), never at
 the same time, so both contexts may use every core. Built with OpenMP (llama.cpp's default), every context's graph
 runs on the calling thread's one OpenMP team, so an idle context has no threads of its own that could spin and steal
-cores from the busy one (measured: the draft's step costs the same with the target context alive and interleaved).
+cores from the busy one. (Paired-vs-standalone draft cost is not yet measured on a quiet machine: the doctor should.)
+
+NUMERICS. A row's logits depend on the batch it was computed in: with quantised weights llama.cpp's CPU backend
+uses different kernels for 1 row and for n > 1 rows (repacked GEMM in groups of 4, GEMV for the rest, llamafile
+sgemm), so the same position gives different logits in a 1-token step, a 2-token batch and a 9-token batch
+(Qwen2.5-Coder-1.5B Q4_K_M: up to 0.6 apart; the argmax agreed on 63 of 63 positions). Each call is deterministic.
 
 Tokenization is tandem's own `Tokenizer` read from the GGUF metadata, never llama.cpp's, so this backend and the torch
 backend turn text into the same ids; the `ModelConfig` comes from the same metadata (no weights are dequantised).
@@ -244,7 +249,7 @@ class LlamaCppModel(Model):
     def __init__(
         self,
         path: str | os.PathLike,
-        n_ctx: int = DEFAULT_N_CTX,
+        n_ctx: int | None = None,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
         device: str = "cpu",
@@ -262,14 +267,15 @@ class LlamaCppModel(Model):
         n_batch: most tokens per llama_decode call (also the prefill chunk); DRAFT_N_BATCH suits a draft.
         flash_attn: None lets llama.cpp decide.
         repack: let llama.cpp's CPU backend repack quantised weights into its interleaved layouts (faster GEMM);
-            see NUMERICS below for what it does to batched-vs-single-token logits.
+            see NUMERICS above for what it does to batched-vs-single-token logits.
         """
         self.path = os.fspath(path)
         gguf = open_gguf(self.path)  # a GGUFError (a ValueError) names the path when the file is missing or bad
         self.config: ModelConfig = gguf.config
         self.tokenizer: Tokenizer = Tokenizer.from_gguf(gguf)
         self.device = device
-        self.n_ctx = n_ctx
+        # None (what tandem.load passes when no context is asked for) means the default, as in the torch backend.
+        self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_N_CTX, self.config.context_length)
         self.n_batch = n_batch
         self.n_threads = n_threads or physical_cores()
         self.flash_attn = flash_attn
@@ -333,7 +339,7 @@ class LlamaCppModel(Model):
 
 def load_llamacpp(
     path: str | os.PathLike,
-    n_ctx: int = DEFAULT_N_CTX,
+    n_ctx: int | None = None,
     n_threads: int | None = None,
     n_gpu_layers: int = 0,
     device: str = "cpu",

@@ -87,6 +87,7 @@ class PromptResult:
     configs: dict[str, ConfigResult] = field(default_factory=dict)
     peers: dict[str, dict] = field(default_factory=dict)
     plain_bandwidth_gb_s: float | None = None  # target weight bytes / plain decode time per token
+    synthetic: bool = False  # random-weight models or synthetic acceptance: systems numbers only
 
 
 # --- loading (shared with the doctor) -----------------------------------------------------------------------------
@@ -291,6 +292,11 @@ def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: b
     )
 
 
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
 def summarize(prompts: list[PromptResult], configs: list[BenchConfig]) -> dict:
     per_config = {}
     for c in configs:
@@ -305,10 +311,13 @@ def summarize(prompts: list[PromptResult], configs: list[BenchConfig]) -> dict:
             "acceptance_rate": sum(r.accepted_tokens for r in rows) / drafted if drafted else 0.0,
             "draft_tokens": drafted,
             "all_lossless": all(flags) if flags else None,
+            "mean_predicted_speedup": _mean([r.predicted_speedup for r in rows]),
+            "mean_fraction_of_prediction": _mean([r.fraction_of_prediction for r in rows]),
         }
     primary = prompts[0].primary
     return {
         "primary": primary,
+        "synthetic": prompts[0].synthetic,
         "baseline_tps": per_config["plain"]["mean_tps"],
         "spec_tps": per_config[primary]["mean_tps"],
         "speedup": per_config[primary]["geomean_speedup"],
@@ -376,7 +385,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "prompts": [asdict(p) for p in results],
         "summary": summarize(results, configs),
     }
-    report.print_table(out, console=Console())
+    # A wide table: rich would squeeze it into 80 columns when stdout is a file or a pipe.
+    report.print_table(out, console=Console(width=None if sys.stdout.isatty() else 170))
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)
@@ -405,7 +415,7 @@ def _prompt_result(prompt: BenchPrompt, configs: list[BenchConfig], runs: dict[s
         baseline_tps=rows["plain"].tps, spec_tps=primary.tps, speedup=primary.speedup,
         acceptance_rate=primary.acceptance_rate, mean_accepted_len=primary.mean_accepted_len,
         draft_ms_per_token=primary.draft_ms_per_token, verify_ms=primary.verify_ms, lossless=primary.lossless,
-        configs=rows,
+        configs=rows, synthetic=synthetic,
         plain_bandwidth_gb_s=target_bytes / per_token_s / 1e9 if target_bytes and plain.stats.decode_ms > 0 else None,
     )
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from tandem.backends.base import Model
-from tandem.spec.calibrate import NGRAM_STEP_MS, time_forward_ms
+from tandem.spec.calibrate import NGRAM_STEP_MS
 from tandem.spec.policy import CostModel
 
 DEFAULT_REPEATS = 5
@@ -30,6 +30,7 @@ ACCEPTANCES = (0.5, 0.7, 0.9)
 K_MAX = 15  # V is measured up to 16 tokens, so drafts up to 15 are predicted from measurements alone
 PAIRED_SLOWDOWN_FLAG = 1.2  # paired / standalone draft step above this: the two models interfere
 VERIFY_MARGINAL_FLAG = 0.3  # each extra verified token costs this fraction of a plain step or more: compute-bound
+HELPS_SPEEDUP = 1.1  # below this predicted gain at 90% acceptance, the verdict says speculation barely helps
 DRAFT_COST_FLAG = 0.5  # a draft step above this fraction of a target step can rarely pay
 
 
@@ -95,6 +96,30 @@ def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, c
             target_seq.close()
 
 
+def time_verify_ms(model: Model, sizes: tuple[int, ...], repeats: int,
+                   context: int = CONTEXT_TOKENS) -> dict[int, float]:
+    """n -> median ms of one forward over n tokens after `context` tokens. One sequence serves every n (a
+    llama.cpp context costs far more to create than to run), rolled back after each forward; the first is a warm-up."""
+    token = model.tokenizer.bos_token_id or 0
+    seq = model.new_sequence(context + max(sizes))
+    try:
+        seq.forward([token] * context, logits="last")
+        out = {}
+        for n in sizes:
+            times = []
+            for _ in range(repeats + 1):
+                model.synchronize()
+                started = time.perf_counter()
+                seq.forward([token] * n, logits="all")
+                model.synchronize()
+                times.append(1000.0 * (time.perf_counter() - started))
+                seq.rewind(context)
+            out[n] = statistics.median(times[1:])
+        return out
+    finally:
+        seq.close()
+
+
 def break_even_acceptance(costs: CostModel, k_max: int = K_MAX) -> float | None:
     """Lowest acceptance (to 0.01) at which the cost model prefers some draft over plain decoding."""
     for step in range(1, 100):
@@ -138,8 +163,8 @@ def make_verdict(costs: CostModel, break_even: float | None, predicted: dict[flo
                 f"plain decoding (a draft step costs {costs.draft_step_ms:.2f} ms, a plain step "
                 f"{costs.verify(1):.2f} ms, a 9-token verify {costs.verify(9):.2f} ms). tandem's adaptive policy "
                 f"will decode plainly.")
-    at = ", ".join(f"{predicted[a]:.2f}x at {a:.0%} (k={best[a]})" for a in ACCEPTANCES)
-    helps = "helps" if predicted[ACCEPTANCES[-1]] > 1.0 else "barely helps"
+    at = ", ".join(f"{predicted[a]:.2f}x at {a:.0%} ({f'k={best[a]}' if best[a] else 'plain'})" for a in ACCEPTANCES)
+    helps = "helps" if predicted[ACCEPTANCES[-1]] > HELPS_SPEEDUP else "barely helps"
     return (f"Speculation {helps} on this device once acceptance exceeds {break_even:.0%} (the break-even point): "
             f"predicted {at}. Below that, tandem's adaptive policy falls back to plain decoding, so it is never "
             f"slower by more than its probes.")
@@ -150,7 +175,7 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
     """Everything but the standalone draft step, which the caller measured before loading the target."""
     from tandem.models.shapes import weight_bytes
 
-    verify_ms = {n: time_forward_ms(target, n, repeats=repeats, context=CONTEXT_TOKENS) for n in VERIFY_SIZES}
+    verify_ms = time_verify_ms(target, VERIFY_SIZES, repeats)
     paired_ms = time_draft_steps(draft, target, k, repeats) if draft is not None else None
     costs = CostModel(draft_step_ms=paired_ms if paired_ms is not None else NGRAM_STEP_MS, verify_ms=verify_ms)
     ratio = costs.draft_step_ms / verify_ms[1]

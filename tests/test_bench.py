@@ -1,0 +1,114 @@
+"""`tandem bench` end to end on tiny models: the JSON contract, the lossless flags, the plot, synthetic runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tandem.bench.bench import parse_configs
+from tandem.bench.suite import DEFAULT_SUITE, load_suite
+from tandem.cli import main
+
+PROMPT_KEYS = {"name", "kind", "prompt_tokens", "primary", "baseline_tps", "spec_tps", "speedup", "acceptance_rate",
+               "mean_accepted_len", "draft_ms_per_token", "verify_ms", "lossless", "configs", "peers", "synthetic"}
+CONFIG_KEYS = {"config", "tps", "decode_tps", "wall_tps", "wall_s", "speedup", "generated_tokens", "draft_tokens",
+               "accepted_tokens", "acceptance_rate", "first_position_acceptance", "mean_accepted_len",
+               "draft_ms_per_token", "verify_ms", "k_counts", "lossless", "predicted_speedup"}
+META_KEYS = {"device", "device_name", "cpu_model", "cpu_cores", "torch_version", "tandem_commit", "date", "backend",
+             "dtype", "target", "draft", "max_tokens", "synthetic_acceptance", "shapes", "weight_bytes"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_bench(tmp_path, *args: str) -> dict:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench", "--max-tokens", "8", "--json", str(out), "--plot", str(png), *args]) == 0
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    return json.loads(out.read_text())
+
+
+def check_contract(result: dict, configs: list[str]) -> None:
+    assert set(result) >= {"synthetic", "meta", "prompts", "summary"}
+    assert META_KEYS <= set(result["meta"])
+    assert result["prompts"]
+    for p in result["prompts"]:
+        assert PROMPT_KEYS <= set(p), PROMPT_KEYS - set(p)
+        assert list(p["configs"]) == configs
+        for c in p["configs"].values():
+            assert CONFIG_KEYS <= set(c), CONFIG_KEYS - set(c)
+            assert isinstance(c["tps"], float) and c["tps"] > 0
+            assert c["generated_tokens"] == 8
+        plain_tps = p["configs"]["plain"]["tps"]
+        assert p["baseline_tps"] == plain_tps
+        assert p["speedup"] == pytest.approx(p["spec_tps"] / p["baseline_tps"])
+        for c in p["configs"].values():
+            assert c["speedup"] == pytest.approx(c["tps"] / plain_tps)
+    assert set(result["summary"]["configs"]) == set(configs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
+def test_bench_real_files(tmp_path, tiny_model_path, backend):
+    if backend == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
+    target = tiny_model_path(seed=0, context_length=2048)
+    draft = tiny_model_path(seed=0, qtype="Q8_0", context_length=2048)
+    configs = ["plain", "adaptive", "fixed3", "ngram"]
+    result = run_bench(tmp_path, "--model", target, "--draft", draft, "--backend", backend,
+                       "--configs", ",".join(configs), "--prompts", "code,code-edit", "--ignore-eos")
+    check_contract(result, configs)
+    assert result["synthetic"] is False
+    assert result["meta"]["backend"] == backend
+    for p in result["prompts"]:
+        assert p["configs"]["plain"]["lossless"] is None  # plain is the reference
+        for name in ("adaptive", "fixed3", "ngram"):
+            assert p["configs"][name]["lossless"] is True, (p["name"], name)
+        assert p["configs"]["fixed3"]["draft_tokens"] > 0  # speculation really ran
+        assert p["configs"]["fixed3"]["predicted_speedup"] > 0
+    assert result["summary"]["configs"]["fixed3"]["all_lossless"] is True
+
+
+def test_bench_synthetic_shape_and_acceptance(tmp_path):
+    result = run_bench(tmp_path, "--synthetic-shape", "tiny,tiny-draft", "--synthetic-acceptance", "0.8",
+                       "--configs", "plain,fixed4", "--prompts", "code,json,summary", "--max-tokens", "48")
+    check_contract_synthetic = result["prompts"]
+    assert result["synthetic"] is True and result["summary"]["synthetic"] is True
+    assert result["meta"]["shapes"] == {"target": "tiny", "draft": "tiny-draft"}
+    assert result["meta"]["weight_bytes"]["target"] > result["meta"]["weight_bytes"]["draft"] > 0
+    drafted = accepted_first = iterations = 0
+    for p in check_contract_synthetic:
+        assert p["synthetic"] is True
+        assert p["configs"]["fixed4"]["lossless"] is None  # synthetic acceptance is not lossless by design
+        assert p["plain_bandwidth_gb_s"] > 0
+        c = p["configs"]["fixed4"]
+        drafted += c["draft_tokens"]
+        n = sum(v for k, v in c["k_counts"].items() if k != "0")
+        iterations += n
+        accepted_first += c["first_position_acceptance"] * n
+        assert c["predicted_speedup"] > 0 and c["fraction_of_prediction"] > 0
+    assert drafted > 0
+    assert accepted_first / iterations == pytest.approx(0.8, abs=0.15)
+
+
+def test_parse_configs_and_suite():
+    class FakeModel:  # parse_configs only asks whether the draft is a Model
+        pass
+
+    assert [c.name for c in parse_configs(None, None, 8)] == ["plain", "ngram"]
+    with pytest.raises(ValueError, match="needs a draft model"):
+        parse_configs("adaptive", None, 8)
+    with pytest.raises(ValueError, match="unknown config"):
+        parse_configs("plain,turbo", "ngram", 8)
+    kinds = {p.kind for p in DEFAULT_SUITE}
+    assert {"code", "freeform", "json", "summary", "edit"} <= kinds
+    assert [p.name for p in load_suite("default", "json,code")] == ["json", "code"]
+    with pytest.raises(ValueError, match="unknown prompt"):
+        load_suite("default", "nope")
+
+
+def test_suite_file(tmp_path):
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps([{"name": "a", "prompt": "hi"}, {"messages": [{"role": "user", "content": "yo"}]}]))
+    prompts = load_suite(str(path))
+    assert [p.name for p in prompts] == ["a", "prompt1"]
+    assert prompts[0].messages == ({"role": "user", "content": "hi"},)

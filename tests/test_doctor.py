@@ -1,0 +1,81 @@
+"""`tandem doctor` on tiny models: the JSON contract, and the flags and verdict on made-up pathological numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tandem.bench.doctor import break_even_acceptance, diagnose, make_verdict
+from tandem.cli import main
+from tandem.spec.policy import CostModel
+
+KEYS = {"draft_step_ms_standalone", "draft_step_ms_paired", "paired_over_standalone", "target_step_ms", "verify_ms",
+        "best_draft_len", "predicted_speedup", "flags", "verdict", "device", "backend", "break_even_acceptance",
+        "draft_cost_ratio"}
+
+
+def doctor_json(capsys, *args: str) -> dict:
+    assert main(["doctor", "--json", "--repeats", "2", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def check_contract(d: dict) -> None:
+    assert KEYS <= set(d), KEYS - set(d)
+    assert set(d["verify_ms"]) == {str(n) for n in range(1, 17)}
+    assert all(v > 0 for v in d["verify_ms"].values())
+    assert d["target_step_ms"] == d["verify_ms"]["1"]
+    assert set(d["best_draft_len"]) == set(d["predicted_speedup"]) == {"0.5", "0.7", "0.9"}
+    assert all(isinstance(k, int) and 0 <= k <= 15 for k in d["best_draft_len"].values())
+    assert d["draft_step_ms_standalone"] > 0 and d["draft_step_ms_paired"] > 0
+    assert d["paired_over_standalone"] == pytest.approx(d["draft_step_ms_paired"] / d["draft_step_ms_standalone"])
+    assert isinstance(d["flags"], list) and all(isinstance(f, str) for f in d["flags"])
+    assert isinstance(d["verdict"], str) and d["verdict"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
+def test_doctor_json(capsys, tiny_model_path, backend):
+    if backend == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
+    d = doctor_json(capsys, "--model", tiny_model_path(seed=0), "--draft", tiny_model_path(seed=0, qtype="Q8_0"),
+                    "--backend", backend)
+    check_contract(d)
+    assert d["backend"] == backend and d["device"] == "cpu"
+    assert d["synthetic"] is False
+
+
+def test_doctor_synthetic_and_text(capsys):
+    d = doctor_json(capsys, "--synthetic-shape", "tiny,tiny-draft")
+    check_contract(d)
+    assert d["synthetic"] is True and d["shapes"] == {"target": "tiny", "draft": "tiny-draft"}
+    assert main(["doctor", "--repeats", "1", "--synthetic-shape", "tiny,tiny-draft"]) == 0
+    text = capsys.readouterr().out
+    assert "SYNTHETIC" in text and "target step" in text
+
+
+def test_flags_on_pathological_numbers():
+    # The report's case: the draft slowed down next to the target, a 9-token verify costs 6 steps, draft is 0.68.
+    verify = {n: 10.0 + 6.25 * (n - 1) for n in range(1, 17)}
+    flags = diagnose(paired_over_standalone=3.0, verify_ms=verify, draft_cost_ratio=0.68, weight_bytes_ratio=0.3)
+    assert len(flags) == 3
+    assert flags[0].startswith("the draft slows down when the target shares the device")
+    assert flags[1].startswith("compute-bound: a verify of 9 tokens costs 6.0 plain steps")
+    assert flags[2].startswith("draft is launch/overhead-bound") and "0.30" in flags[2]
+
+
+def test_no_flags_on_a_healthy_memory_bound_device():
+    verify = {n: 10.0 + 0.1 * (n - 1) for n in range(1, 17)}
+    assert diagnose(paired_over_standalone=1.02, verify_ms=verify, draft_cost_ratio=0.1) == []
+    costs = CostModel(draft_step_ms=1.0, verify_ms=verify)
+    even = break_even_acceptance(costs)
+    assert even is not None and even < 0.3
+    predicted = {a: costs.predicted_speedup(a, 15) for a in (0.5, 0.7, 0.9)}
+    assert predicted[0.9] > 3
+    assert "helps" in make_verdict(costs, even, predicted, {a: costs.best_draft_len(a, 15) for a in predicted})
+
+
+def test_verdict_when_speculation_cannot_pay():
+    costs = CostModel(draft_step_ms=9.0, verify_ms={n: 10.0 * n for n in range(1, 17)})
+    assert break_even_acceptance(costs) is None
+    assert "cannot help" in make_verdict(costs, None, {0.5: 1.0, 0.7: 1.0, 0.9: 1.0}, {0.5: 0, 0.7: 0, 0.9: 0})
