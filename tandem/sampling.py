@@ -54,6 +54,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         sorted_probs = torch.softmax(sorted_scores, dim=-1)
         # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
         drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
+        # Explicitly: a top_p below float32's smallest normal rounds to 0, and 0 >= 0 would drop everything.
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, -math.inf)
     probs = torch.softmax(scores, dim=-1)
