@@ -112,3 +112,15 @@ def test_suite_file(tmp_path):
     prompts = load_suite(str(path))
     assert [p.name for p in prompts] == ["a", "prompt1"]
     assert prompts[0].messages == ({"role": "user", "content": "hi"},)
+
+
+def test_bench_hf_peer(tmp_path, tiny_model_path):
+    pytest.importorskip("transformers")
+    target = tiny_model_path(seed=0, context_length=2048)
+    draft = tiny_model_path(seed=0, qtype="Q8_0", context_length=2048)
+    result = run_bench(tmp_path, "--model", target, "--draft", draft, "--backend", "torch", "--peer", "hf",
+                       "--configs", "plain,fixed3", "--prompts", "json")
+    peer = result["prompts"][0]["peers"]["hf"]
+    assert peer["plain_tps"] > 0 and peer["assisted_tps"] > 0
+    assert peer["speedup"] == pytest.approx(peer["assisted_tps"] / peer["plain_tps"])
+    assert peer["lossless"] is True
