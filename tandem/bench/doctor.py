@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from tandem.backends.base import Model
-from tandem.spec.calibrate import NGRAM_STEP_MS
+from tandem.spec.calibrate import NGRAM_STEP_MS, time_forwards_ms
 from tandem.spec.policy import CostModel
 
 DEFAULT_REPEATS = 5
@@ -96,30 +96,6 @@ def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, c
             target_seq.close()
 
 
-def time_verify_ms(model: Model, sizes: tuple[int, ...], repeats: int,
-                   context: int = CONTEXT_TOKENS) -> dict[int, float]:
-    """n -> median ms of one forward over n tokens after `context` tokens. One sequence serves every n (a
-    llama.cpp context costs far more to create than to run), rolled back after each forward; the first is a warm-up."""
-    token = model.tokenizer.bos_token_id or 0
-    seq = model.new_sequence(context + max(sizes))
-    try:
-        seq.forward([token] * context, logits="last")
-        out = {}
-        for n in sizes:
-            times = []
-            for _ in range(repeats + 1):
-                model.synchronize()
-                started = time.perf_counter()
-                seq.forward([token] * n, logits="all")
-                model.synchronize()
-                times.append(1000.0 * (time.perf_counter() - started))
-                seq.rewind(context)
-            out[n] = statistics.median(times[1:])
-        return out
-    finally:
-        seq.close()
-
-
 def break_even_acceptance(costs: CostModel, k_max: int = K_MAX) -> float | None:
     """Lowest acceptance (to 0.01) at which the cost model prefers some draft over plain decoding."""
     for step in range(1, 100):
@@ -175,7 +151,7 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
     """Everything but the standalone draft step, which the caller measured before loading the target."""
     from tandem.models.shapes import weight_bytes
 
-    verify_ms = time_verify_ms(target, VERIFY_SIZES, repeats)
+    verify_ms = time_forwards_ms(target, VERIFY_SIZES, repeats, CONTEXT_TOKENS)
     paired_ms = time_draft_steps(draft, target, k, repeats) if draft is not None else None
     costs = CostModel(draft_step_ms=paired_ms if paired_ms is not None else NGRAM_STEP_MS, verify_ms=verify_ms)
     ratio = costs.draft_step_ms / verify_ms[1]

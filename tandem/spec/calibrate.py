@@ -8,6 +8,7 @@ refines every figure from the iterations it really runs.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 import statistics
 import time
 
@@ -21,33 +22,39 @@ NGRAM_STEP_MS = 0.01  # a dictionary lookup; measured online from there
 NGRAM_PRIOR = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations until the request shows otherwise
 
 
-def time_forward_ms(model: Model, n_tokens: int, repeats: int = REPEATS, context: int = WARMUP_TOKENS) -> float:
-    """Median ms of one forward of n_tokens after `context` tokens, on a scratch sequence (rolled back each time)."""
-    if n_tokens + 1 > model.n_ctx:
-        raise ValueError(f"cannot time a forward of {n_tokens} tokens in a context of {model.n_ctx}")
-    context = max(1, min(context, model.n_ctx - n_tokens))
+def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
+                     context: int = WARMUP_TOKENS) -> dict[int, float]:
+    """n -> median ms of one forward of n tokens after `context` tokens. One scratch sequence serves every n (a
+    llama.cpp context costs far more to create than to run), rolled back after each forward; the first is a warm-up
+    (allocations, graph capture)."""
+    sizes = sorted(set(sizes))
+    if sizes[-1] + 1 > model.n_ctx:
+        raise ValueError(f"cannot time a forward of {sizes[-1]} tokens in a context of {model.n_ctx}")
+    context = max(1, min(context, model.n_ctx - sizes[-1]))
     seq = model.new_sequence()  # the capacity decoding uses: attention over a static cache costs by capacity
     try:
         token = model.tokenizer.bos_token_id or 0
         seq.forward([token] * context, logits="last")
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up (allocations, graph capture)
-            model.synchronize()
-            started = time.perf_counter()
-            seq.forward([token] * n_tokens, logits="all")
-            model.synchronize()
-            times.append(1000.0 * (time.perf_counter() - started))
-            seq.rewind(context)
-        return statistics.median(times[1:])
+        out = {}
+        for n in sizes:
+            times = []
+            for _ in range(repeats + 1):
+                model.synchronize()
+                started = time.perf_counter()
+                seq.forward([token] * n, logits="all")
+                model.synchronize()
+                times.append(1000.0 * (time.perf_counter() - started))
+                seq.rewind(context)
+            out[n] = statistics.median(times[1:])
+        return out
     finally:
         seq.close()
 
 
 def measure_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
     k_max = max(0, min(k_max, target.n_ctx - 2))  # a verify of k_max + 1 tokens must fit in the context
-    draft_step = time_forward_ms(draft, 1) if draft is not None else NGRAM_STEP_MS
-    sizes = sorted({1, 2, k_max + 1})
-    return CostModel(draft_step_ms=draft_step, verify_ms={n: time_forward_ms(target, n) for n in sizes})
+    draft_step = time_forwards_ms(draft, [1])[1] if draft is not None else NGRAM_STEP_MS
+    return CostModel(draft_step_ms=draft_step, verify_ms=time_forwards_ms(target, {1, 2, k_max + 1}))
 
 
 def cached_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
