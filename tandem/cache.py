@@ -20,16 +20,13 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (n_layers, 1, n_kv_heads, capacity, head_dim)  # [L, B, H_kv, S, D]
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (1, n_kv_heads, capacity, head_dim)  # [B, H_kv, S, D] per layer
+        # One tensor per layer, not one [L, ...] tensor: a compiled step writes each in place, where a slice of a
+        # shared tensor would make the compiler copy the whole cache back after every write.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.capacity = capacity
         self.length = 0
-
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [B, H_kv, T, D] at positions [T]; index_copy_ keeps it one kernel and graph-capturable."""
-        self.k[layer].index_copy_(2, positions, k)
-        self.v[layer].index_copy_(2, positions, v)
 
     def rewind(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -38,4 +35,4 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)

@@ -15,6 +15,8 @@ from tandem.spec.policy import FixedPolicy
 from tandem.spec.proposer import DraftModelProposer, NgramProposer
 from tandem.spec.verify import verify_sampled
 
+from conftest import K_QUANT_SHAPES
+
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,"]
 
 
@@ -264,3 +266,51 @@ def test_stats_fields(pair64):
     assert s.generated_tokens == 20 and s.iterations >= 1 and s.draft_tokens > 0
     assert s.accepted_tokens <= s.draft_tokens and s.prefill_ms > 0 and s.decode_ms >= s.verify_ms
     assert sum(s.draft_len_counts.values()) == s.iterations
+
+
+@pytest.fixture(scope="module")
+def padded_bf16(tiny_model_path):
+    """bfloat16 target and draft on the padded static-step path that CUDA graphs replay (run uncaptured on CPU)."""
+    target = tandem.load(tiny_model_path(seed=3), dtype="bfloat16", graphs=True)
+    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=3), dtype="bfloat16", graphs=True)
+    return target, draft
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_tokens_logits_do_not_depend_on_its_batch(tiny_model_path, graphs):
+    # A matmul's rounding depends on its row count (float32 here; bfloat16 on a GPU), so a token verified among 8
+    # drafts could get other logits than in a plain one-token step, and greedy ties could flip. Every target
+    # forward of 1..9 tokens runs as the same 9 rows: bit-identical rows. Without that (graphs=False) they differ.
+    target = tandem.load(tiny_model_path(seed=4, **K_QUANT_SHAPES), dtype="float32", graphs=graphs)
+    ids = target.tokenizer.encode(PROMPTS[2])[:14]
+    seq = target.new_sequence(64)
+    seq.forward(ids[:6], logits="last")
+    batched = seq.forward(ids[6:14], logits="all").clone()  # 8 tokens in one forward, like a verify
+    seq.rewind(6)
+    single = torch.cat([seq.forward([t], logits="all").clone() for t in ids[6:14]])
+    seq.close()
+    assert torch.equal(batched, single) == graphs, (batched - single).abs().max().item()
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_padded_steps_keep_speculation_lossless(padded_bf16, k):
+    # Padded rows write cache slots past the real tokens; nothing real may ever read them.
+    target, draft = padded_bf16
+    for prompt in PROMPTS:
+        plain = run(target, prompt, max_tokens=40)
+        spec = run(target, prompt, draft=draft, k=k, max_tokens=40)
+        assert spec.tokens == plain.tokens, (k, prompt)
+        assert spec.stats.draft_tokens > 0
+
+
+def test_padded_steps_compute_the_eager_forward(padded_bf16):
+    target, _ = padded_bf16
+    ids = target.tokenizer.encode(PROMPTS[0])
+    eager = target.logits(ids)  # one eager forward, its own cache
+    seq = target.new_sequence(64)
+    stepped = torch.cat([seq.forward(ids[:5], logits="all").clone()]  # chunked through the 9-row step
+                        + [seq.forward([t], logits="all").clone() for t in ids[5:]])
+    seq.close()
+    assert stepped.shape == eager.shape
+    assert (stepped.argmax(-1) == eager.argmax(-1)).float().mean() > 0.9
+    assert torch.allclose(stepped, eager, atol=0.15 * eager.abs().max().item())

@@ -9,9 +9,11 @@ from tandem.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, expected_
 K_MAX = 8
 
 
-def costs(c_t, c_d, slope):
-    """V(n) = c_t + slope * (n - 1): slope ~ 0 on a memory-bound GPU, ~c_t on a compute-bound CPU."""
-    return CostModel(draft_step_ms=c_d, verify_ms={n: c_t + slope * (n - 1) for n in (1, 2, K_MAX + 1)})
+def costs(c_t, c_d, slope, catch_up=None):
+    """V(n) = c_t + slope * (n - 1): slope ~ 0 on a memory-bound GPU, ~c_t on a compute-bound CPU. A draft catches up
+    on unseen tokens in one batched forward, at `catch_up` ms a token (default: an eighth of a step)."""
+    return CostModel(draft_step_ms=c_d, verify_ms={n: c_t + slope * (n - 1) for n in (1, 2, K_MAX + 1)},
+                     catch_up_ms_per_token=c_d / 8 if catch_up is None else catch_up)
 
 
 def analytic_best(c_t, c_d, slope, a):
@@ -77,3 +79,106 @@ def test_fixed_policy():
     assert FixedPolicy(3).choose() == 3
     with pytest.raises(ValueError):
         FixedPolicy(-1)
+
+
+# --- the policy inside the real decode loop, on a fake pair that runs on a virtual clock ----------------------------
+
+VOCAB = 64
+
+
+class VirtualClock:
+    """time.perf_counter for the test: fake forwards advance it by their cost, so timings are exact and repeatable."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def target_token(position: int) -> int:
+    return (position * 7 + 3) % VOCAB
+
+
+class FakeSequence:
+    def __init__(self, model, capacity):
+        self.model, self.capacity, self.length = model, capacity, 0
+
+    def forward(self, tokens, logits="all"):
+        import torch
+
+        n = len(tokens)
+        self.model.clock.now += self.model.cost_ms(n) / 1000
+        out = torch.full((n, VOCAB), -10.0)
+        for i in range(n):
+            position = self.length + i + 1
+            token = target_token(position)
+            if self.model.is_draft and random.Random(position).random() > self.model.acceptance:
+                token = (token + 1) % VOCAB  # the draft is wrong here
+            out[i, token] = 10.0
+        self.length += n
+        return out if logits == "all" else out[-1:]
+
+    def rewind(self, length):
+        self.length = length
+
+    def close(self):
+        pass
+
+
+def fake_model(clock, cost_ms, is_draft=False, acceptance=1.0):
+    from types import SimpleNamespace
+
+    from tandem.backends.base import Model
+
+    class FakeModel(Model):
+        backend, device, path, n_ctx = "fake", "cpu", "fake", 4096
+        config = SimpleNamespace(vocab_size=VOCAB)
+        tokenizer = SimpleNamespace(bos_token_id=1)
+
+        def new_sequence(self, n_ctx=None, drafting=False):
+            return FakeSequence(self, n_ctx or self.n_ctx)
+
+    model = FakeModel()
+    model.clock, model.cost_ms, model.is_draft, model.acceptance = clock, cost_ms, is_draft, acceptance
+    return model
+
+
+def run_adaptive(monkeypatch, target_ms, draft_ms, acceptance, max_tokens=300):
+    import time
+
+    from tandem.sampling import SamplingParams
+    from tandem.spec.calibrate import policy_for
+    from tandem.spec.decoder import SpeculativeDecoder
+    from tandem.spec.proposer import DraftModelProposer
+
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    target = fake_model(clock, target_ms)
+    draft = fake_model(clock, draft_ms, is_draft=True, acceptance=acceptance)
+    params = SamplingParams(temperature=0.0)
+    proposer = DraftModelProposer(draft, params, VOCAB, "cpu")
+    decoder = SpeculativeDecoder(target, params, proposer, policy_for(target, proposer, K_MAX), max_tokens=max_tokens)
+    started = clock.now
+    tokens = [t for chunk in decoder.run([1, 2, 3]) for t in chunk]
+    assert tokens == [target_token(p) for p in range(3, 3 + len(tokens))]  # lossless, whatever k was chosen
+    return decoder.stats, len(tokens) / (clock.now - started)
+
+
+def test_loop_switches_drafting_on_when_it_pays(monkeypatch):
+    # A GPU-like pair: the draft costs 0.6 of a target step and runs up to 4 tokens for the price of one; verify is
+    # flat in n. The first draft's catch-up on the prompt must not count as a draft step's cost.
+    target_ms = lambda n: 2.0  # noqa: E731
+    draft_ms = lambda n: 1.2 * -(-n // 4) + (5.0 * n if n > 64 else 0.0)  # noqa: E731
+    stats, tokens_per_s = run_adaptive(monkeypatch, target_ms, draft_ms, acceptance=0.9)
+    drafting = sum(n for k, n in stats.draft_len_counts.items() if k > 0)
+    assert drafting > 0.7 * sum(stats.draft_len_counts.values()), stats.draft_len_counts
+    assert tokens_per_s > 1.15 * 500, tokens_per_s  # plain: one token per 2 ms
+
+
+def test_loop_stays_plain_when_drafting_cannot_pay(monkeypatch):
+    # A 2-core CPU: verify grows with n (a 2-token verify costs 1.7 steps) and the draft costs half a step.
+    target_ms = lambda n: 31.0 + 20.0 * (n - 1)  # noqa: E731
+    draft_ms = lambda n: 16.0 * n  # noqa: E731
+    stats, tokens_per_s = run_adaptive(monkeypatch, target_ms, draft_ms, acceptance=0.7, max_tokens=200)
+    assert tokens_per_s > 0.97 * 1000 / 31.0, (tokens_per_s, stats.draft_len_counts)

@@ -70,8 +70,12 @@ class Model(ABC):
     n_ctx: int  # default capacity of a new sequence
 
     @abstractmethod
-    def new_sequence(self, n_ctx: int | None = None) -> Sequence:
-        """Open an empty KV cache holding up to n_ctx tokens (default self.n_ctx)."""
+    def new_sequence(self, n_ctx: int | None = None, drafting: bool = False) -> Sequence:
+        """Open an empty KV cache holding up to n_ctx tokens (default self.n_ctx).
+
+        drafting=True sizes it for a draft model: one-token steps and short catch-ups, whose numerics need match
+        nothing (a target's forwards must give a token the same logits however many tokens share the forward).
+        """
 
     def logits(self, ids: Seq[int]) -> torch.Tensor:
         """Logits [len(ids), vocab] for ids from position 0, in a fresh cache: no side effects on any other."""

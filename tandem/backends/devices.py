@@ -32,6 +32,7 @@ _GGML_TYPE_CPU, _GGML_TYPE_GPU, _GGML_TYPE_IGPU, _GGML_TYPE_ACCEL, _GGML_TYPE_ME
 _BACKEND_KINDS = {"cpu": "cpu", "vulkan": "vulkan", "cuda": "cuda", "rocm": "rocm", "musa": "musa", "mtl": "metal",
                   "metal": "metal", "blas": "blas", "sycl": "sycl", "opencl": "opencl", "rpc": "rpc",
                   "cann": "cann", "webgpu": "webgpu", "zdnn": "zdnn"}
+_DEVICE_ALIASES = {"hip": "rocm"}  # tandem device names that ggml calls otherwise
 _HOST_BACKENDS = ("cpu", "blas", "zdnn")  # accelerators that compute on host memory beside the CPU backend
 
 # VkPhysicalDeviceType
@@ -125,6 +126,7 @@ def device_info(device: str = "cpu") -> DeviceInfo | None:
     second), which is where llama.cpp puts the layers when only one such device exists.
     """
     kind, _, ordinal = device.lower().partition(":")
+    kind = _DEVICE_ALIASES.get(kind, kind)
     matches = [d for d in list_devices() if d.backend == kind and (kind == "cpu" or d.is_gpu)]
     index = int(ordinal) if ordinal else 0
     return matches[index] if index < len(matches) else None

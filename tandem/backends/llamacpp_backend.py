@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tandem.backends.base import Model, Sequence
+from tandem.backends.devices import device_info, no_device_hint
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
 
@@ -101,11 +102,10 @@ def _gpu_layers_for(device: str, n_gpu_layers: int) -> int:
         return n_gpu_layers
     if kind not in GPU_DEVICES:
         raise ValueError(f"unknown device {device!r} for the llama.cpp backend: use 'cpu' or one of {GPU_DEVICES}")
+    if kind != "gpu" and device_info(device) is None:  # also catches "vulkan" on a CUDA build
+        raise ValueError(f"device {device!r} asked for, but {no_device_hint(device)}")
     if not llc.llama_supports_gpu_offload():
-        raise ValueError(
-            f"device {device!r} asked for, but this llama-cpp-python build has no GPU backend "
-            f"(rebuild it with e.g. CMAKE_ARGS='-DGGML_VULKAN=on')"
-        )
+        raise ValueError(f"device {device!r} asked for, but {no_device_hint(device)}")
     return n_gpu_layers if n_gpu_layers not in (0, 99) else ALL_LAYERS
 
 
@@ -301,12 +301,14 @@ class LlamaCppModel(Model):
                 f"{self.path!r}: llama.cpp sees {n_vocab} tokens, the GGUF metadata {self.config.vocab_size}"
             )
 
-    def new_sequence(self, n_ctx: int | None = None, n_batch: int | None = None) -> LlamaCppSequence:
-        """Open an empty KV cache of n_ctx tokens (default self.n_ctx); n_batch defaults to the model's."""
+    def new_sequence(self, n_ctx: int | None = None, drafting: bool = False,
+                     n_batch: int | None = None) -> LlamaCppSequence:
+        """Open an empty KV cache of n_ctx tokens (default self.n_ctx). n_batch defaults to the model's, or to
+        DRAFT_N_BATCH for a draft's sequence: its compute buffers are sized for k-token steps, not prompts."""
         if self._model is None:
             raise RuntimeError(f"model {self.path!r} is closed")
         capacity = n_ctx or self.n_ctx
-        n_batch = min(n_batch or self.n_batch, capacity)
+        n_batch = min(n_batch or (DRAFT_N_BATCH if drafting else self.n_batch), capacity)
         key = (capacity, n_batch, self.n_threads)
         for i, context in enumerate(self._free_contexts):
             if context.key == key:

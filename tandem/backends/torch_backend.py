@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Sequence as Seq
 
 import torch
@@ -24,8 +25,12 @@ DTYPES = {
 }
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 512  # bounds the [T, S] attention mask and activations of a long prompt
-GRAPH_MAX_TOKENS = 17  # forwards of up to this many tokens (a verify of k_max + 1 = 17) replay CUDA graphs
-SEQUENCE_POOL = 4  # closed sequences kept per capacity: their caches and captured graphs are reused
+VERIFY_ROWS = 9  # a target's forwards of 1..9 tokens (a verify of up to 8 drafts) run as one graph of 9 rows
+DRAFT_ROWS = 4  # a draft's one-token steps and its catch-up, 4 tokens a replay for about the price of one
+GRAPH_CHUNKS_MAX = 64  # forwards of up to this many tokens replay the graph in chunks; longer ones run eagerly
+SLOT_ALIGN = 64  # cache slots are rounded up to this: aligned rows for the attention matmuls
+KV_BUCKET_MIN = 256  # a graph attends over 256, 512, 1024, ... cache slots, the fewest that hold every position
+SEQUENCE_POOL = 4  # closed sequences kept per (capacity, rows): their caches and captured graphs are reused
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -50,41 +55,57 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-class StepGraphs:
-    """CUDA graphs of forwards of n = 1..GRAPH_MAX_TOKENS tokens over one cache, each captured on first use.
+class StepGraph:
+    """CUDA graphs of a forward over a fixed number of rows; forwards of 1..rows tokens all replay one of them.
 
     A small model's decode step is hundreds of kernel launches that each take less time to run than to launch;
-    replaying a graph launches them all at once. Inputs are static buffers: tokens are copied in, and positions
-    come from one device scalar, so a replay creates no tensor and waits for nothing on the host.
+    replaying a graph launches them all at once. Padding every forward to the same row count also makes a token's
+    logits independent of how many tokens were verified with it: a GEMM's rounding depends on its shape (cuBLAS
+    picks other kernels for 1 row and for 9), so a 1-token plain step and a 9-token verify could argmax
+    differently in bf16. With one shape, greedy speculative output equals plain output bit for bit, for the
+    price of a few idle rows that a memory-bound step streams no extra weights for. Padded rows sit at positions
+    past the real ones: they write cache slots that no real query reads before a real token overwrites them.
+    Inputs are static buffers (tokens copied in, positions from one device scalar), so a replay creates no tensor
+    and waits for nothing on the host. One graph per power-of-two span of cache slots attended over: attention
+    reads only the slots a position can see, rounded up, instead of the whole context every step.
     """
 
-    def __init__(self, model: TorchModel, cache: KVCache) -> None:
+    def __init__(self, model: TorchModel, cache: KVCache, rows: int) -> None:
         device = model.torch_device
-        self.model, self.cache = model, cache
-        self.tokens = torch.zeros(GRAPH_MAX_TOKENS, dtype=torch.long, device=device)
+        self.model, self.cache, self.rows = model, cache, rows
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.start = torch.zeros(1, dtype=torch.long, device=device)
-        self.offsets = torch.arange(GRAPH_MAX_TOKENS, device=device)
+        self.offsets = torch.arange(rows, device=device)
         # Host tokens go through pinned memory: a copy that needs no staging and never blocks the host. Reusing it
         # is safe because the decode loop synchronises once per iteration, after every copy out of it has run.
-        self.host = torch.zeros(GRAPH_MAX_TOKENS, dtype=torch.long, pin_memory=True)
+        self.host = torch.zeros(rows, dtype=torch.long, pin_memory=device.type == "cuda")
         self.host_view = self.host.numpy()
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.slots = cache.k[0].shape[2]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # kv_len -> graph, [rows, V] logits
 
-    def _forward(self, n: int, last_only: bool) -> torch.Tensor:
-        positions = self.start + self.offsets[:n]
-        # kv_len=None: attend over the whole static cache under the causal mask, so shapes never change.
-        return self.model.transformer(self.tokens[:n], positions, self.cache, kv_len=None, last_only=last_only)
+    def _forward(self, kv_len: int) -> torch.Tensor:
+        positions = self.start + self.offsets
+        return self.model.step(self.tokens, positions, self.cache.k, self.cache.v, kv_len)
 
-    def _capture(self, n: int, last_only: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
+        if self.model.torch_device.type != "cuda":
+            return None, None  # elsewhere the same padded step runs uncaptured (see TorchModel's `graphs`)
         stream = torch.cuda.Stream(self.model.torch_device)
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph: cuBLAS handles, workspace, autotuning
-            self._forward(n, last_only)
+        with torch.cuda.stream(stream):  # warm-up outside the graph: compilation, cuBLAS handles, autotuning
+            for _ in range(2):
+                self._forward(kv_len)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.model.graph_pool):
-            logits = self._forward(n, last_only)
+        with torch.cuda.graph(graph):
+            logits = self._forward(kv_len)
         return graph, logits
+
+    def kv_span(self, start: int) -> int:
+        span = KV_BUCKET_MIN
+        while span < start + self.rows:
+            span *= 2
+        return min(span, self.slots)
 
     def run(self, tokens: Seq[int] | torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
         n = len(tokens)
@@ -94,20 +115,27 @@ class StepGraphs:
             self.host_view[:n] = tokens
             self.tokens[:n].copy_(self.host[:n], non_blocking=True)
         self.start.fill_(start)
-        key = (n, last_only)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(n, last_only)
-        graph, logits = self.graphs[key]
-        graph.replay()
-        return logits  # a static buffer: valid until this sequence's next forward of the same size
+        kv_len = self.kv_span(start)
+        if kv_len not in self.graphs:
+            self.graphs[kv_len] = self._capture(kv_len)
+        graph, logits = self.graphs[kv_len]
+        if graph is None:
+            logits = self._forward(kv_len)
+        else:
+            graph.replay()
+        # Views of the static output: valid until this sequence's next forward.
+        return logits[n - 1 : n] if last_only else logits[:n]
 
 
 class TorchSequence(Sequence):
-    def __init__(self, model: TorchModel, capacity: int, graphs: bool = True) -> None:
+    def __init__(self, model: TorchModel, capacity: int, rows: int, graphs: bool = True) -> None:
         self.model = model
         self.capacity = capacity
-        self.cache: KVCache = model.transformer.new_cache(capacity)
-        self.graphs = StepGraphs(model, self.cache) if model.use_graphs and graphs else None
+        self.rows = rows
+        # Room for a padded forward's rows past the last real position, rounded for aligned attention matmuls.
+        slots = -(-(capacity + rows) // SLOT_ALIGN) * SLOT_ALIGN
+        self.cache: KVCache = model.transformer.new_cache(slots)
+        self.graphs = StepGraph(model, self.cache, rows) if model.use_graphs and graphs else None
 
     @property
     def length(self) -> int:
@@ -121,17 +149,26 @@ class TorchSequence(Sequence):
             raise ValueError("forward needs at least one token")
         self._check_room(n)
         with torch.inference_mode():
-            if self.graphs is not None and n <= GRAPH_MAX_TOKENS:
-                out = self.graphs.run(tokens, self.cache.length, last_only=logits == "last")
-                self.cache.length += n
-                return out
+            if self.graphs is not None and n <= max(self.rows, GRAPH_CHUNKS_MAX):
+                # A draft catching up after plain steps, a short prompt: a few replays beat an eager forward's
+                # thousands of launches. Earlier chunks' rows are copied out before the next replay overwrites them.
+                rows = []
+                for start in range(0, n, self.rows):
+                    chunk = tokens[start : start + self.rows]
+                    last = start + len(chunk) == n
+                    out = self.graphs.run(chunk, self.cache.length, last_only=logits == "last")
+                    self.cache.length += len(chunk)
+                    if logits == "all" or last:
+                        rows.append(out if last else out.clone())
+                return rows[-1] if logits == "last" or len(rows) == 1 else torch.cat(rows)
             tokens = torch.as_tensor(tokens, dtype=torch.long).to(self.model.torch_device, non_blocking=True)
             rows = []
             for start in range(0, n, PREFILL_CHUNK):
                 chunk = tokens[start : start + PREFILL_CHUNK]
                 begin, end = self.cache.length, self.cache.length + chunk.shape[0]
                 positions = torch.arange(begin, end, device=self.model.torch_device)
-                rows.append(self.model.transformer(chunk, positions, self.cache, kv_len=end, last_only=logits == "last"))
+                rows.append(self.model.transformer(chunk, positions, self.cache.k, self.cache.v, kv_len=end,
+                                                   last_only=logits == "last"))
                 self.cache.length = end
         return rows[-1] if logits == "last" else torch.cat(rows) if len(rows) > 1 else rows[0]
 
@@ -146,7 +183,9 @@ class TorchModel(Model):
     backend = "torch"
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer, path: str = "",
-                 n_ctx: int | None = None) -> None:
+                 n_ctx: int | None = None, graphs: bool | None = None) -> None:
+        """graphs: run forwards of up to a sequence's rows as padded static-shape steps (None: on CUDA, where they
+        are captured and replayed as CUDA graphs; True elsewhere runs the same steps without capture, for tests)."""
         self.path = str(path)
         self.config = config
         self.tokenizer = tokenizer
@@ -154,44 +193,49 @@ class TorchModel(Model):
         self.torch_device, self.dtype = any_weight.device, any_weight.dtype
         self.device = str(self.torch_device)
         self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_CTX, config.context_length)
-        self.transformer = Transformer(config, weights, max_positions=max(self.n_ctx, 1))
+        # Positions run past n_ctx by a padded forward's rows (see StepGraph) and the alignment of cache slots.
+        self.transformer = Transformer(config, weights, max_positions=self.n_ctx + VERIFY_ROWS + SLOT_ALIGN)
         self.load_seconds = 0.0
-        self.use_graphs = self.torch_device.type == "cuda" and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._free: dict[int, list[TorchSequence]] = {}  # capacity -> closed sequences ready for reuse
+        on_cuda = self.torch_device.type == "cuda"
+        self.use_graphs = graphs if graphs is not None else on_cuda and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
+        self.step = self.transformer.forward  # what graphs capture; compiled on CUDA (see _compile_step)
+        if on_cuda and self.use_graphs and os.environ.get("TANDEM_COMPILE", "1") != "0":
+            self.step = _compile_step(self.transformer)
+        self._free: dict[tuple[int, int], list[TorchSequence]] = {}  # (capacity, rows) -> closed sequences
 
     @classmethod
     def from_gguf(cls, path: str, device: str = "cpu", dtype: str = "float32", n_ctx: int | None = None,
-                  progress: bool = True) -> TorchModel:
+                  progress: bool = True, graphs: bool | None = None) -> TorchModel:
         started = time.perf_counter()
         torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
         gguf = open_gguf(path)
         tokenizer = Tokenizer.from_gguf(gguf)
         weights = load_weights(gguf, torch_dtype, torch_device, progress=progress)
-        model = cls(gguf.config, weights, tokenizer, path=path, n_ctx=n_ctx)
+        model = cls(gguf.config, weights, tokenizer, path=path, n_ctx=n_ctx, graphs=graphs)
         model.load_seconds = time.perf_counter() - started
         return model
 
-    def new_sequence(self, n_ctx: int | None = None) -> TorchSequence:
+    def new_sequence(self, n_ctx: int | None = None, drafting: bool = False) -> TorchSequence:
         capacity = n_ctx or self.n_ctx
         if capacity > self.n_ctx:
             raise ValueError(f"a sequence of {capacity} tokens exceeds this model's n_ctx={self.n_ctx}; load with a "
                              f"larger n_ctx")
-        free = self._free.get(capacity)
+        rows = DRAFT_ROWS if drafting else VERIFY_ROWS
+        free = self._free.get((capacity, rows))
         if free:
             seq = free.pop()
             seq.cache.length = 0
             return seq
-        return TorchSequence(self, capacity)
+        return TorchSequence(self, capacity, rows)
 
     def logits(self, ids: Seq[int]) -> torch.Tensor:
         # Eager, in a cache of its own: a graph's output buffer would be overwritten by the next replay.
-        seq = TorchSequence(self, max(len(ids), 1), graphs=False)
+        seq = TorchSequence(self, max(len(ids), 1), rows=1, graphs=False)
         return seq.forward(list(ids), logits="all")
 
     def release(self, seq: TorchSequence) -> None:
-        """Keep a closed sequence for reuse when it holds captured graphs (capturing costs ~10 ms a size)."""
-        free = self._free.setdefault(seq.capacity, [])
+        """Keep a closed sequence for reuse when it holds a captured graph (capturing costs ~10 ms a size)."""
+        free = self._free.setdefault((seq.capacity, seq.rows), [])
         if seq.graphs is not None and len(free) < SEQUENCE_POOL and all(s is not seq for s in free):
             free.append(seq)
 
@@ -200,6 +244,31 @@ class TorchModel(Model):
             torch.cuda.synchronize(self.torch_device)
 
 
+def _compile_step(transformer: Transformer):
+    """The forward as Inductor compiles it: rms_norm, rope, residual adds and the softmax fuse into a few kernels,
+    a third of the launches an eager step makes. Falls back to the eager forward when Triton is missing or compilation fails."""
+    try:
+        import triton  # noqa: F401  (Inductor's GPU code generator)
+    except ImportError:
+        return transformer.forward
+    # dynamic=True: one compilation serves every row count and attention span (a static one costs ~40 s each).
+    compiled = torch.compile(transformer.forward, dynamic=True)
+
+    def step(*args, **kwargs):
+        nonlocal compiled
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as error:  # a compiler bug must cost speed, never a request
+            if compiled is transformer.forward:
+                raise
+            warnings.warn(f"torch.compile failed ({type(error).__name__}: {error}); running the step eagerly",
+                          stacklevel=2)
+            compiled = transformer.forward
+            return compiled(*args, **kwargs)
+
+    return step
+
+
 def load_torch(path: str, device: str = "cpu", dtype: str = "float32", n_ctx: int | None = None,
-               progress: bool = True) -> TorchModel:
-    return TorchModel.from_gguf(path, device=device, dtype=dtype, n_ctx=n_ctx, progress=progress)
+               progress: bool = True, graphs: bool | None = None) -> TorchModel:
+    return TorchModel.from_gguf(path, device=device, dtype=dtype, n_ctx=n_ctx, progress=progress, graphs=graphs)

@@ -69,7 +69,7 @@ def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, c
     target forward over k + 1 tokens, as the decode loop interleaves them. The first run is a warm-up."""
     token = draft.tokenizer.bos_token_id or 0
     capacity = context + k + 2
-    draft_seq = draft.new_sequence(capacity)
+    draft_seq = draft.new_sequence(capacity, drafting=True)
     target_seq = target.new_sequence(capacity) if target is not None else None
     try:
         draft_seq.forward([token] * context, logits="last")

@@ -47,14 +47,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+DECODE_ATTENTION_MAX_ROWS = 64  # query rows (heads in a group x tokens) up to which attention is two matmuls
+
+
 class Transformer(torch.nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.w = weights  # GGUF name -> tensor, shapes checked by tandem.loading.weights
-        any_weight = weights["token_embd.weight"]
+        self.w = fuse_projections(config, weights)  # GGUF names, shapes checked by tandem.loading.weights
+        any_weight = self.w["token_embd.weight"]
         self.dtype, self.device = any_weight.dtype, any_weight.device
-        self.output = weights.get("output.weight", any_weight)  # tied embeddings reuse token_embd
+        self.output = self.w.get("output.weight", any_weight)  # tied embeddings reuse token_embd
         c = config
         self.rope_global = rope_tables(c, c.rope_base, c.rope_scale, max_positions, self.dtype, self.device)
         self.rope_local = (
@@ -65,20 +68,23 @@ class Transformer(torch.nn.Module):
         self.attn_scale = c.attn_scale if c.attn_scale is not None else 1.0 / math.sqrt(c.head_dim)
         self.embed_scale = torch.tensor(c.embed_scale, dtype=self.dtype)
         self.act = (lambda g: F.gelu(g, approximate="tanh")) if c.activation == "gelu_tanh" else F.silu
+        self.q_width, self.kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
         return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
-    def attention_mask(self, positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
-        """[T, kv_len] True where query at positions[t] may see key j: causal, within the window if local."""
+    def attention_bias(self, positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+        """[G*T, kv_len] additive mask, 0 where query at positions[t] may see key j (causal, within the window if
+        local) and -inf elsewhere; rows repeated for the G query heads that share a KV head (see `attend`)."""
         keys = torch.arange(kv_len, device=positions.device)
-        mask = keys[None, :] <= positions[:, None]
+        visible = keys[None, :] <= positions[:, None]
         if window:
-            mask &= keys[None, :] > positions[:, None] - window
-        return mask
+            visible &= keys[None, :] > positions[:, None] - window
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=positions.device).masked_fill_(~visible, -math.inf)
+        return bias.repeat(self.config.n_heads // self.config.n_kv_heads, 1)
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention without expanding K/V: the G query heads of each KV head become G*T query rows.
 
         Repeating K/V to H heads would copy the whole cache every step (300 MB a token for a 1.5B model at 4k).
@@ -86,34 +92,39 @@ class Transformer(torch.nn.Module):
         c = self.config
         group, T = c.n_heads // c.n_kv_heads, q.shape[2]
         q = q.reshape(1, c.n_kv_heads, group * T, c.head_dim)  # [B, H_kv, G*T, D]; head h reads KV head h // G
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.repeat(group, 1), scale=self.attn_scale)
+        if group * T <= DECODE_ATTENTION_MAX_ROWS:
+            # Decode and verify: few query rows over a long cache. Fused attention kernels split work by query
+            # rows, so a handful of thread blocks would stream the whole cache; two matmuls split it by keys.
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # softmax of half scores loses mass
+            scores = torch.matmul(q, keys.transpose(-1, -2)).to(acc) * self.attn_scale + bias  # [B, H_kv, G*T, S]
+            out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.attn_scale)
         return out.view(1, c.n_heads, T, c.head_dim)
 
     def forward(
         self,
         tokens: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64, absolute positions in the cache
-        cache: KVCache,
-        kv_len: int | None = None,  # attend over cache[:kv_len]; None = the whole capacity (fixed shapes for graphs)
+        cache_k: list[torch.Tensor],  # per layer [B, H_kv, S, D], written at `positions`: a KVCache's k ...
+        cache_v: list[torch.Tensor],  # ... and v
+        kv_len: int | None = None,  # attend over cache slots [0, kv_len); None = all of them
         last_only: bool = False,  # project only the last row to logits
     ) -> torch.Tensor:  # [T or 1, V] float32 (float64 for float64 models)
         c, w = self.config, self.w
-        kv_len = cache.capacity if kv_len is None else kv_len
+        kv_len = cache_k[0].shape[2] if kv_len is None else kv_len
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [B=1, T, d]
         T = tokens.shape[0]
-        masks = {
-            False: self.attention_mask(positions, kv_len, None),
-            True: self.attention_mask(positions, kv_len, c.sliding_window),
-        }
+        bias = {False: self.attention_bias(positions, kv_len, None)}
+        bias[True] = self.attention_bias(positions, kv_len, c.sliding_window) if c.sliding_window else bias[False]
         for i in range(c.n_layers):
             p = f"blk.{i}."
             local = c.is_local_layer(i)
             cos, sin = (self.rope_local if local else self.rope_global)[:, positions]  # [T, D/2] each
 
             h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
-            q = F.linear(h, w[p + "attn_q.weight"], w.get(p + "attn_q.bias"))
-            k = F.linear(h, w[p + "attn_k.weight"], w.get(p + "attn_k.bias"))
-            v = F.linear(h, w[p + "attn_v.weight"], w.get(p + "attn_v.bias"))
+            qkv = F.linear(h, w[p + "attn_qkv.weight"], w.get(p + "attn_qkv.bias"))  # one matmul for q, k and v
+            q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
             q = q.view(1, T, c.n_heads, c.head_dim).transpose(1, 2)  # [B, H, T, D]
             k = k.view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
             v = v.view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
@@ -122,17 +133,19 @@ class Transformer(torch.nn.Module):
                 k = rms_norm(k, w[p + "attn_k_norm.weight"], c.rms_eps)
             q = apply_rope(q, cos, sin, c.rope_interleaved)
             k = apply_rope(k, cos, sin, c.rope_interleaved)
-            cache.write(i, positions, k, v)
-            keys, values = cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len]  # [B, H_kv, S, D]
-            attn = self.attend(q, keys, values, masks[local])  # [B, H, T, D]
-            attn = F.linear(attn.transpose(1, 2).reshape(1, T, c.n_heads * c.head_dim), w[p + "attn_output.weight"])
+            # index_copy_: one kernel, and capturable (no host-side indexing).
+            cache_k[i].index_copy_(2, positions, k)
+            cache_v[i].index_copy_(2, positions, v)
+            keys, values = cache_k[i][:, :, :kv_len], cache_v[i][:, :, :kv_len]  # [B, H_kv, S, D]
+            attn = self.attend(q, keys, values, bias[local])  # [B, H, T, D]
+            attn = F.linear(attn.transpose(1, 2).reshape(1, T, self.q_width), w[p + "attn_output.weight"])
             if c.sandwich_norm:
                 attn = rms_norm(attn, w[p + "post_attention_norm.weight"], c.rms_eps)
             x = x + attn
 
             h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
-            ffn = F.linear(self.act(F.linear(h, w[p + "ffn_gate.weight"])) * F.linear(h, w[p + "ffn_up.weight"]),
-                           w[p + "ffn_down.weight"])
+            gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
+            ffn = F.linear(self.act(gate) * up, w[p + "ffn_down.weight"])
             if c.sandwich_norm:
                 ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], c.rms_eps)
             x = x + ffn
@@ -141,3 +154,21 @@ class Transformer(torch.nn.Module):
         x = rms_norm(x, w["output_norm.weight"], c.rms_eps)
         logits = F.linear(x, self.output)
         return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def fuse_projections(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of `weights` with q/k/v stacked into `attn_qkv` and gate/up into `ffn_gate_up`.
+
+    A decode step of a small model costs its kernel launches more than its bytes: one matmul where there were
+    three (and one for two) cuts a quarter of them. Each pair is replaced as it is stacked, so the peak memory is
+    one layer's projections over the weights themselves (the caller's dict keeps the originals only if it lives).
+    """
+    fused = dict(weights)
+    for i in range(config.n_layers):
+        p = f"blk.{i}."
+        for out, parts in ((p + "attn_qkv", ("attn_q", "attn_k", "attn_v")), (p + "ffn_gate_up", ("ffn_gate", "ffn_up"))):
+            for suffix in (".weight", ".bias"):
+                names = [p + part + suffix for part in parts]
+                if all(name in fused for name in names):
+                    fused[out + suffix] = torch.cat([fused.pop(name) for name in names])
+    return fused

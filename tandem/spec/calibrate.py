@@ -20,10 +20,11 @@ WARMUP_TOKENS = 16  # context the timed forwards attend over, and a warm-up of k
 REPEATS = 3
 NGRAM_STEP_MS = 0.01  # a dictionary lookup; measured online from there
 NGRAM_PRIOR = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations until the request shows otherwise
+CATCH_UP_TOKENS = 8  # a draft's forward over this many tokens prices its catch-up after plain steps
 
 
 def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
-                     context: int = WARMUP_TOKENS) -> dict[int, float]:
+                     context: int = WARMUP_TOKENS, drafting: bool = False) -> dict[int, float]:
     """n -> median ms of one forward of n tokens after `context` tokens. One scratch sequence serves every n (a
     llama.cpp context costs far more to create than to run), rolled back after each forward; the first is a warm-up
     (allocations, graph capture)."""
@@ -31,7 +32,7 @@ def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
     if sizes[-1] + 1 > model.n_ctx:
         raise ValueError(f"cannot time a forward of {sizes[-1]} tokens in a context of {model.n_ctx}")
     context = max(1, min(context, model.n_ctx - sizes[-1]))
-    seq = model.new_sequence()  # the capacity decoding uses: attention over a static cache costs by capacity
+    seq = model.new_sequence(drafting=drafting)  # the capacity decoding uses: attention over a static cache costs by capacity
     try:
         token = model.tokenizer.bos_token_id or 0
         seq.forward([token] * context, logits="last")
@@ -53,8 +54,12 @@ def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
 
 def measure_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
     k_max = max(0, min(k_max, target.n_ctx - 2))  # a verify of k_max + 1 tokens must fit in the context
-    draft_step = time_forwards_ms(draft, [1])[1] if draft is not None else NGRAM_STEP_MS
-    return CostModel(draft_step_ms=draft_step, verify_ms=time_forwards_ms(target, {1, 2, k_max + 1}))
+    verify_ms = time_forwards_ms(target, {1, 2, k_max + 1})
+    if draft is None:
+        return CostModel(draft_step_ms=NGRAM_STEP_MS, verify_ms=verify_ms, catch_up_ms_per_token=0.0)
+    draft_ms = time_forwards_ms(draft, [1, CATCH_UP_TOKENS], drafting=True)
+    return CostModel(draft_step_ms=draft_ms[1], verify_ms=verify_ms,
+                     catch_up_ms_per_token=draft_ms[CATCH_UP_TOKENS] / CATCH_UP_TOKENS)
 
 
 def cached_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:

@@ -111,9 +111,10 @@ class SpeculativeDecoder:
                 k = self.policy.choose() if proposer is not None else 0
                 k = max(0, min(k, self.max_tokens - emitted - 1, room - 1))
                 clock.mark()
+                catch_up = 0
                 if k > 0:
                     proposal = proposer.propose(tokens, k)
-                    draft_tokens, draft_probs = proposal.tokens, proposal.probs
+                    draft_tokens, draft_probs, catch_up = proposal.tokens, proposal.probs, proposal.catch_up
                 else:
                     draft_tokens, draft_probs = torch.empty(0, dtype=torch.long, device=self.device), None
                 k = draft_tokens.shape[0]
@@ -135,7 +136,7 @@ class SpeculativeDecoder:
                 stats.draft_ms += draft_ms
                 stats.verify_ms += verify_ms
                 stats.record_iteration(k, n)
-                self.policy.observe(k, n, draft_ms, verify_ms)
+                self.policy.observe(k, n, draft_ms, verify_ms, catch_up)
                 tokens += new_tokens
                 out = self._emit(new_tokens, emitted)
                 emitted += len(out)

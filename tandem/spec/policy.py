@@ -14,9 +14,14 @@ from dataclasses import dataclass, field
 
 EWMA_WEIGHT = 0.2  # weight of a new timing in the running cost estimates
 ACCEPTANCE_DECAY = 0.9  # per iteration: acceptance evidence halves in ~7 iterations, so the policy can follow a prompt
-ACCEPTANCE_PRIOR = (1.2, 2.0)  # pseudo-counts (accepted, drafted) before any evidence: a = 0.6
+# Pseudo-counts (accepted, drafted) before any evidence: a = 0.7, what same-family pairs reach on code and JSON
+# (CONTEXT.md: 0.63-0.82). Starting on where the costs allow is cheap; starting off means probing later, and the
+# probe must first catch the draft up on everything decoded meanwhile.
+ACCEPTANCE_PRIOR = (1.4, 2.0)
 PROBE_EVERY = 8  # iterations at k = 0 between probes, doubled after each failed probe ...
 PROBE_EVERY_MAX = 64  # ... up to this
+PROBE_BUDGET = 0.1  # a probe may cost at most this fraction of the plain decoding time since the last draft
+STEADY_CATCH_UP = 2  # a draft that catches up on at most this many tokens is drafting steadily (see observe)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -32,6 +37,7 @@ class CostModel:
 
     draft_step_ms: float
     verify_ms: dict[int, float] = field(default_factory=dict)
+    catch_up_ms_per_token: float | None = None  # the draft's forward over many unseen tokens, per token (batched)
 
     def verify(self, n: int) -> float:
         """V(n), linear between (and beyond) the measured points: a forward's cost is affine in its tokens."""
@@ -69,8 +75,8 @@ class DraftPolicy(ABC):
     def choose(self) -> int:
         """Draft length for the next iteration, 0..k_max."""
 
-    def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float) -> None:
-        """What the last iteration cost and earned."""
+    def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float, catch_up: int = 0) -> None:
+        """What the last iteration cost and earned; catch_up = tokens the proposer evaluated before drafting."""
 
 
 class FixedPolicy(DraftPolicy):
@@ -103,18 +109,34 @@ class AdaptivePolicy(DraftPolicy):
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted > 0 else 0.0
 
+    def probe_cost_ms(self) -> float:
+        """What a one-token probe now costs over a plain step: the draft catches up on the `idle` tokens decoded
+        since it last ran, drafts one, and the target verifies two tokens instead of one."""
+        costs = self.costs
+        catch_up = costs.catch_up_ms_per_token if costs.catch_up_ms_per_token is not None else costs.draft_step_ms
+        return self.idle * catch_up + costs.draft_step_ms + max(0.0, costs.verify(2) - costs.verify(1))
+
     def choose(self) -> int:
         k = self.costs.best_draft_len(self.acceptance, self.k_max)
         if k == 0 and self.k_max > 0 and self.idle >= self.probe_every:
-            # Acceptance is only learned by drafting; a short probe lets the policy notice a turn for the better.
-            return 1
+            # Acceptance is only learned by drafting; a short probe lets the policy notice a turn for the better,
+            # as long as it costs a small part of the time decoded plainly meanwhile. Where a draft catches up
+            # at a good fraction of a target step per token (a 2-core CPU), that is never: drafting stays off.
+            if self.probe_cost_ms() <= PROBE_BUDGET * self.idle * self.costs.verify(1):
+                return 1
         return k
 
-    def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float) -> None:
+    def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float, catch_up: int = 0) -> None:
         was_probe = k > 0 and self.idle >= self.probe_every
-        # A probe's draft time includes catching up on every token decoded while drafting was off (measured on
-        # an H200: 66 ms a draft token); charging that to c_d would keep drafting off for good.
-        self.costs.observe(k, draft_ms if not was_probe else k * self.costs.draft_step_ms, verify_ms)
+        # The first draft after plain steps also catches up on every token decoded meanwhile (seen on an H200:
+        # 46-158 ms for one draft token). Charging that to c_d made drafting look 4x dearer and kept it off for
+        # the rest of the request; a steady draft catches up on 1-2 tokens, which its step cost does include.
+        steady = catch_up <= STEADY_CATCH_UP
+        self.costs.observe(k, draft_ms if steady else k * self.costs.draft_step_ms, verify_ms)
+        if not steady:
+            measured = max(0.0, draft_ms - (k - 1) * self.costs.draft_step_ms) / catch_up
+            old = self.costs.catch_up_ms_per_token
+            self.costs.catch_up_ms_per_token = measured if old is None else old + EWMA_WEIGHT * (measured - old)
         if k == 0:
             self.idle += 1
             return

@@ -20,6 +20,7 @@ from tandem.sampling import SamplingParams, make_generator, probs_from_logits, s
 class Proposal:
     tokens: torch.Tensor  # [k] int64 on the target's device (k may be below what was asked, even 0)
     probs: torch.Tensor | None  # [k, V_target] distributions the tokens were drawn from; None = deterministic
+    catch_up: int = 0  # tokens the proposer evaluated before drafting (the draft model's unseen accepted tokens)
 
 
 class Proposer(ABC):
@@ -56,7 +57,7 @@ class DraftModelProposer(Proposer):
         self.generator = None if params.greedy else make_generator(seed, draft_device)
 
     def start(self, prompt: list[int]) -> None:
-        self.seq = self.draft.new_sequence(self.n_ctx)
+        self.seq = self.draft.new_sequence(self.n_ctx, drafting=True)
         if len(prompt) > 1:
             # All but the last prompt token; the first propose() feeds the rest, so nothing is evaluated twice.
             self.seq.forward(prompt[: min(len(prompt) - 1, self.seq.capacity)], logits="last")
@@ -84,11 +85,11 @@ class DraftModelProposer(Proposer):
                 logits = self.seq.forward(token, logits="last")
         draft_tokens = torch.cat(drawn).to(self.target_device, non_blocking=True)
         if self.params.greedy:
-            return Proposal(draft_tokens, None)
+            return Proposal(draft_tokens, None, len(catch_up))
         probs = torch.cat(dists)
         if probs.shape[-1] < self.target_vocab:  # a narrower draft vocabulary gives q = 0 to the ids it lacks
             probs = torch.nn.functional.pad(probs, (0, self.target_vocab - probs.shape[-1]))
-        return Proposal(draft_tokens, probs.to(self.target_device, non_blocking=True))
+        return Proposal(draft_tokens, probs.to(self.target_device, non_blocking=True), len(catch_up))
 
     def accept(self, n_valid: int) -> None:
         if self.seq is not None and self.seq.length > n_valid:
