@@ -14,6 +14,8 @@ from tandem.backends.base import ContextOverflowError  # noqa: E402
 from tandem.backends.llamacpp_backend import LlamaCppModel, load_llamacpp  # noqa: E402
 from tandem.loading.tokenizer import Tokenizer  # noqa: E402
 
+from conftest import K_QUANT_SHAPES  # noqa: E402
+
 MODEL_KINDS = [("qwen2", "F32"), ("qwen2", "Q8_0"), ("qwen2", "Q4_K"), ("llama", "F32")]
 IDS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 30, 201, 77, 8, 150, 23]
 REAL_TARGET = os.path.expanduser("~/.cache/tandem/models/qwen2.5-coder-1.5b-instruct.gguf")
@@ -172,6 +174,67 @@ def test_agrees_with_torch_reference(load, tiny_model_path, arch):
     assert (got - expected).abs().max().item() < 1e-2
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_quantized_rows_do_not_depend_on_their_batch(tiny_model_path, qtype):
+    # A verify of n tokens must give each token the logits a plain one-token step gives it, bit for bit, or greedy
+    # speculation could drift from plain decoding at near ties (see NUMERICS in the backend).
+    model = load_llamacpp(tiny_model_path(qtype=qtype, **K_QUANT_SHAPES), n_ctx=128, n_threads=2)
+    ids = IDS + IDS
+    seq = model.new_sequence()
+    seq.forward(ids[:6], logits="last")
+    for n in (2, 4, 9, 17):
+        seq.rewind(6)
+        batched = seq.forward(ids[6 : 6 + n]).clone()
+        seq.rewind(6)
+        single = torch.cat([seq.forward([t]).clone() for t in ids[6 : 6 + n]])
+        assert torch.equal(batched, single), (qtype, n, (batched - single).abs().max().item())
+    seq.close()
+    model.close()
+
+
+@pytest.mark.parametrize("target_qtype, draft_qtype", [("Q8_0", "Q4_0"), ("Q4_K", "Q4_K"), ("Q6_K", "Q4_K")])
+def test_greedy_speculative_equals_plain(tiny_model_path, target_qtype, draft_qtype):
+    import tandem
+
+    target = tandem.load(tiny_model_path(qtype=target_qtype, seed=5, **K_QUANT_SHAPES), backend="llama.cpp",
+                         n_ctx=256)
+    draft = tandem.load(tiny_model_path(qtype=draft_qtype, seed=5, **K_QUANT_SHAPES), backend="llama.cpp",
+                        n_ctx=256)
+    drafted = 0
+    for prompt in ["def add(a, b):", "The quick brown fox", '{"name": "tandem",']:
+        plain = tandem.generate(target, prompt=prompt, max_tokens=40)
+        for k in (1, 3, 8):
+            spec = tandem.generate(target, prompt=prompt, draft=draft, draft_max=k, draft_policy="fixed",
+                                   max_tokens=40)
+            assert spec.tokens == plain.tokens, (prompt, k)
+            drafted += spec.stats.draft_tokens
+        ngram = tandem.generate(target, prompt=prompt, draft="ngram", draft_max=4, draft_policy="fixed",
+                                max_tokens=40)
+        assert ngram.tokens == plain.tokens
+    assert drafted > 0
+    target.close()
+    draft.close()
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not os.path.exists(REAL_TARGET), reason="real target model not assembled")
+def test_real_pair_speculative_equals_plain():
+    import tandem
+    from tandem.loading.registry import DEFAULT_DRAFT
+
+    target = tandem.load(REAL_TARGET, backend="llama.cpp", n_ctx=512)
+    draft = tandem.load(DEFAULT_DRAFT, backend="llama.cpp", n_ctx=512)
+    messages = [{"role": "user", "content": "Write a Python function that checks whether n is prime."}]
+    plain = tandem.generate(target, messages=messages, max_tokens=48)
+    for k in (3, 8):
+        spec = tandem.generate(target, messages=messages, draft=draft, draft_max=k, draft_policy="fixed",
+                               max_tokens=48)
+        assert spec.tokens == plain.tokens, k
+        assert spec.stats.accepted_tokens > 0
+    target.close()
+    draft.close()
+
+
 @pytest.mark.real
 @pytest.mark.skipif(not os.path.exists(REAL_TARGET), reason="real target model not assembled")
 def test_real_target_batched_verify_matches_single_steps():
@@ -188,4 +251,4 @@ def test_real_target_batched_verify_matches_single_steps():
     verify = torch.cat([seq.forward(generated[i : i + 8]) for i in range(0, 16, 8)])
     seq.close()
     model.close()
-    assert (verify.argmax(-1) == torch.stack(steps).argmax(-1)).float().mean() >= 0.9
+    assert torch.equal(verify, torch.stack(steps))  # bit for bit: see NUMERICS in the backend

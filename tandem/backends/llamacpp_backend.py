@@ -11,10 +11,16 @@ the same time, so both contexts may use every core. Built with OpenMP (llama.cpp
 runs on the calling thread's one OpenMP team, so an idle context has no threads of its own that could spin and steal
 cores from the busy one. (Paired-vs-standalone draft cost is not yet measured on a quiet machine: the doctor should.)
 
-NUMERICS. A row's logits depend on the batch it was computed in: with quantised weights llama.cpp's CPU backend
-uses different kernels for 1 row and for n > 1 rows (repacked GEMM in groups of 4, GEMV for the rest, llamafile
-sgemm), so the same position gives different logits in a 1-token step, a 2-token batch and a 9-token batch
-(Qwen2.5-Coder-1.5B Q4_K_M: up to 0.6 apart; the argmax agreed on 63 of 63 positions). Each call is deterministic.
+NUMERICS. By default a row's logits depend on the batch it was computed in: llama.cpp's CPU backend multiplies
+repacked quantised weights in groups of 4 rows (GEMV for the rest), and from 8 rows on switches to its "tiled"
+matmul, so one position gets other logits in a 1-token step than in a 4- or 9-token verify (Qwen2.5-Coder-1.5B
+Q4_K_M: up to 0.6 apart, measured 2026-12-03), and greedy speculation could drift from plain decoding at near
+ties. tandem therefore loads weights unrepacked and turns the tiled matmul off (GGML_CPU_TILED_MM=0, read once per
+process): every row is then computed by the same per-row dot products whatever the batch, and logits of 1..17-row
+batches are bit-identical to single steps (tests/test_llamacpp_backend.py). Measured cost on this 2-core CPU:
+plain step 31-34 -> 35 ms, 9-token verify 194-198 -> 184 ms, 300-token prefill 4.0 -> 4.6 s (noisy machine). Set
+GGML_CPU_TILED_MM=1 and repack=True for the faster prefill where exact greedy identity does not matter. GPU builds
+(Vulkan, CUDA, Metal) pick matrix-vector kernels for small batches and are not batch-invariant: measure there.
 
 Tokenization is tandem's own `Tokenizer` read from the GGUF metadata, never llama.cpp's, so this backend and the torch
 backend turn text into the same ids; the `ModelConfig` comes from the same metadata (no weights are dequantised).
@@ -76,6 +82,8 @@ def _init_llama() -> None:
     global _initialized  # once per process, as llama.cpp requires
     if _initialized:
         return
+    # Batch-invariant CPU matmuls (see NUMERICS); ggml reads this once, at the first matmul of the process.
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     llc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
     llc.llama_backend_init()
     _initialized = True
@@ -256,7 +264,7 @@ class LlamaCppModel(Model):
         n_batch: int = DEFAULT_N_BATCH,
         flash_attn: bool | None = None,
         use_mmap: bool = True,
-        repack: bool = True,
+        repack: bool = False,
     ) -> None:
         """Args:
         path: the GGUF file.
@@ -266,8 +274,8 @@ class LlamaCppModel(Model):
             offloads all of them.
         n_batch: most tokens per llama_decode call (also the prefill chunk); DRAFT_N_BATCH suits a draft.
         flash_attn: None lets llama.cpp decide.
-        repack: let llama.cpp's CPU backend repack quantised weights into its interleaved layouts (faster GEMM);
-            see NUMERICS above for what it does to batched-vs-single-token logits.
+        repack: let llama.cpp's CPU backend repack quantised weights into its interleaved layouts (faster
+            prefill GEMM, but logits then depend on the batch: see NUMERICS above).
         """
         self.path = os.fspath(path)
         gguf = open_gguf(self.path)  # a GGUFError (a ValueError) names the path when the file is missing or bad
@@ -347,7 +355,7 @@ def load_llamacpp(
     device: str = "cpu",
     n_batch: int = DEFAULT_N_BATCH,
     flash_attn: bool | None = None,
-    repack: bool = True,
+    repack: bool = False,
 ) -> LlamaCppModel:
     """Load a GGUF file with llama.cpp.
 
