@@ -98,3 +98,18 @@ def test_real_pair_greedy_speculative_equals_plain_on_vulkan():
     assert spec.stats.draft_tokens > 0 and spec.stats.accepted_tokens > 0
     draft.close()
     target.close()
+
+
+def test_doctor_runs_on_vulkan_and_names_the_device(capsys, tiny_model_path):
+    import json
+
+    from tandem.cli import main
+
+    args = ["doctor", "--json", "--repeats", "2", "--backend", "llama.cpp", "--device", "vulkan",
+            "--model", tiny_model_path(qtype="Q8_0", seed=0), "--draft", tiny_model_path(qtype="Q4_0", seed=0)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"].startswith("vulkan")
+    assert report["draft_step_ms_standalone"] > 0 and report["paired_over_standalone"] > 0
+    assert set(report["verify_ms"]) == {str(n) for n in range(1, 17)}
+    assert VULKAN.memory_kind in json.dumps(report)  # the device and its memory kind are in the diagnosis

@@ -146,8 +146,14 @@ def load_draft(args: argparse.Namespace, backend: str | None) -> Model | str | N
 def environment(target: Model) -> dict:
     """Where the numbers come from: hardware, software, commit, date."""
     device = target.device
-    if device.startswith("cuda") and torch.cuda.is_available():
+    if device.startswith("cuda") and torch.cuda.is_available() and target.backend == "torch":
         device_name = torch.cuda.get_device_name(torch.device(device))
+    elif target.backend == "llama.cpp" and not device.startswith("cpu"):
+        from tandem.backends.devices import device_info
+
+        # llama.cpp's own name for the device, with its memory kind (device-local, unified, host).
+        info = device_info(device)
+        device_name = info.summary() if info is not None else device
     else:
         device_name = cpu_model()
     return {
