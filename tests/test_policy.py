@@ -113,7 +113,8 @@ class FakeSequence:
         for i in range(n):
             position = self.length + i + 1
             token = target_token(position)
-            if self.model.is_draft and random.Random(position).random() > self.model.acceptance:
+            rate = self.model.acceptance if position >= self.model.first_good_position else 0.05
+            if self.model.is_draft and random.Random(position).random() > rate:
                 token = (token + 1) % VOCAB  # the draft is wrong here
             out[i, token] = 10.0
         self.length += n
@@ -126,7 +127,7 @@ class FakeSequence:
         pass
 
 
-def fake_model(clock, cost_ms, is_draft=False, acceptance=1.0):
+def fake_model(clock, cost_ms, is_draft=False, acceptance=1.0, first_good_position=0):
     from types import SimpleNamespace
 
     from tandem.backends.base import Model
@@ -141,10 +142,11 @@ def fake_model(clock, cost_ms, is_draft=False, acceptance=1.0):
 
     model = FakeModel()
     model.clock, model.cost_ms, model.is_draft, model.acceptance = clock, cost_ms, is_draft, acceptance
+    model.first_good_position = first_good_position
     return model
 
 
-def run_adaptive(monkeypatch, target_ms, draft_ms, acceptance, max_tokens=300):
+def run_adaptive(monkeypatch, target_ms, draft_ms, acceptance, max_tokens=300, first_good_position=0):
     import time
 
     from tandem.sampling import SamplingParams
@@ -155,7 +157,7 @@ def run_adaptive(monkeypatch, target_ms, draft_ms, acceptance, max_tokens=300):
     clock = VirtualClock()
     monkeypatch.setattr(time, "perf_counter", clock)
     target = fake_model(clock, target_ms)
-    draft = fake_model(clock, draft_ms, is_draft=True, acceptance=acceptance)
+    draft = fake_model(clock, draft_ms, is_draft=True, acceptance=acceptance, first_good_position=first_good_position)
     params = SamplingParams(temperature=0.0)
     proposer = DraftModelProposer(draft, params, VOCAB, "cpu")
     decoder = SpeculativeDecoder(target, params, proposer, policy_for(target, proposer, K_MAX), max_tokens=max_tokens)
@@ -166,10 +168,10 @@ def run_adaptive(monkeypatch, target_ms, draft_ms, acceptance, max_tokens=300):
 
 
 def test_loop_switches_drafting_on_when_it_pays(monkeypatch):
-    # A GPU-like pair: the draft costs 0.6 of a target step and runs up to 4 tokens for the price of one; verify is
+    # A GPU-like pair: the draft costs 0.6 of a target step and runs up to 9 tokens for the price of one; verify is
     # flat in n. The first draft's catch-up on the prompt must not count as a draft step's cost.
     target_ms = lambda n: 2.0  # noqa: E731
-    draft_ms = lambda n: 1.2 * -(-n // 4) + (5.0 * n if n > 64 else 0.0)  # noqa: E731
+    draft_ms = lambda n: 1.2 * -(-n // 9) + (5.0 * n if n > 64 else 0.0)  # noqa: E731
     stats, tokens_per_s = run_adaptive(monkeypatch, target_ms, draft_ms, acceptance=0.9)
     drafting = sum(n for k, n in stats.draft_len_counts.items() if k > 0)
     assert drafting > 0.7 * sum(stats.draft_len_counts.values()), stats.draft_len_counts
@@ -182,3 +184,15 @@ def test_loop_stays_plain_when_drafting_cannot_pay(monkeypatch):
     draft_ms = lambda n: 16.0 * n  # noqa: E731
     stats, tokens_per_s = run_adaptive(monkeypatch, target_ms, draft_ms, acceptance=0.7, max_tokens=200)
     assert tokens_per_s > 0.97 * 1000 / 31.0, (tokens_per_s, stats.draft_len_counts)
+
+
+def test_loop_turns_drafting_back_on_after_a_bad_stretch(monkeypatch):
+    # The draft is useless for the first 150 positions, then right 95% of the time. Drafting goes off, and the
+    # probes that turn it back on must not charge the draft's catch-up (9 tokens a 1.2 ms step) to its step cost.
+    target_ms = lambda n: 2.0  # noqa: E731
+    draft_ms = lambda n: 1.2 * -(-n // 9)  # noqa: E731
+    stats, _ = run_adaptive(monkeypatch, target_ms, draft_ms, acceptance=0.95, max_tokens=500,
+                            first_good_position=150)
+    counts = stats.draft_len_counts
+    assert counts.get(0, 0) > 20, counts  # off during the bad stretch
+    assert sum(n for k, n in counts.items() if k >= 3) > 30, counts  # long drafts once the draft is good

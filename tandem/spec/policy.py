@@ -13,14 +13,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 EWMA_WEIGHT = 0.2  # weight of a new timing in the running cost estimates
-ACCEPTANCE_DECAY = 0.9  # per iteration: acceptance evidence halves in ~7 iterations, so the policy can follow a prompt
-# Pseudo-counts (accepted, drafted) before any evidence: a = 0.7, what same-family pairs reach on code and JSON
-# (CONTEXT.md: 0.63-0.82). Starting on where the costs allow is cheap; starting off means probing later, and the
-# probe must first catch the draft up on everything decoded meanwhile.
+ACCEPTANCE_DECAY = 0.9  # per drafting iteration: evidence halves in ~7 iterations, so the policy follows a prompt
+IDLE_DECAY = 0.97  # per plain iteration: evidence fades to the prior, halfway in ~23 tokens
+# Pseudo-counts (accepted, drafted) that every estimate starts from and drifts back to: a = 0.7, what same-family
+# pairs reach on code and JSON (CONTEXT.md: 0.63-0.82). Starting on where the costs allow is cheap; turning on
+# later means catching the draft up on everything decoded meanwhile.
 ACCEPTANCE_PRIOR = (1.4, 2.0)
-PROBE_EVERY = 8  # iterations at k = 0 between probes, doubled after each failed probe ...
-PROBE_EVERY_MAX = 64  # ... up to this
-PROBE_BUDGET = 0.1  # a probe may cost at most this fraction of the plain decoding time since the last draft
+PROBE_BUDGET = 0.1  # turning drafting back on may cost at most this fraction of the plain time since it went off
 STEADY_CATCH_UP = 2  # a draft that catches up on at most this many tokens is drafting steadily (see observe)
 
 
@@ -101,33 +100,31 @@ class AdaptivePolicy(DraftPolicy):
             raise ValueError(f"k_max must be >= 0, got {k_max}")
         self.costs = costs  # a copy per request: online refinements must not leak between requests' devices
         self.k_max = k_max
+        self.prior = prior
         self.accepted, self.drafted = prior  # decayed counts of accepted and attempted draft positions
-        self.idle = 0  # iterations since the last draft
-        self.probe_every = PROBE_EVERY
+        self.idle = 0  # plain iterations since the draft last ran
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted > 0 else 0.0
 
-    def probe_cost_ms(self) -> float:
-        """What a one-token probe now costs over a plain step: the draft catches up on the `idle` tokens decoded
-        since it last ran, drafts one, and the target verifies two tokens instead of one."""
+    def switch_on_cost_ms(self) -> float:
+        """What drafting again costs over a plain step: the draft catches up on the `idle` tokens decoded since it
+        last ran, drafts one, and the target verifies two tokens instead of one."""
         costs = self.costs
         catch_up = costs.catch_up_ms_per_token if costs.catch_up_ms_per_token is not None else costs.draft_step_ms
         return self.idle * catch_up + costs.draft_step_ms + max(0.0, costs.verify(2) - costs.verify(1))
 
     def choose(self) -> int:
         k = self.costs.best_draft_len(self.acceptance, self.k_max)
-        if k == 0 and self.k_max > 0 and self.idle >= self.probe_every:
-            # Acceptance is only learned by drafting; a short probe lets the policy notice a turn for the better,
-            # as long as it costs a small part of the time decoded plainly meanwhile. Where a draft catches up
-            # at a good fraction of a target step per token (a 2-core CPU), that is never: drafting stays off.
-            if self.probe_cost_ms() <= PROBE_BUDGET * self.idle * self.costs.verify(1):
-                return 1
+        # While drafting is off, stale evidence fades back to the prior until drafting looks worth a try. The try
+        # first pays the draft's catch-up, so it waits until that is a small part of the plain time since: where
+        # catch-up costs a good fraction of a target step a token (a 2-core CPU), drafting stays off for good.
+        if k > 0 and self.idle > 0 and self.switch_on_cost_ms() > PROBE_BUDGET * self.idle * self.costs.verify(1):
+            return 0
         return k
 
     def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float, catch_up: int = 0) -> None:
-        was_probe = k > 0 and self.idle >= self.probe_every
         # The first draft after plain steps also catches up on every token decoded meanwhile (seen on an H200:
         # 46-158 ms for one draft token). Charging that to c_d made drafting look 4x dearer and kept it off for
         # the rest of the request; a steady draft catches up on 1-2 tokens, which its step cost does include.
@@ -139,12 +136,11 @@ class AdaptivePolicy(DraftPolicy):
             self.costs.catch_up_ms_per_token = measured if old is None else old + EWMA_WEIGHT * (measured - old)
         if k == 0:
             self.idle += 1
+            self.accepted = self.prior[0] + IDLE_DECAY * (self.accepted - self.prior[0])
+            self.drafted = self.prior[1] + IDLE_DECAY * (self.drafted - self.prior[1])
             return
         self.idle = 0
         # Positions reached: every accepted one, plus the rejected one if the run stopped early.
         attempted = n_accepted + (1 if n_accepted < k else 0)
         self.accepted = ACCEPTANCE_DECAY * self.accepted + n_accepted
         self.drafted = ACCEPTANCE_DECAY * self.drafted + attempted
-        if was_probe:
-            paid = self.costs.best_draft_len(self.acceptance, self.k_max) > 0
-            self.probe_every = PROBE_EVERY if paid else min(2 * self.probe_every, PROBE_EVERY_MAX)
