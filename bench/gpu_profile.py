@@ -1,5 +1,9 @@
-"""Where a decode step's GPU time goes: per-kernel CUDA time of eager forwards of a random-weight model (profiler)."""
+"""Where a decode step's GPU time goes: per-kernel CUDA time of forwards of a random-weight model (profiler).
 
+    python bench/gpu_profile.py SHAPE ROWS COMPILED   # e.g. qwen2.5-1.5b 1 1
+"""
+
+import os
 import sys
 
 import torch
@@ -9,7 +13,6 @@ from tandem.backends import torch_backend
 from tandem.models.shapes import random_model
 
 shape, rows, compiled = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-import os
 os.environ["TANDEM_COMPILE"] = "1" if compiled else "0"
 model = random_model(shape, device="cuda", dtype="bfloat16", n_ctx=4096)
 seq = torch_backend.TorchSequence(model, 4096, rows, graphs=False)

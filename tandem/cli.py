@@ -10,7 +10,8 @@ from tandem.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
-    p.add_argument("--model", "-m", default=DEFAULT_TARGET, help=f"target: GGUF path or registry name [{DEFAULT_TARGET}]")
+    p.add_argument("--model", "-m", default=DEFAULT_TARGET,
+                   help=f"target: GGUF path or registry name [{DEFAULT_TARGET}]")
     if draft:
         group = p.add_mutually_exclusive_group()
         group.add_argument("--draft", "-d", default=None,

@@ -23,7 +23,7 @@ class ModelConfig:
     context_length: int  # trained context; the cache may be smaller
     rms_eps: float
     rope_base: float
-    rope_interleaved: bool = False  # llama.cpp's "normal" rope (pairs 2i, 2i+1), used by `llama`; qwen2/gemma3 rotate halves
+    rope_interleaved: bool = False  # llama.cpp's "normal" rope (pairs 2i, 2i+1), `llama`; qwen2/gemma3 rotate halves
     rope_scale: float = 1.0  # linear position scaling (positions divided by this)
     rope_base_local: float | None = None  # gemma3: sliding-window layers use their own base
     sliding_window: int | None = None  # gemma3: window of the local layers

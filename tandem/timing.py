@@ -29,8 +29,8 @@ class PhaseClock:
     def spans_ms(self) -> list[float]:
         """Milliseconds between consecutive marks; call after a sync. Clears the marks."""
         if self.cuda:
-            spans = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+            spans = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:], strict=False)]
         else:
-            spans = [1000.0 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
+            spans = [1000.0 * (b - a) for a, b in zip(self.marks, self.marks[1:], strict=False)]
         self.marks = []
         return spans

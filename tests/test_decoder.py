@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import K_QUANT_SHAPES
 from scipy.stats import chisquare
 
 import tandem
@@ -14,8 +15,6 @@ from tandem.spec.decoder import SpeculativeDecoder
 from tandem.spec.policy import FixedPolicy
 from tandem.spec.proposer import DraftModelProposer, NgramProposer
 from tandem.spec.verify import verify_sampled
-
-from conftest import K_QUANT_SHAPES
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,"]
 

@@ -10,11 +10,11 @@ import torch
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
 
+from conftest import K_QUANT_SHAPES  # noqa: E402
+
 from tandem.backends.base import ContextOverflowError  # noqa: E402
 from tandem.backends.llamacpp_backend import LlamaCppModel, load_llamacpp  # noqa: E402
 from tandem.loading.tokenizer import Tokenizer  # noqa: E402
-
-from conftest import K_QUANT_SHAPES  # noqa: E402
 
 MODEL_KINDS = [("qwen2", "F32"), ("qwen2", "Q8_0"), ("qwen2", "Q4_K"), ("llama", "F32")]
 IDS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 30, 201, 77, 8, 150, 23]

@@ -16,7 +16,10 @@ import tandem  # noqa: E402
 from tandem.backends.devices import device_info, list_devices, no_device_hint  # noqa: E402
 
 VULKAN = device_info("vulkan")
-pytestmark = [pytest.mark.llamacpp, pytest.mark.skipif(VULKAN is None, reason=f"no Vulkan device: {no_device_hint('vulkan')}")]
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.skipif(VULKAN is None, reason=f"no Vulkan device: {no_device_hint('vulkan')}"),
+]
 
 IDS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 30, 201, 77, 8, 150, 23]
 PROMPTS = [[5, 17, 42, 99, 3], [250, 7, 64, 128, 11, 30, 201]]

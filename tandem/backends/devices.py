@@ -225,7 +225,9 @@ def _vulkan_physical_device_types() -> dict[str, str]:
                     ("ppEnabledLayerNames", ctypes.c_void_p), ("enabledExtensionCount", ctypes.c_uint32),
                     ("ppEnabledExtensionNames", ctypes.c_void_p)]
 
-    vk.vkCreateInstance.argtypes = [ctypes.POINTER(InstanceCreateInfo), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    vk.vkCreateInstance.argtypes = [
+        ctypes.POINTER(InstanceCreateInfo), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    ]
     vk.vkCreateInstance.restype = ctypes.c_int
     vk.vkEnumeratePhysicalDevices.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_void_p]
     vk.vkEnumeratePhysicalDevices.restype = ctypes.c_int

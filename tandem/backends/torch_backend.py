@@ -248,7 +248,8 @@ class TorchModel(Model):
 
 def _compile_step(transformer: Transformer):
     """The forward as Inductor compiles it: rms_norm, rope, residual adds and the softmax fuse into a few kernels,
-    a third of the launches an eager step makes. Falls back to the eager forward when Triton is missing or compilation fails."""
+    a third of the launches an eager step makes. Falls back to the eager forward when Triton is missing or
+    compilation fails."""
     try:
         import triton  # noqa: F401  (Inductor's GPU code generator)
     except ImportError:

@@ -74,9 +74,9 @@ def load_weights(
 
     Shapes are checked for all tensors before any is dequantised, so a bad file fails in milliseconds.
     """
-    from tqdm import tqdm
-
     from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
 
     expected = check_tensors(gguf_file)
     bar = tqdm(total=len(expected), desc="loading weights", unit="tensor",
@@ -91,6 +91,6 @@ def load_weights(
     # small pool keeps peak memory at a few float32 temporaries.
     workers = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        weights = dict(zip(expected, pool.map(load_one, expected)))
+        weights = dict(zip(expected, pool.map(load_one, expected), strict=True))
     bar.close()
     return weights

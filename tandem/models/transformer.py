@@ -166,7 +166,8 @@ def fuse_projections(config: ModelConfig, weights: dict[str, torch.Tensor]) -> d
     fused = dict(weights)
     for i in range(config.n_layers):
         p = f"blk.{i}."
-        for out, parts in ((p + "attn_qkv", ("attn_q", "attn_k", "attn_v")), (p + "ffn_gate_up", ("ffn_gate", "ffn_up"))):
+        stacks = ((p + "attn_qkv", ("attn_q", "attn_k", "attn_v")), (p + "ffn_gate_up", ("ffn_gate", "ffn_up")))
+        for out, parts in stacks:
             for suffix in (".weight", ".bias"):
                 names = [p + part + suffix for part in parts]
                 if all(name in fused for name in names):

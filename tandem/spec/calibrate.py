@@ -8,9 +8,9 @@ refines every figure from the iterations it really runs.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
 import statistics
 import time
+from collections.abc import Iterable
 
 from tandem.backends.base import Model
 from tandem.spec.policy import AdaptivePolicy, CostModel
@@ -32,7 +32,8 @@ def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
     if sizes[-1] + 1 > model.n_ctx:
         raise ValueError(f"cannot time a forward of {sizes[-1]} tokens in a context of {model.n_ctx}")
     context = max(1, min(context, model.n_ctx - sizes[-1]))
-    seq = model.new_sequence(drafting=drafting)  # the capacity decoding uses: attention over a static cache costs by capacity
+    # The capacity decoding uses: attention over a static cache costs by capacity.
+    seq = model.new_sequence(drafting=drafting)
     try:
         token = model.tokenizer.bos_token_id or 0
         seq.forward([token] * context, logits="last")

@@ -8,7 +8,8 @@ next forward feeds first), and the proposer has been told how many tokens are fi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 
 import torch
 
