@@ -252,3 +252,18 @@ def test_real_target_batched_verify_matches_single_steps():
     seq.close()
     model.close()
     assert torch.equal(verify, torch.stack(steps))  # bit for bit: see NUMERICS in the backend
+
+
+def test_rows_stay_batch_invariant_past_256_tokens_of_context(tiny_model_path):
+    # From 256 tokens on, llama.cpp's CPU attention takes another kernel for one query than for a batch unless the
+    # KV cache is quantised (see NUMERICS): the default Q8_0 cache keeps verify and plain steps bit-identical.
+    model = load_llamacpp(tiny_model_path(qtype="Q4_K", **K_QUANT_SHAPES), n_ctx=512, n_threads=2)
+    ids = [(i * 37) % 250 + 1 for i in range(330)]
+    seq = model.new_sequence()
+    seq.forward(ids[:300], logits="last")
+    batched = seq.forward(ids[300:305]).clone()
+    seq.rewind(300)
+    single = torch.cat([seq.forward([t]).clone() for t in ids[300:305]])
+    seq.close()
+    model.close()
+    assert torch.equal(batched, single), (batched - single).abs().max().item()

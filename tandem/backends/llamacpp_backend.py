@@ -17,7 +17,11 @@ matmul, so one position gets other logits in a 1-token step than in a 4- or 9-to
 Q4_K_M: up to 0.6 apart, measured 2026-12-03), and greedy speculation could drift from plain decoding at near
 ties. tandem therefore loads weights unrepacked and turns the tiled matmul off (GGML_CPU_TILED_MM=0, read once per
 process): every row is then computed by the same per-row dot products whatever the batch, and logits of 1..17-row
-batches are bit-identical to single steps (tests/test_llamacpp_backend.py). Measured cost on this 2-core CPU:
+batches are bit-identical to single steps (tests/test_llamacpp_backend.py). Attention needs one more step: with
+an F16 KV cache, llama.cpp's CPU flash attention splits a single query's keys across threads once the padded KV
+span reaches 512 (contexts past 256 tokens) but not a batch's, so logits drifted by up to 3.6 after 300 tokens; a
+Q8_0 KV cache takes the same unsplit kernel for 1 and n queries (exact at 100, 300 and 520 tokens, same speed),
+so the CPU default is a Q8_0 cache with flash attention. Measured cost on this 2-core CPU:
 plain step 31-34 -> 35 ms, 9-token verify 194-198 -> 184 ms, 300-token prefill 4.0 -> 4.6 s (noisy machine). Set
 GGML_CPU_TILED_MM=1 and repack=True for the faster prefill where exact greedy identity does not matter. GPU builds
 (Vulkan, CUDA, Metal) pick matrix-vector kernels for small batches and are not batch-invariant: measure there.
@@ -55,6 +59,7 @@ DRAFT_N_BATCH = 32  # enough for a draft's prefill chunks and any k + 1; smaller
 MAX_FREE_CONTEXTS = 4  # closed sequences' contexts kept per model for reuse
 GPU_DEVICES = ("vulkan", "metal", "cuda", "rocm", "hip", "sycl", "gpu")
 ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "offload every layer"
+GGML_TYPE_Q8_0 = 8  # ggml_type of a Q8_0 KV cache (see NUMERICS)
 
 # ggml_log_level: keep errors (and their continuation lines), drop the rest.
 _LOG_LEVEL_ERROR = 4
@@ -129,6 +134,8 @@ class _Context:
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.no_perf = True
+        if model.kv_q8:
+            params.type_k = params.type_v = GGML_TYPE_Q8_0
         if model.flash_attn is not None:
             params.flash_attn_type = (
                 llc.LLAMA_FLASH_ATTN_TYPE_ENABLED if model.flash_attn else llc.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -287,6 +294,11 @@ class LlamaCppModel(Model):
         self.n_batch = n_batch
         self.n_threads = n_threads or physical_cores()
         self.flash_attn = flash_attn
+        # On the CPU, a Q8_0 KV cache (which needs flash attention) keeps attention batch-invariant (see NUMERICS);
+        # its 32-value blocks must divide a head.
+        self.kv_q8 = device.lower() == "cpu" and flash_attn is not False and self.config.head_dim % 32 == 0
+        if self.kv_q8:
+            self.flash_attn = True
         if flash_attn is None and device.lower().startswith("vulkan"):
             info = device_info(device)
             if info is not None and info.vulkan_device_type == "cpu":
