@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from tandem.backends.base import Model, Sequence
-from tandem.backends.devices import device_info, no_device_hint
+from tandem.backends.devices import DeviceInfo, device_info, no_device_hint
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
 
@@ -109,13 +109,15 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def _gpu_layers_for(device: str, n_gpu_layers: int) -> int:
+def _gpu_layers_for(device: str, n_gpu_layers: int, info: DeviceInfo | None) -> int:
+    """Layers to offload; `info` is device_info(device), looked up once by the caller (it may open a Vulkan
+    instance)."""
     kind = device.split(":")[0].lower()
     if kind == "cpu":
         return n_gpu_layers
     if kind not in GPU_DEVICES:
         raise ValueError(f"unknown device {device!r} for the llama.cpp backend: use 'cpu' or one of {GPU_DEVICES}")
-    if kind != "gpu" and device_info(device) is None:  # also catches "vulkan" on a CUDA build
+    if kind != "gpu" and info is None:  # also catches "vulkan" on a CUDA build
         raise ValueError(f"device {device!r} asked for, but {no_device_hint(device)}")
     if not llc.llama_supports_gpu_offload():
         raise ValueError(f"device {device!r} asked for, but {no_device_hint(device)}")
@@ -293,19 +295,19 @@ class LlamaCppModel(Model):
         self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_N_CTX, self.config.context_length)
         self.n_batch = n_batch
         self.n_threads = n_threads or physical_cores()
+        kind = device.split(":")[0].lower()
+        info = device_info(device) if kind in GPU_DEVICES and kind != "gpu" else None
+        self.n_gpu_layers = _gpu_layers_for(device, n_gpu_layers, info)
         self.flash_attn = flash_attn
         # On the CPU, a Q8_0 KV cache (which needs flash attention) keeps attention batch-invariant (see NUMERICS);
         # its 32-value blocks must divide a head.
         self.kv_q8 = device.lower() == "cpu" and flash_attn is not False and self.config.head_dim % 32 == 0
         if self.kv_q8:
             self.flash_attn = True
-        if flash_attn is None and device.lower().startswith("vulkan"):
-            info = device_info(device)
-            if info is not None and info.vulkan_device_type == "cpu":
-                # Mesa 22.3's lavapipe (Debian bookworm) crashes in its worker threads running ggml's Vulkan flash
-                # attention shader: 5 of 6 runs of a tiny Q8_0 model segfaulted with it, 0 of 6 without.
-                self.flash_attn = False
-        self.n_gpu_layers = _gpu_layers_for(device, n_gpu_layers)
+        if flash_attn is None and info is not None and info.vulkan_device_type == "cpu":
+            # Mesa 22.3's lavapipe (Debian bookworm) crashes in its worker threads running ggml's Vulkan flash
+            # attention shader: 5 of 6 runs of a tiny Q8_0 model segfaulted with it, 0 of 6 without.
+            self.flash_attn = False
         self._free_contexts: list[_Context] = []
 
         _init_llama()

@@ -25,14 +25,14 @@ DTYPES = {
 }
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 512  # bounds the [T, S] attention mask and activations of a long prompt
-VERIFY_ROWS = 9  # a target's forwards of 1..9 tokens (a verify of up to 8 drafts) run as one graph of 9 rows
-# A draft's one-token steps and its catch-up: 9 rows cost 1.6% more than 1 on an H200, and let a draft that was
-# idle catch up 9 tokens a replay, which is what makes probing for acceptance affordable (spec/policy.py).
-DRAFT_ROWS = 9
+# Every graphed forward runs as 9 rows: a target's verify of up to 8 drafts, and a draft's one-token steps, for
+# which 9 rows cost 1.6% more than 1 on an H200 and let an idle draft catch up 9 tokens a replay (what makes
+# turning drafting back on affordable, spec/policy.py).
+GRAPH_ROWS = 9
 GRAPH_CHUNKS_MAX = 64  # forwards of up to this many tokens replay the graph in chunks; longer ones run eagerly
 SLOT_ALIGN = 64  # cache slots are rounded up to this: aligned rows for the attention matmuls
 KV_BUCKET_MIN = 256  # a graph attends over 256, 512, 1024, ... cache slots, the fewest that hold every position
-SEQUENCE_POOL = 4  # closed sequences kept per (capacity, rows): their caches and captured graphs are reused
+SEQUENCE_POOL = 4  # closed sequences kept per capacity: their caches and captured graphs are reused
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -196,14 +196,14 @@ class TorchModel(Model):
         self.device = str(self.torch_device)
         self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_CTX, config.context_length)
         # Positions run past n_ctx by a padded forward's rows (see StepGraph) and the alignment of cache slots.
-        self.transformer = Transformer(config, weights, max_positions=self.n_ctx + VERIFY_ROWS + SLOT_ALIGN)
+        self.transformer = Transformer(config, weights, max_positions=self.n_ctx + GRAPH_ROWS + SLOT_ALIGN)
         self.load_seconds = 0.0
         on_cuda = self.torch_device.type == "cuda"
         self.use_graphs = graphs if graphs is not None else on_cuda and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
         self.step = self.transformer.forward  # what graphs capture; compiled on CUDA (see _compile_step)
         if on_cuda and self.use_graphs and os.environ.get("TANDEM_COMPILE", "1") != "0":
             self.step = _compile_step(self.transformer)
-        self._free: dict[tuple[int, int], list[TorchSequence]] = {}  # (capacity, rows) -> closed sequences
+        self._free: dict[int, list[TorchSequence]] = {}  # capacity -> closed sequences ready for reuse
 
     @classmethod
     def from_gguf(cls, path: str, device: str = "cpu", dtype: str = "float32", n_ctx: int | None = None,
@@ -218,17 +218,17 @@ class TorchModel(Model):
         return model
 
     def new_sequence(self, n_ctx: int | None = None, drafting: bool = False) -> TorchSequence:
+        # drafting changes nothing here: a draft's sequence graphs the same GRAPH_ROWS rows as a target's.
         capacity = n_ctx or self.n_ctx
         if capacity > self.n_ctx:
             raise ValueError(f"a sequence of {capacity} tokens exceeds this model's n_ctx={self.n_ctx}; load with a "
                              f"larger n_ctx")
-        rows = DRAFT_ROWS if drafting else VERIFY_ROWS
-        free = self._free.get((capacity, rows))
+        free = self._free.get(capacity)
         if free:
             seq = free.pop()
             seq.cache.length = 0
             return seq
-        return TorchSequence(self, capacity, rows)
+        return TorchSequence(self, capacity, GRAPH_ROWS)
 
     def logits(self, ids: Seq[int]) -> torch.Tensor:
         # Eager, in a cache of its own: a graph's output buffer would be overwritten by the next replay.
@@ -237,7 +237,7 @@ class TorchModel(Model):
 
     def release(self, seq: TorchSequence) -> None:
         """Keep a closed sequence for reuse when it holds a captured graph (capturing costs ~10 ms a size)."""
-        free = self._free.setdefault((seq.capacity, seq.rows), [])
+        free = self._free.setdefault(seq.capacity, [])
         if seq.graphs is not None and len(free) < SEQUENCE_POOL and all(s is not seq for s in free):
             free.append(seq)
 
