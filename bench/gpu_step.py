@@ -1,6 +1,7 @@
 """Time one graphed decode step of random-weight models of real shapes, per variant, on a CUDA device.
 
-    python bench/gpu_step.py [--variants qwen2.5-1.5b:1:17,qwen2.5-0.5b:1:2]   # shape:compile:rows
+    python bench/gpu_step.py [--variants qwen2.5-1.5b:1:9,qwen2.5-0.5b:1:9] [--contexts 16,700] [--decode 256]
+    # variant = shape:compile:rows[:decode_kernel]; decode_kernel 0 = attention as matmuls (TANDEM_DECODE_KERNEL)
 
 For each shape: weight bytes, the byte floor (bytes / measured copy bandwidth), and the median time of one forward
 of n tokens replayed as a CUDA graph of `rows` rows, eager and compiled. Synthetic weights: systems numbers only.
@@ -33,11 +34,11 @@ def copy_bandwidth_gb_s(device: str) -> float:
     return 2 * 2 * 1024**3 / seconds / 1e9  # bytes read + written
 
 
-def time_step(model, rows: int, n: int, repeats: int = 50) -> float:
+def time_step(model, rows: int, n: int, context: int = 16, repeats: int = 50) -> float:
     from tandem.backends import torch_backend
 
     seq = torch_backend.TorchSequence(model, 4096, rows)
-    seq.forward(list(range(1, 17)), logits="last")
+    seq.forward([1 + i % 200 for i in range(context)], logits="last")
     base = seq.length
     times = []
     for i in range(repeats + 5):
@@ -52,29 +53,54 @@ def time_step(model, rows: int, n: int, repeats: int = 50) -> float:
     return statistics.median(times)
 
 
+def decode_tok_s(model, n_tokens: int, run_ahead: int) -> float:
+    """Plain greedy decoding through the real decode loop: tokens a second after the first."""
+    from tandem.sampling import SamplingParams
+    from tandem.spec.decoder import SpeculativeDecoder
+
+    best = 0.0
+    for _ in range(3):
+        decoder = SpeculativeDecoder(model, SamplingParams(), max_tokens=n_tokens, run_ahead=run_ahead)
+        for _ in decoder.run(list(range(1, 65))):
+            pass
+        s = decoder.stats
+        best = max(best, 1000.0 * (s.generated_tokens - 1) / s.decode_ms)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="qwen2.5-1.5b:0:17,qwen2.5-1.5b:1:17,qwen2.5-1.5b:1:1,qwen2.5-0.5b:1:2")
+    p.add_argument("--variants", default="qwen2.5-1.5b:1:9:1,qwen2.5-1.5b:1:9:0,qwen2.5-0.5b:1:9:1")
+    p.add_argument("--contexts", default="16,700", help="tokens in the cache before the timed step")
+    p.add_argument("--decode", type=int, default=0, help="also time plain decoding of this many tokens, "
+                   "one step per sync and RUN_AHEAD steps per sync")
     args = p.parse_args()
     from tandem.models.shapes import random_model, weight_bytes
 
     bandwidth = copy_bandwidth_gb_s("cuda")
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth:.0f} GB/s (read + write)", flush=True)
     for variant in args.variants.split(","):
-        shape, compiled, rows = variant.split(":")
+        shape, compiled, rows, *kernel = variant.split(":")
         rows = int(rows)
         os.environ["TANDEM_COMPILE"] = compiled
+        os.environ["TANDEM_DECODE_KERNEL"] = kernel[0] if kernel else "1"
         started = time.perf_counter()
         model = random_model(shape, device="cuda", dtype="bfloat16", n_ctx=4096)
         nbytes = weight_bytes(model) - model.config.vocab_size * model.config.d_model * 2 * (
             0 if model.config.tied_embeddings else 1)  # the input embedding is gathered, not streamed
         floor_ms = nbytes / bandwidth / 1e6
-        ns = sorted({1, min(rows, 2), rows})
-        ms = {n: time_step(model, rows, n) for n in ns}
-        cells = "  ".join(f"n={n}: {v:.3f} ms" for n, v in ms.items())
-        print(f"{shape:14s} compile={compiled} rows={rows:2d}  {cells}  | floor {floor_ms:.3f} ms "
-              f"({nbytes / 1e9:.2f} GB), step/floor {ms[1] / floor_ms:.2f}  [{time.perf_counter() - started:.0f} s]",
-              flush=True)
+        for context in (int(c) for c in args.contexts.split(",")):
+            ns = sorted({1, min(rows, 2), rows})
+            ms = {n: time_step(model, rows, n, context) for n in ns}
+            cells = "  ".join(f"n={n}: {v:.3f} ms" for n, v in ms.items())
+            print(f"{variant:20s} context={context:4d}  {cells}  | floor {floor_ms:.3f} ms ({nbytes / 1e9:.2f} GB), "
+                  f"step/floor {ms[1] / floor_ms:.2f}  [{time.perf_counter() - started:.0f} s]", flush=True)
+        if args.decode:
+            from tandem.spec.decoder import RUN_AHEAD
+
+            one, ahead = decode_tok_s(model, args.decode, 1), decode_tok_s(model, args.decode, RUN_AHEAD)
+            print(f"{variant:20s} plain decode of {args.decode} tokens: {one:.0f} tok/s one step per sync, "
+                  f"{ahead:.0f} tok/s {RUN_AHEAD} steps per sync", flush=True)
         del model
         torch.cuda.empty_cache()
 

@@ -188,6 +188,17 @@ def test_plain_sampling_matches_target_distribution(distribution_setup):
     assert chi_square_pvalue(counts, dist, N_SAMPLES) > 1e-3
 
 
+def test_run_ahead_plain_sampling_matches_target_distribution(distribution_setup):
+    target, prompt_ids, dist = distribution_setup
+    counts = {}
+    for seed in range(N_SAMPLES):
+        dec = SpeculativeDecoder(target, SamplingParams(seed=seed, **TARGET_SAMPLING), max_tokens=N_GENERATED,
+                                 run_ahead=8)
+        tokens = tuple(t for chunk in dec.run(prompt_ids) for t in chunk)
+        counts[tokens] = counts.get(tokens, 0) + 1
+    assert chi_square_pvalue(counts, dist, N_SAMPLES) > 1e-3
+
+
 def test_distribution_test_catches_biased_rule(distribution_setup, monkeypatch):
     def biased(draft_tokens, draft_probs, target_probs, generator):
         # Accept by min(1, p/q) but recover from p itself instead of the residual: over-weights draft tokens.
@@ -212,6 +223,43 @@ def test_stop_token_ends_generation(pair64):
                                  stop_token_ids=[reference[stop_at]])
         got = [t for chunk in dec.run(ids) for t in chunk]
         assert got == reference[:stop_at] and dec.finish_reason == "stop"
+
+
+class CyclePolicy(FixedPolicy):
+    """Draft lengths in a fixed cycle: plain runs and drafting interleave (what the adaptive policy does)."""
+
+    def __init__(self, cycle):
+        super().__init__(0)
+        self.cycle, self.i = cycle, 0
+
+    def choose(self):
+        self.i += 1
+        return self.cycle[(self.i - 1) % len(self.cycle)]
+
+
+@pytest.mark.parametrize("run_ahead", [2, 8])
+def test_run_ahead_plain_steps_change_no_token(pair64, run_ahead):
+    target, draft = pair64
+    ids = target.tokenizer.encode(PROMPTS[0])
+    reference = run(target, ids, max_tokens=30).tokens
+    stop_at = next(i for i in range(3, 30) if reference[i] not in reference[:i])
+    for max_tokens, stop, expect in ((30, [], reference), (5, [], reference[:5]),
+                                     (30, [reference[stop_at]], reference[:stop_at])):
+        for proposer, policy in ((None, None), (DraftModelProposer(draft, SamplingParams(), target.vocab_size, "cpu"),
+                                                CyclePolicy([0, 3, 0, 0, 2]))):
+            dec = SpeculativeDecoder(target, SamplingParams(), proposer, policy, max_tokens=max_tokens,
+                                     stop_token_ids=stop, run_ahead=run_ahead)
+            got = [t for chunk in dec.run(ids) for t in chunk]
+            assert got == expect, (max_tokens, stop, proposer)
+            assert dec.finish_reason == ("stop" if stop else "length")
+    # Where the context ends mid-run, the run stops at it: the same tokens as one step at a time.
+    small = tandem.load(target.path, dtype="float64", n_ctx=24)
+    long_ids = (ids * 5)[:20]
+    one = [t for chunk in SpeculativeDecoder(small, SamplingParams(), max_tokens=100, run_ahead=1).run(long_ids)
+           for t in chunk]
+    ahead = SpeculativeDecoder(small, SamplingParams(), max_tokens=100, run_ahead=run_ahead)
+    assert [t for chunk in ahead.run(long_ids) for t in chunk] == one and len(one) == 24 - 20 + 1
+    assert ahead.finish_reason == "length" and ahead.stats.iterations == 4
 
 
 def test_stop_string(pair64):

@@ -1,0 +1,125 @@
+"""Decode attention in two Triton kernels (flash-decoding, Dao et al. 2023): few query rows over a long cache.
+
+A decode or verify step has at most 64 query rows per KV head (the G query heads that share it x T tokens) and
+up to the whole context of keys. Matmul, softmax, matmul costs three launches, a round trip of the scores through
+memory and cuBLAS tiles sized for other shapes (11 us a layer at 512 slots on an H200, measured); a fused kernel
+that splits work by query rows (FlashAttention) runs a handful of thread blocks. Here keys are split into chunks
+of CHUNK cache slots, one program per (KV head, chunk) writing a partial softmax (row max, row sum, weighted
+values), and a second kernel folds the chunks in slot order.
+
+Chunks sit at fixed slots whatever span a forward attends over, and a chunk past every key a row may see adds
+exactly zero, so a row's output does not depend on the span or on how many rows share the forward: greedy
+speculation stays bit-exact on the GPU (see StepGraph in tandem.backends.torch_backend).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the matmul path in Transformer.attend serves every device there
+    triton = None
+
+CHUNK = 128  # cache slots per program: 2..32 programs per KV head over spans of 256..4096
+COMBINE_ROWS = 16  # query rows per program of the combining kernel
+MAX_ROWS = 64
+
+
+def available(q: torch.Tensor, head_dim: int) -> bool:
+    """Whether this kernel serves q: Triton present, a CUDA tensor in half precision (fp32 dots would run as
+    TF32 in tl.dot, less exact than the matmul path), and a head_dim Triton's dot takes. TANDEM_DECODE_KERNEL=0
+    turns it off (the matmul path then serves every device)."""
+    return (triton is not None and os.environ.get("TANDEM_DECODE_KERNEL", "1") != "0" and q.is_cuda
+            and q.dtype in (torch.bfloat16, torch.float16) and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(Q, K, V, POS, M, L, ACC, stride_qh, stride_qr, stride_kh, stride_ks, stride_vh, stride_vs,
+                        n_rows, n_tokens, kv_len, scale, window,
+                        HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr):
+        head, chunk, n_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+        rows = tl.arange(0, BLOCK_R)
+        dims = tl.arange(0, HEAD_DIM)
+        keys = chunk * CHUNK + tl.arange(0, CHUNK)
+        row_ok, key_ok = rows < n_rows, keys < kv_len
+        q = tl.load(Q + head * stride_qh + rows[:, None] * stride_qr + dims[None, :], mask=row_ok[:, None], other=0.0)
+        k = tl.load(K + head * stride_kh + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_R, CHUNK] float32
+        # Row r is query head (r // T) of this group at token r % T (see Transformer.attend's reshape).
+        pos = tl.load(POS + rows % n_tokens, mask=row_ok, other=-1)
+        visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+        if HAS_WINDOW:
+            visible &= keys[None, :] > pos[:, None] - window
+        scores = tl.where(visible, scores, float("-inf"))
+        m = tl.max(scores, 1)
+        # A row that sees no key in this chunk: exp(-inf - 0) = 0 rather than exp(-inf + inf) = nan.
+        p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        v = tl.load(V + head * stride_vh + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v)  # [BLOCK_R, HEAD_DIM] float32
+        out = (head * n_chunks + chunk) * BLOCK_R + rows
+        tl.store(M + out, m)
+        tl.store(L + out, tl.sum(p, 1))
+        tl.store(ACC + out[:, None] * HEAD_DIM + dims[None, :], acc)
+
+    @triton.jit
+    def _combine_kernel(M, L, ACC, OUT, stride_oh, stride_or, n_rows,
+                        HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, n_chunks: tl.constexpr):
+        head, block = tl.program_id(0), tl.program_id(1)
+        rows = block * ROWS + tl.arange(0, ROWS)
+        dims = tl.arange(0, HEAD_DIM)
+        m_max = tl.full([ROWS], float("-inf"), tl.float32)
+        for c in range(n_chunks):
+            m_max = tl.maximum(m_max, tl.load(M + (head * n_chunks + c) * BLOCK_R + rows))
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        # In slot order, one chunk at a time: a chunk no row sees adds 0 * 0, leaving every sum bit-identical.
+        for c in range(n_chunks):
+            at = (head * n_chunks + c) * BLOCK_R + rows
+            weight = tl.exp(tl.load(M + at) - m_max)
+            total += weight * tl.load(L + at)
+            acc += weight[:, None] * tl.load(ACC + at[:, None] * HEAD_DIM + dims[None, :])
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # padding rows (past n_rows) see nothing
+        tl.store(OUT + head * stride_oh + rows[:, None] * stride_or + dims[None, :],
+                 out.to(OUT.dtype.element_ty), mask=(rows < n_rows)[:, None])
+
+
+@torch.library.custom_op("tandem::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     scale: float, window: int) -> torch.Tensor:
+    """softmax(q k^T * scale, causal by positions, within `window` if > 0) v for one sequence.
+
+    q: [1, H_kv, G*T, D], row g*T + t being query head g of the group at token t; keys, values: [1, H_kv, S, D]
+    cache slots (S = the span attended over); positions: [T] int64. Returns [1, H_kv, G*T, D] in q's dtype.
+    """
+    _, n_kv, n_rows, head_dim = q.shape
+    kv_len = keys.shape[2]
+    if n_rows > MAX_ROWS:
+        raise ValueError(f"decode_attention takes at most {MAX_ROWS} query rows per KV head, got {n_rows}")
+    q = q.contiguous()
+    block_r = max(16, triton.next_power_of_2(n_rows))
+    n_chunks = triton.cdiv(kv_len, CHUNK)
+    m = torch.empty(n_kv, n_chunks, block_r, dtype=torch.float32, device=q.device)
+    total = torch.empty_like(m)
+    acc = torch.empty(n_kv, n_chunks, block_r, head_dim, dtype=torch.float32, device=q.device)
+    _partial_kernel[(n_kv, n_chunks)](
+        q, keys, values, positions, m, total, acc, q.stride(1), q.stride(2), keys.stride(1), keys.stride(2),
+        values.stride(1), values.stride(2), n_rows, positions.shape[0], kv_len, scale, window,
+        HEAD_DIM=head_dim, BLOCK_R=block_r, CHUNK=CHUNK, HAS_WINDOW=window > 0, num_warps=4, num_stages=1)
+    out = torch.empty_like(q)
+    _combine_kernel[(n_kv, block_r // COMBINE_ROWS)](
+        m, total, acc, out, out.stride(1), out.stride(2), n_rows,
+        HEAD_DIM=head_dim, BLOCK_R=block_r, ROWS=COMBINE_ROWS, n_chunks=n_chunks, num_warps=4)
+    return out
+
+
+@decode_attention.register_fake
+def _(q, keys, values, positions, scale, window):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
