@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The H200 session that produced bench/results/h200-2026-12-03b/: one phase per device call, in this order.
+#   setup     wheels (.whl), Vulkan loader (.gl debs), llama-cpp-python built for Vulkan here (.vk), and llama.cpp's
+#             CUDA llama-server built in the background from llama-cpp-python's vendored tree (.xfer/llama-src.tar.xz)
+#   (then one call per chunk: cat .xfer/cNNN >> /root/m/pair.bin)
+#   torch     split the real pair, tandem bench (torch, bf16), tandem doctor
+#   vulkan    tandem bench and doctor on llama.cpp's Vulkan backend (NVIDIA's Vulkan driver)
+#   llamacpp  llama.cpp's own llama-server (CUDA): plain and with the draft
+#   hf        tandem plain beside Hugging Face transformers, plain and assisted (--peer hf), in one process
+#   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8
+# Carried paths (.whl .gl .vk .xfer/...) are listed in .git/info/exclude; see the results README for how to make them.
+set -u
+phase=$1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+tandem() { python3 -m tandem.cli "$@"; }
+T=/root/m/T.gguf D=/root/m/D.gguf
+case $phase in
+setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+    mkdir -p /root/m /root/vk && cp -a .vk/. /root/vk/
+    mkdir -p /root/llama && tar xJf .xfer/llama-src.tar.xz -C /root/llama
+    setsid nohup bash -c "cd /root/llama/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
+        -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=off -DCMAKE_BUILD_TYPE=Release && \
+        cmake --build build --target llama-server -j 15; echo build-exit \$?" >/root/build.log 2>&1 </dev/null &
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    ls /usr/local/nvidia/share/vulkan/icd.d/ /usr/share/vulkan/icd.d/ /etc/vulkan/icd.d/ 2>&1 | head
+    ;;
+torch)
+    cd /root/m && head -c 1117320768 pair.bin > T.gguf && tail -c 491400064 pair.bin > D.gguf && cd - >/dev/null
+    sha256sum $T $D | tee $OUT/sha256.txt
+    tandem bench --model $T --draft $D --device cuda --max-tokens 128 --configs plain,adaptive,fixed3,ngram \
+        --peer hf --json $OUT/bench_real.json --plot $OUT/bench_real.png 2>&1 | grep -v Warn | tee $OUT/bench_real.txt
+    tandem doctor --model $T --draft $D --device cuda --json > $OUT/doctor_cuda.json 2>$OUT/doctor_cuda.err
+    python3 -c "import json; d = json.load(open('$OUT/doctor_cuda.json')); print({k: d[k] for k in \
+        ('paired_over_standalone', 'target_step_ms', 'draft_step_ms_paired', 'best_draft_len', 'verdict')})"
+    tail -3 /root/build.log
+    ;;
+vulkan)
+    export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
+    icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+    [ -f $icd ] && export VK_DRIVER_FILES=$icd
+    tandem bench --model $T --draft $D --backend llama.cpp --device vulkan --max-tokens 128 \
+        --configs plain,adaptive,fixed3,ngram --json $OUT/bench_vulkan.json --plot $OUT/bench_vulkan.png 2>&1 \
+        | grep -v -i warn | tee $OUT/bench_vulkan.txt
+    tandem doctor --model $T --draft $D --backend llama.cpp --device vulkan --json > $OUT/doctor_vulkan.json \
+        2>$OUT/doctor_vulkan.err
+    python3 -c "import json; d = json.load(open('$OUT/doctor_vulkan.json')); print({k: d[k] for k in \
+        ('device', 'paired_over_standalone', 'target_step_ms', 'draft_step_ms_standalone', 'verdict')})"
+    tail -2 /root/build.log
+    ;;
+llamacpp)
+    tail -2 /root/build.log
+    python3 -m tandem.bench.llamaserver --server /root/llama/llama.cpp.src/build/bin/llama-server --model $T \
+        --draft $D --n-max 3,8 --ngl 99 --max-tokens 128 --json $OUT/llama_server_cuda.json 2>&1 | tail -20
+    ;;
+hf)
+    tandem bench --model $T --draft $D --device cuda --max-tokens 128 --configs plain --peer hf \
+        --json $OUT/bench_hf.json 2>&1 | grep -v Warn | tail -25
+    ;;
+synthetic)
+    tandem doctor --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --device cuda --json > $OUT/doctor_synth_32b.json \
+        2>$OUT/doctor_synth.err
+    python3 -c "import json; d = json.load(open('$OUT/doctor_synth_32b.json')); print({k: d[k] for k in \
+        ('paired_over_standalone', 'target_step_ms', 'draft_step_ms_paired', 'best_draft_len', 'verdict')})"
+    tandem bench --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --synthetic-acceptance 0.8 --device cuda \
+        --max-tokens 96 --configs plain,adaptive,fixed8 --json $OUT/bench_synth_32b.json 2>&1 | grep -v Warn \
+        | tail -15
+    ;;
+esac
