@@ -53,19 +53,22 @@ def time_step(model, rows: int, n: int, context: int = 16, repeats: int = 50) ->
     return statistics.median(times)
 
 
-def decode_tok_s(model, n_tokens: int, run_ahead: int) -> float:
-    """Plain greedy decoding through the real decode loop: tokens a second after the first."""
+def decode(model, n_tokens: int, run_ahead: int, ngram: bool = False) -> tuple[float, list[int], float]:
+    """Greedy decoding through the real decode loop: (best tokens a second after the first, tokens, acceptance)."""
     from tandem.sampling import SamplingParams
     from tandem.spec.decoder import SpeculativeDecoder
+    from tandem.spec.policy import FixedPolicy
+    from tandem.spec.proposer import NgramProposer
 
-    best = 0.0
+    best, tokens, acceptance = 0.0, [], 0.0
     for _ in range(3):
-        decoder = SpeculativeDecoder(model, SamplingParams(), max_tokens=n_tokens, run_ahead=run_ahead)
-        for _ in decoder.run(list(range(1, 65))):
-            pass
+        proposer = NgramProposer(model.torch_device) if ngram else None
+        decoder = SpeculativeDecoder(model, SamplingParams(), proposer, FixedPolicy(4 if ngram else 0),
+                                     max_tokens=n_tokens, run_ahead=run_ahead)
+        tokens = [t for chunk in decoder.run([1 + i % 7 for i in range(64)]) for t in chunk]
         s = decoder.stats
-        best = max(best, 1000.0 * (s.generated_tokens - 1) / s.decode_ms)
-    return best
+        best, acceptance = max(best, 1000.0 * (s.generated_tokens - 1) / s.decode_ms), s.acceptance_rate
+    return best, tokens, acceptance
 
 
 def main() -> None:
@@ -98,9 +101,11 @@ def main() -> None:
         if args.decode:
             from tandem.spec.decoder import RUN_AHEAD
 
-            one, ahead = decode_tok_s(model, args.decode, 1), decode_tok_s(model, args.decode, RUN_AHEAD)
+            (one, plain, _), (ahead, _, _) = decode(model, args.decode, 1), decode(model, args.decode, RUN_AHEAD)
+            ngram, spec, acceptance = decode(model, args.decode, RUN_AHEAD, ngram=True)
             print(f"{variant:20s} plain decode of {args.decode} tokens: {one:.0f} tok/s one step per sync, "
-                  f"{ahead:.0f} tok/s {RUN_AHEAD} steps per sync", flush=True)
+                  f"{ahead:.0f} tok/s {RUN_AHEAD} steps per sync; n-gram k=4 {ngram:.0f} tok/s, acceptance "
+                  f"{acceptance:.2f}, tokens identical to plain: {spec == plain}", flush=True)
         del model
         torch.cuda.empty_cache()
 

@@ -361,3 +361,18 @@ def test_padded_steps_compute_the_eager_forward(padded_bf16):
     assert stepped.shape == eager.shape
     assert (stepped.argmax(-1) == eager.argmax(-1)).float().mean() > 0.9
     assert torch.allclose(stepped, eager, atol=0.15 * eager.abs().max().item())
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_prompt_fed_in_chunks_gives_the_eager_logits(tiny_model_path, device):
+    # A prompt of up to 64 tokens runs as several replays of the 9-row step. On a GPU its chunks once went
+    # through one pinned staging buffer without waiting, and every chunk but the last read the next one's tokens.
+    target = tandem.load(tiny_model_path(seed=5), dtype="float32", device=device, graphs=True)
+    ids = (target.tokenizer.encode(" ".join(PROMPTS)) * 4)[:50]
+    eager = target.logits(ids)
+    seq = target.new_sequence(64)
+    chunked = seq.forward(ids, logits="all").clone()
+    last = seq.forward(ids[:1], logits="last").clone()  # and the cache holds those 50 tokens at their positions
+    seq.close()
+    torch.testing.assert_close(chunked, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last, target.logits(ids + ids[:1])[-1:], rtol=1e-4, atol=1e-4)

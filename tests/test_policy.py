@@ -75,6 +75,27 @@ def test_recovers_after_low_acceptance_phase():
     assert sum(k >= 4 for k in chosen[300:]) / 100 > 0.9  # and back on, drafting long, after it
 
 
+def test_an_overstated_plain_step_cost_does_not_keep_drafting_on():
+    # Calibration measured a plain step at 6 ms; really it costs 2.7, a draft step 4.3 and a 2-token verify 3.8
+    # (llama.cpp on Vulkan, H200): k = 1 loses to plain. Only plain steps measure V(1), so the policy must get
+    # there from what drafting shows it: V(2) = 3.8 bounds V(1).
+    policy = AdaptivePolicy(CostModel(1.0, {1: 6.0, 2: 3.0, K_MAX + 1: 31.0}, 1.0), K_MAX)
+    rng, chosen = random.Random(0), []
+    for _ in range(100):
+        k = policy.choose()
+        n = 0
+        while n < k and rng.random() < 0.7:
+            n += 1
+        policy.observe(k, n, 4.3 * k, 3.8 + 0.6 * (k - 1), 2) if k else policy.observe(0, 0, 0.0, 2.7)
+        chosen.append(k)
+    assert sum(k == 0 for k in chosen[20:]) / 80 > 0.9, chosen
+
+
+def test_verify_cost_never_falls_with_fewer_tokens():
+    c = CostModel(1.0, {1: 6.0, 2: 3.8, 9: 31.0})
+    assert c.verify(1) == 3.8 and c.verify(2) == 3.8 and c.verify(5) <= c.verify(9)
+
+
 def test_fixed_policy():
     assert FixedPolicy(3).choose() == 3
     with pytest.raises(ValueError):

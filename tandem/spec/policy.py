@@ -39,15 +39,20 @@ class CostModel:
     catch_up_ms_per_token: float | None = None  # the draft's forward over many unseen tokens, per token (batched)
 
     def verify(self, n: int) -> float:
-        """V(n), linear between (and beyond) the measured points: a forward's cost is affine in its tokens."""
+        """V(n), linear between (and beyond) the measured points: a forward's cost is affine in its tokens. Never
+        above a measured V(m) for m > n, since a forward over more tokens costs no less: V(1) is measured only by
+        plain steps, so a V(1) that calibration overstated (a cold Vulkan pipeline, seen on an H200) would
+        otherwise keep a losing draft length on for good, the steps that would correct it never taken."""
         if n in self.verify_ms:
-            return self.verify_ms[n]
-        ns = sorted(self.verify_ms)
-        if len(ns) == 1:
-            return self.verify_ms[ns[0]]
-        i = min(max(bisect.bisect(ns, n), 1), len(ns) - 1)
-        (n0, v0), (n1, v1) = (ns[i - 1], self.verify_ms[ns[i - 1]]), (ns[i], self.verify_ms[ns[i]])
-        return max(v0 + (v1 - v0) * (n - n0) / (n1 - n0), 1e-6)
+            value = self.verify_ms[n]
+        else:
+            ns = sorted(self.verify_ms)
+            if len(ns) == 1:
+                return self.verify_ms[ns[0]]
+            i = min(max(bisect.bisect(ns, n), 1), len(ns) - 1)
+            (n0, v0), (n1, v1) = (ns[i - 1], self.verify_ms[ns[i - 1]]), (ns[i], self.verify_ms[ns[i]])
+            value = max(v0 + (v1 - v0) * (n - n0) / (n1 - n0), 1e-6)
+        return min([value] + [v for m, v in self.verify_ms.items() if m > n])
 
     def tokens_per_ms(self, acceptance: float, k: int) -> float:
         return expected_tokens(acceptance, k) / (k * self.draft_step_ms + self.verify(k + 1))
