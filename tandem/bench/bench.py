@@ -1,8 +1,9 @@
 """`tandem bench`: plain and speculative decoding side by side, same process, same prompts, same models.
 
-Each configuration (plain, adaptive, fixedN, ngram) gets one warm-up generation before any timing, so calibration,
-allocations and graph capture stay out of the numbers; then each prompt runs every configuration in turn
-(interleaved, so drift of a shared machine hits them alike), `--repeats` times, keeping the median run. Speed is
+Each configuration (plain, adaptive, fixedN, ngram) gets a short warm-up generation on every prompt before any
+timing, so calibration, allocations, graph capture and kernel compilation stay out of the numbers; then each prompt
+runs every configuration in turn (interleaved, so drift of a shared machine hits them alike), `--repeats` times,
+keeping the median run. Speed is
 tokens per second of prefill + decode as GenerationStats reports it, with the wall clock beside it. Greedy
 decoding throughout, so every speculative output must equal plain's token for token (the `lossless` flag).
 
@@ -352,15 +353,19 @@ def run_bench(args: argparse.Namespace) -> int:
     peers = _load_peers(args, target, draft, shapes)
 
     console = Console(stderr=True)
-    total = len(configs) + len(prompts) * len(configs) * repeats
+    total = len(configs) * len(prompts) * (1 + repeats)
     results: list[PromptResult] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("warm-up", total=total)
+        # Every prompt, not just the first: a longer prompt reaches attention spans (CUDA graphs) and batch sizes
+        # (Vulkan pipelines) that a first use would otherwise compile inside a timed run (seen on an H200: a plain
+        # run at 2.5x its real step time, a Vulkan prefill of 5 s).
         for config in configs:
-            progress.update(task, description=f"warm-up {config.name}")
-            bench.warm_up(prompts[0], config)
-            progress.advance(task)
+            for prompt in prompts:
+                progress.update(task, description=f"warm-up {config.name}: {prompt.name}")
+                bench.warm_up(prompt, config)
+                progress.advance(task)
         costs = costs_for(target, draft, configs)
         for prompt in prompts:
             runs: dict[str, Run] = {}
