@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=256)
     b.add_argument("--json", dest="json_out", default=None, metavar="OUT")
     b.add_argument("--plot", default=None, metavar="OUT.png")
-    b.add_argument("--peer", action="append", default=[], help="also run a peer: hf")
+    b.add_argument("--peer", action="append", default=[],
+                   help="also run a peer: hf (transformers eager, plain and assisted), hf-static (static cache, "
+                   "compiled on CUDA)")
     b.add_argument("--configs", default=None, help="comma list: plain,adaptive,fixed3,fixed8,ngram")
     b.add_argument("--synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="accept each draft position with this probability (benchmarks only, not lossless)")

@@ -124,3 +124,15 @@ def test_bench_hf_peer(tmp_path, tiny_model_path):
     assert peer["plain_tps"] > 0 and peer["assisted_tps"] > 0
     assert peer["speedup"] == pytest.approx(peer["assisted_tps"] / peer["plain_tps"])
     assert peer["lossless"] is True
+
+
+def test_bench_hf_static_peer(tmp_path, tiny_model_path, capsys):
+    pytest.importorskip("transformers")
+    target = tiny_model_path(seed=0, context_length=2048)
+    result = run_bench(tmp_path, "--model", target, "--no-draft", "--backend", "torch", "--peer", "hf-static",
+                       "--configs", "plain", "--prompts", "json", "--max-tokens", "12")
+    peer = result["prompts"][0]["peers"]["hf-static"]
+    assert peer["plain_tps"] > 0 and peer["plain_tokens"] == 12 and "assisted_tps" not in peer
+    assert result["meta"]["peers"]["hf-static"]["cache"].startswith("static")
+    assert main(["bench", "--model", target, "--no-draft", "--peer", "vllm", "--configs", "plain"]) != 0
+    assert "unknown peer 'vllm'" in capsys.readouterr().err

@@ -434,12 +434,12 @@ def _prompt_result(prompt: BenchPrompt, configs: list[BenchConfig], runs: dict[s
 def _load_peers(args: argparse.Namespace, target: Model, draft: Model | str | None, shapes) -> dict:
     peers = {}
     for name in args.peer:
-        if name != "hf":
-            raise ValueError(f"unknown peer {name!r}; known: hf")
+        if name not in ("hf", "hf-static"):
+            raise ValueError(f"unknown peer {name!r}; known: hf, hf-static")
         if shapes is not None:
-            raise ValueError("--peer hf needs GGUF files; it cannot run --synthetic-shape models")
+            raise ValueError(f"--peer {name} needs GGUF files; it cannot run --synthetic-shape models")
         from tandem.bench.peers import HFPeer
 
         peers[name] = HFPeer(target.path, draft.path if isinstance(draft, Model) else None, args.device,
-                             compute_dtype(args))
+                             compute_dtype(args), static=name == "hf-static")
     return peers

@@ -3,6 +3,10 @@
 transformers dequantises a GGUF into its own modules (`from_pretrained(dir, gguf_file=name)`); assisted generation
 (`generate(..., assistant_model=draft)`) is its speculative decoding. Greedy, same prompt ids as tandem, one
 warm-up call per mode before timing, so the comparison is of decoding, not of loading or first-call overheads.
+
+`hf-static` is transformers' fastest plain decoding: a static KV cache, which `generate` compiles on CUDA
+(torch.compile of the forward, CUDA graphs). Its compiled graphs are sized by prompt + max_new_tokens, so it is
+warmed up on every prompt at the full length before the timed call.
 """
 
 from __future__ import annotations
@@ -14,9 +18,7 @@ import torch
 
 
 class HFPeer:
-    name = "hf"
-
-    def __init__(self, target_path: str, draft_path: str | None, device: str, dtype: str) -> None:
+    def __init__(self, target_path: str, draft_path: str | None, device: str, dtype: str, static: bool = False) -> None:
         try:
             from transformers import AutoModelForCausalLM
         except ImportError as e:
@@ -31,20 +33,25 @@ class HFPeer:
                                                          gguf_file=os.path.basename(path), dtype=self.dtype)
             return model.to(self.device).eval()
 
-        self.target_path, self.draft_path = target_path, draft_path
+        self.static = static
+        self.name = "hf-static" if static else "hf"
+        self.target_path, self.draft_path = target_path, None if static else draft_path
         self.target = load(target_path)
-        self.draft = load(draft_path) if draft_path else None
+        self.draft = load(draft_path) if draft_path and not static else None
         self.warm = False
 
     def describe(self) -> dict:
         import transformers
 
         return {"library": "transformers", "version": transformers.__version__, "target": self.target_path,
-                "draft": self.draft_path, "device": str(self.device), "dtype": str(self.dtype)}
+                "draft": self.draft_path, "device": str(self.device), "dtype": str(self.dtype),
+                "cache": "static (compiled by generate on CUDA)" if self.static else "dynamic, eager"}
 
     def _generate(self, ids: list[int], max_tokens: int, assisted: bool) -> tuple[list[int], float]:
         input_ids = torch.tensor([ids], device=self.device)
         extra = {"assistant_model": self.draft} if assisted else {}
+        if self.static:
+            extra["cache_implementation"] = "static"
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         started = time.perf_counter()
@@ -59,7 +66,9 @@ class HFPeer:
     def run(self, ids: list[int], max_tokens: int) -> dict:
         """tokens/s of plain and assisted greedy generation (wall clock, prompt included) and their ratio."""
         modes = [False] + ([True] if self.draft is not None else [])
-        if not self.warm:
+        if self.static:
+            self._generate(ids, max_tokens, False)
+        elif not self.warm:
             for assisted in modes:
                 self._generate(ids, min(max_tokens, 8), assisted)
             self.warm = True

@@ -92,4 +92,5 @@ def _bars(ax, names: list[str], series: dict[str, list[float]], ylabel: str) -> 
         ax.bar(xs, values, width, label=label)
     ax.set_xticks(range(len(names)), names, rotation=20)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
+    if series:
+        ax.legend(fontsize=8)
