@@ -6,7 +6,7 @@
 #   torch     split the real pair, tandem bench (torch, bf16), tandem doctor
 #   vulkan    tandem bench and doctor on llama.cpp's Vulkan backend (NVIDIA's Vulkan driver)
 #   llamacpp  llama.cpp's own llama-server (CUDA): plain and with the draft
-#   hf        tandem plain beside Hugging Face transformers, plain and assisted (--peer hf), in one process
+#   hf        tandem plain beside Hugging Face transformers: eager plain and assisted, static-cache compiled plain
 #   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8
 # Carried paths (.whl .gl .vk .xfer/...) are listed in .git/info/exclude; see the results README for how to make them.
 set -u
@@ -55,7 +55,7 @@ llamacpp)
         --draft $D --n-max 3,8 --ngl 99 --max-tokens 128 --json $OUT/llama_server_cuda.json 2>&1 | tail -20
     ;;
 hf)
-    tandem bench --model $T --draft $D --device cuda --max-tokens 128 --configs plain --peer hf \
+    tandem bench --model $T --draft $D --device cuda --max-tokens 128 --configs plain --peer hf --peer hf-static \
         --json $OUT/bench_hf.json 2>&1 | grep -v Warn | tail -25
     ;;
 synthetic)
