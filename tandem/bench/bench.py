@@ -3,9 +3,9 @@
 Each configuration (plain, adaptive, fixedN, ngram) gets a short warm-up generation on every prompt before any
 timing, so calibration, allocations, graph capture and kernel compilation stay out of the numbers; then each prompt
 runs every configuration in turn (interleaved, so drift of a shared machine hits them alike), `--repeats` times,
-keeping the median run. Speed is
-tokens per second of prefill + decode as GenerationStats reports it, with the wall clock beside it. Greedy
-decoding throughout, so every speculative output must equal plain's token for token (the `lossless` flag).
+keeping the median run. Speed is tokens per second of prefill + decode as GenerationStats reports it, with the wall
+clock beside it. Greedy decoding throughout, so every speculative output must equal plain's token for token (the
+`lossless` flag).
 
 With `--synthetic-shape` the models are random weights of real shapes and `--synthetic-acceptance` accepts each
 draft position with a fixed probability: systems numbers only, labelled synthetic everywhere.
@@ -440,6 +440,7 @@ def _load_peers(args: argparse.Namespace, target: Model, draft: Model | str | No
             raise ValueError(f"--peer {name} needs GGUF files; it cannot run --synthetic-shape models")
         from tandem.bench.peers import HFPeer
 
-        peers[name] = HFPeer(target.path, draft.path if isinstance(draft, Model) else None, args.device,
-                             compute_dtype(args), static=name == "hf-static")
+        static = name == "hf-static"  # plain decoding only: assisted generation takes no static cache
+        peers[name] = HFPeer(target.path, draft.path if isinstance(draft, Model) and not static else None,
+                             args.device, compute_dtype(args), static=static)
     return peers

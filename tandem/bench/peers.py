@@ -35,9 +35,9 @@ class HFPeer:
 
         self.static = static
         self.name = "hf-static" if static else "hf"
-        self.target_path, self.draft_path = target_path, None if static else draft_path
+        self.target_path, self.draft_path = target_path, draft_path
         self.target = load(target_path)
-        self.draft = load(draft_path) if draft_path and not static else None
+        self.draft = load(draft_path) if draft_path else None
         self.warm = False
 
     def describe(self) -> dict:

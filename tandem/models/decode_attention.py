@@ -26,15 +26,15 @@ except ImportError:  # CPU-only installs: the matmul path in Transformer.attend 
 
 CHUNK = 128  # cache slots per program: 2..32 programs per KV head over spans of 256..4096
 COMBINE_ROWS = 16  # query rows per program of the combining kernel
-MAX_ROWS = 64
+MAX_ROWS = 64  # query rows (G heads x T tokens) per KV head that one program holds
 
 
-def available(q: torch.Tensor, head_dim: int) -> bool:
-    """Whether this kernel serves q: Triton present, a CUDA tensor in half precision (fp32 dots would run as
-    TF32 in tl.dot, less exact than the matmul path), and a head_dim Triton's dot takes. TANDEM_DECODE_KERNEL=0
-    turns it off (the matmul path then serves every device)."""
-    return (triton is not None and os.environ.get("TANDEM_DECODE_KERNEL", "1") != "0" and q.is_cuda
-            and q.dtype in (torch.bfloat16, torch.float16) and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether these kernels serve a model: Triton present, CUDA, half precision (fp32 dots would run as TF32 in
+    tl.dot, less exact than the matmul path), and a head_dim Triton's dot takes. TANDEM_DECODE_KERNEL=0 turns
+    them off (the matmul path then serves every device). Asked once per model, not per forward."""
+    return (triton is not None and os.environ.get("TANDEM_DECODE_KERNEL", "1") != "0" and device.type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16) and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
 if triton is not None:

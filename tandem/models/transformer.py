@@ -48,7 +48,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-DECODE_ATTENTION_MAX_ROWS = 64  # query rows (heads in a group x tokens) up to which attention is two matmuls
 
 
 class Transformer(torch.nn.Module):
@@ -70,6 +69,7 @@ class Transformer(torch.nn.Module):
         self.embed_scale = torch.tensor(c.embed_scale, dtype=self.dtype)
         self.act = (lambda g: F.gelu(g, approximate="tanh")) if c.activation == "gelu_tanh" else F.silu
         self.q_width, self.kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self.decode_kernel = decode_attention.available(self.device, self.dtype, c.head_dim)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
@@ -97,7 +97,7 @@ class Transformer(torch.nn.Module):
         q = q.reshape(1, c.n_kv_heads, group * T, c.head_dim)  # [B, H_kv, G*T, D]; head h reads KV head h // G
         if bias is None:
             out = torch.ops.tandem.decode_attention(q, keys, values, positions, self.attn_scale, window)
-        elif group * T <= DECODE_ATTENTION_MAX_ROWS:
+        elif group * T <= decode_attention.MAX_ROWS:
             # Decode and verify: few query rows over a long cache. Fused attention kernels split work by query
             # rows, so a handful of thread blocks would stream the whole cache; two matmuls split it by keys.
             acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # softmax of half scores loses mass
@@ -107,10 +107,10 @@ class Transformer(torch.nn.Module):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.attn_scale)
         return out.view(1, c.n_heads, T, c.head_dim)
 
-    def fused_decode(self, x: torch.Tensor, T: int) -> bool:
+    def fused_decode(self, T: int) -> bool:
         """Whether attention runs as tandem.models.decode_attention's kernels (GPU decode and verify steps)."""
         group = self.config.n_heads // self.config.n_kv_heads
-        return group * T <= decode_attention.MAX_ROWS and decode_attention.available(x, self.config.head_dim)
+        return self.decode_kernel and group * T <= decode_attention.MAX_ROWS
 
     def forward(
         self,
@@ -125,7 +125,7 @@ class Transformer(torch.nn.Module):
         kv_len = cache_k[0].shape[2] if kv_len is None else kv_len
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [B=1, T, d]
         T = tokens.shape[0]
-        fused = self.fused_decode(x, T)
+        fused = self.fused_decode(T)
         bias = {False: None, True: None}
         if not fused:
             bias[False] = self.attention_bias(positions, kv_len, None)
