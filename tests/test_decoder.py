@@ -260,6 +260,8 @@ def test_run_ahead_plain_steps_change_no_token(pair64, run_ahead):
     ahead = SpeculativeDecoder(small, SamplingParams(), max_tokens=100, run_ahead=run_ahead)
     assert [t for chunk in ahead.run(long_ids) for t in chunk] == one and len(one) == 24 - 20 + 1
     assert ahead.finish_reason == "length" and ahead.stats.iterations == 4
+    with pytest.raises(ValueError, match="run_ahead must be >= 1"):
+        SpeculativeDecoder(target, SamplingParams(), run_ahead=0)
 
 
 def test_stop_string(pair64):
