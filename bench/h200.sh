@@ -3,7 +3,9 @@
 #   setup     wheels (.whl), Vulkan loader (.gl debs), llama-cpp-python built for Vulkan here (.vk), and llama.cpp's
 #             CUDA llama-server built in the background from llama-cpp-python's vendored tree (.xfer/llama-src.tar.xz)
 #   (then one call per chunk: cat .xfer/cNNN >> /root/m/pair.bin)
-#   torch     split the real pair, tandem bench (torch, bf16), tandem doctor
+#   pair      split the real pair out of /root/m/pair.bin, check SHA-256
+#   torch     split the real pair, tandem bench (torch, bf16)
+#   doctor    tandem doctor (torch, bf16)
 #   vulkan    tandem bench and doctor on llama.cpp's Vulkan backend (NVIDIA's Vulkan driver)
 #   llamacpp  llama.cpp's own llama-server (CUDA): plain and with the draft
 #   hf        tandem plain beside Hugging Face transformers: eager plain and assisted, static-cache compiled plain
@@ -26,28 +28,32 @@ setup)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     ls /usr/local/nvidia/share/vulkan/icd.d/ /usr/share/vulkan/icd.d/ /etc/vulkan/icd.d/ 2>&1 | head
     ;;
-torch)
+pair)
     cd /root/m && head -c 1117320768 pair.bin > T.gguf && tail -c 491400064 pair.bin > D.gguf && cd - >/dev/null
     sha256sum $T $D | tee $OUT/sha256.txt
+    ;;
+torch)
     tandem bench --model $T --draft $D --device cuda --max-tokens 128 --configs plain,adaptive,fixed3,ngram \
-        --peer hf --json $OUT/bench_real.json --plot $OUT/bench_real.png 2>&1 | grep -v Warn | tee $OUT/bench_real.txt
-    tandem doctor --model $T --draft $D --device cuda --json > $OUT/doctor_cuda.json 2>$OUT/doctor_cuda.err
+        --json $OUT/bench_real.json --plot $OUT/bench_real.png 2>&1 | grep --line-buffered -v Warn | tee $OUT/bench_real.txt
+    ;;
+doctor)
+    tandem doctor --model $T --draft $D --device cuda --draft-max 3 --repeats 3 --json > $OUT/doctor_cuda.json \
+        2>$OUT/doctor_cuda.err
     python3 -c "import json; d = json.load(open('$OUT/doctor_cuda.json')); print({k: d[k] for k in \
         ('paired_over_standalone', 'target_step_ms', 'draft_step_ms_paired', 'best_draft_len', 'verdict')})"
-    tail -3 /root/build.log
     ;;
 vulkan)
     export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
     icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
     [ -f $icd ] && export VK_DRIVER_FILES=$icd
+    # The paired draft step at k = 3: the verify of 4 tokens stays on llama.cpp's matrix-vector kernels here.
+    tandem doctor --model $T --draft $D --backend llama.cpp --device vulkan --draft-max 3 --json \
+        > $OUT/doctor_vulkan.json 2>$OUT/doctor_vulkan.err
     tandem bench --model $T --draft $D --backend llama.cpp --device vulkan --max-tokens 128 \
-        --configs plain,adaptive,fixed3,ngram --json $OUT/bench_vulkan.json --plot $OUT/bench_vulkan.png 2>&1 \
-        | grep -v -i warn | tee $OUT/bench_vulkan.txt
-    tandem doctor --model $T --draft $D --backend llama.cpp --device vulkan --json > $OUT/doctor_vulkan.json \
-        2>$OUT/doctor_vulkan.err
+        --configs plain,adaptive,ngram --json $OUT/bench_vulkan.json --plot $OUT/bench_vulkan.png 2>&1 \
+        | grep --line-buffered -v -i warn | tee $OUT/bench_vulkan.txt
     python3 -c "import json; d = json.load(open('$OUT/doctor_vulkan.json')); print({k: d[k] for k in \
         ('device', 'paired_over_standalone', 'target_step_ms', 'draft_step_ms_standalone', 'verdict')})"
-    tail -2 /root/build.log
     ;;
 llamacpp)
     tail -2 /root/build.log
@@ -56,7 +62,7 @@ llamacpp)
     ;;
 hf)
     tandem bench --model $T --draft $D --device cuda --max-tokens 128 --configs plain --peer hf --peer hf-static \
-        --json $OUT/bench_hf.json 2>&1 | grep -v Warn | tail -25
+        --json $OUT/bench_hf.json 2>&1 | grep --line-buffered -v Warn | tail -25
     ;;
 synthetic)
     tandem doctor --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --device cuda --json > $OUT/doctor_synth_32b.json \
@@ -64,7 +70,7 @@ synthetic)
     python3 -c "import json; d = json.load(open('$OUT/doctor_synth_32b.json')); print({k: d[k] for k in \
         ('paired_over_standalone', 'target_step_ms', 'draft_step_ms_paired', 'best_draft_len', 'verdict')})"
     tandem bench --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --synthetic-acceptance 0.8 --device cuda \
-        --max-tokens 96 --configs plain,adaptive,fixed8 --json $OUT/bench_synth_32b.json 2>&1 | grep -v Warn \
+        --max-tokens 96 --configs plain,adaptive,fixed8 --json $OUT/bench_synth_32b.json 2>&1 | grep --line-buffered -v Warn \
         | tail -15
     ;;
 esac

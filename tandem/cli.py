@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--synthetic-shape", default=None, metavar="TARGET[,DRAFT]",
                    help="random-weight models of named shapes instead of files, e.g. qwen2.5-32b,qwen2.5-1.5b")
     b.add_argument("--prompts", default=None, help="comma list of suite prompt names to run [all]")
-    b.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and config; the median is kept [1]")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="timed rounds per prompt, configs interleaved; each config's median run is kept [1]")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     b.set_defaults(func=cmd_bench)
 

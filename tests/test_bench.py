@@ -136,3 +136,25 @@ def test_bench_hf_static_peer(tmp_path, tiny_model_path, capsys):
     assert result["meta"]["peers"]["hf-static"]["cache"].startswith("static")
     assert main(["bench", "--model", target, "--no-draft", "--peer", "vllm", "--configs", "plain"]) != 0
     assert "unknown peer 'vllm'" in capsys.readouterr().err
+
+
+def test_repeats_interleave_the_configs_and_keep_each_median(monkeypatch):
+    # A device that drifts must not favour whichever config runs first: rounds alternate the configs, rotated.
+    from tandem.bench.bench import Bench, Run
+    from tandem.bench.suite import BenchPrompt
+    from tandem.spec.stats import GenerationStats
+
+    configs = parse_configs("plain,ngram", "ngram", 4)
+    order, speeds = [], iter([10.0, 50.0, 40.0, 20.0, 30.0, 60.0])
+
+    def generate(self, prompt, config, max_tokens):
+        order.append(config.name)
+        stats = GenerationStats(generated_tokens=10, decode_ms=1000.0 / next(speeds))
+        return Run([1], stats, 1.0, "length")
+
+    monkeypatch.setattr(Bench, "generate", generate)
+    bench = Bench(None, "ngram", configs, 8, None, False, repeats=3)
+    runs = bench.measure(BenchPrompt("p", "code", ({"role": "user", "content": "x"},)))
+    assert order == ["plain", "ngram", "ngram", "plain", "plain", "ngram"]
+    # plain ran at speeds 10, 20, 30 and ngram at 50, 40, 60: the median runs are 20 and 50
+    assert {name: run.stats.decode_ms for name, run in runs.items()} == {"plain": 1000.0 / 20, "ngram": 1000.0 / 50}

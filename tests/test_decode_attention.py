@@ -45,8 +45,10 @@ CHECKS = textwrap.dedent("""
             while span < start + T:
                 span *= 2
             out = decode_attention(q, k[:, :, :span], v[:, :, :span], positions, 0.125, window)
-            assert out.shape == q.shape and out.dtype == q.dtype
+            assert out.shape == (T, n_kv * group * D) and out.dtype == q.dtype
+            # [1, H_kv, G*T, D] -> [T, H*D]: token t's heads side by side
             expected = reference(q, k[:, :, :span], v[:, :, :span], positions, 0.125, window)
+            expected = expected.view(n_kv, group, T, D).permute(2, 0, 1, 3).reshape(T, -1)
             err = (out.double().cpu() - expected).abs().max()
             assert err < 2e-2, (dtype, n_kv, group, T, D, start, window, float(err))
             # Attending over a longer span (a later bucket) must not change a single bit: fixed chunks add zeros.

@@ -232,7 +232,7 @@ class CyclePolicy(FixedPolicy):
         super().__init__(0)
         self.cycle, self.i = cycle, 0
 
-    def choose(self):
+    def choose(self, lag=None):
         self.i += 1
         return self.cycle[(self.i - 1) % len(self.cycle)]
 

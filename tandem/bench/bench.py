@@ -266,10 +266,18 @@ class Bench:
     def warm_up(self, prompt: BenchPrompt, config: BenchConfig) -> None:
         self.generate(prompt, config, min(self.max_tokens, WARMUP_TOKENS))
 
-    def measure(self, prompt: BenchPrompt, config: BenchConfig) -> Run:
-        runs = sorted((self.generate(prompt, config, self.max_tokens) for _ in range(self.repeats)),
-                      key=lambda r: r.stats.tokens_per_second)
-        return runs[len(runs) // 2]  # the median run, whole: its counts and timings belong together
+    def measure(self, prompt: BenchPrompt, on_run=None) -> dict[str, Run]:
+        """Every config on one prompt, `repeats` rounds; each config's median run. Rounds interleave the configs
+        and rotate their order, so a device's drift (clocks, a noisy neighbour) lands on all of them alike: on an
+        H200's Vulkan driver, back-to-back runs of the very same plain loop differed by 5-15%."""
+        runs: dict[str, list[Run]] = {c.name: [] for c in self.configs}
+        for r in range(self.repeats):
+            for config in self.configs[r % len(self.configs):] + self.configs[:r % len(self.configs)]:
+                if on_run is not None:
+                    on_run(config)
+                runs[config.name].append(self.generate(prompt, config, self.max_tokens))
+        # The median run, whole: its counts and timings belong together.
+        return {name: sorted(rs, key=lambda r: r.stats.tokens_per_second)[len(rs) // 2] for name, rs in runs.items()}
 
 
 def costs_for(target: Model, draft: Model | str | None, configs: list[BenchConfig]) -> dict[str, CostModel]:
@@ -368,11 +376,12 @@ def run_bench(args: argparse.Namespace) -> int:
                 progress.advance(task)
         costs = costs_for(target, draft, configs)
         for prompt in prompts:
-            runs: dict[str, Run] = {}
-            for config in configs:
+
+            def on_run(config: BenchConfig, prompt: BenchPrompt = prompt) -> None:
                 progress.update(task, description=f"{prompt.name}: {config.name}")
-                runs[config.name] = bench.measure(prompt, config)
-                progress.advance(task, repeats)
+                progress.advance(task)
+
+            runs = bench.measure(prompt, on_run)
             results.append(_prompt_result(prompt, configs, runs, costs, args.synthetic_acceptance, synthetic,
                                           weight_bytes(target)))
             for name, peer in peers.items():

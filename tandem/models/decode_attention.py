@@ -69,7 +69,7 @@ if triton is not None:
         tl.store(ACC + out[:, None] * HEAD_DIM + dims[None, :], acc)
 
     @triton.jit
-    def _combine_kernel(M, L, ACC, OUT, stride_oh, stride_or, n_rows,
+    def _combine_kernel(M, L, ACC, OUT, stride_ot, n_rows, n_tokens, group,
                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, n_chunks: tl.constexpr):
         head, block = tl.program_id(0), tl.program_id(1)
         rows = block * ROWS + tl.arange(0, ROWS)
@@ -87,8 +87,10 @@ if triton is not None:
             total += weight * tl.load(L + at)
             acc += weight[:, None] * tl.load(ACC + at[:, None] * HEAD_DIM + dims[None, :])
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # padding rows (past n_rows) see nothing
-        tl.store(OUT + head * stride_oh + rows[:, None] * stride_or + dims[None, :],
-                 out.to(OUT.dtype.element_ty), mask=(rows < n_rows)[:, None])
+        # Row r is query head head * group + r // T at token r % T: stored as [T, H * D], the output projection's
+        # input, so no transpose kernel runs between the two.
+        at = (rows % n_tokens) * stride_ot + (head * group + rows // n_tokens) * HEAD_DIM
+        tl.store(OUT + at[:, None] + dims[None, :], out.to(OUT.dtype.element_ty), mask=(rows < n_rows)[:, None])
 
 
 @torch.library.custom_op("tandem::decode_attention", mutates_args=())
@@ -97,7 +99,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """softmax(q k^T * scale, causal by positions, within `window` if > 0) v for one sequence.
 
     q: [1, H_kv, G*T, D], row g*T + t being query head g of the group at token t; keys, values: [1, H_kv, S, D]
-    cache slots (S = the span attended over); positions: [T] int64. Returns [1, H_kv, G*T, D] in q's dtype.
+    cache slots (S = the span attended over); positions: [T] int64. Returns [T, H_kv*G*D] in q's dtype: token t's
+    heads side by side, as the output projection takes them.
     """
     _, n_kv, n_rows, head_dim = q.shape
     kv_len = keys.shape[2]
@@ -113,13 +116,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         q, keys, values, positions, m, total, acc, q.stride(1), q.stride(2), keys.stride(1), keys.stride(2),
         values.stride(1), values.stride(2), n_rows, positions.shape[0], kv_len, scale, window,
         HEAD_DIM=head_dim, BLOCK_R=block_r, CHUNK=CHUNK, HAS_WINDOW=window > 0, num_warps=4, num_stages=1)
-    out = torch.empty_like(q)
+    n_tokens = positions.shape[0]
+    out = q.new_empty(n_tokens, n_kv * n_rows // n_tokens * head_dim)
     _combine_kernel[(n_kv, block_r // COMBINE_ROWS)](
-        m, total, acc, out, out.stride(1), out.stride(2), n_rows,
+        m, total, acc, out, out.stride(0), n_rows, n_tokens, n_rows // n_tokens,
         HEAD_DIM=head_dim, BLOCK_R=block_r, ROWS=COMBINE_ROWS, n_chunks=n_chunks, num_warps=4)
     return out
 
 
 @decode_attention.register_fake
 def _(q, keys, values, positions, scale, window):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q.new_empty(positions.shape[0], q.shape[1] * q.shape[2] // positions.shape[0] * q.shape[3])

@@ -91,13 +91,14 @@ class Transformer(torch.nn.Module):
 
         Repeating K/V to H heads would copy the whole cache every step (300 MB a token for a 1.5B model at 4k).
         bias is None where `fused_decode` holds (the kernel masks by positions and window itself).
+        Returns [1, T, H*D]: each token's heads side by side, the output projection's input.
         """
         c = self.config
         group, T = c.n_heads // c.n_kv_heads, q.shape[2]
         q = q.reshape(1, c.n_kv_heads, group * T, c.head_dim)  # [B, H_kv, G*T, D]; head h reads KV head h // G
-        if bias is None:
-            out = torch.ops.tandem.decode_attention(q, keys, values, positions, self.attn_scale, window)
-        elif group * T <= decode_attention.MAX_ROWS:
+        if bias is None:  # the kernel writes [T, H*D] itself: no transpose kernel before the output projection
+            return torch.ops.tandem.decode_attention(q, keys, values, positions, self.attn_scale, window)[None]
+        if group * T <= decode_attention.MAX_ROWS:
             # Decode and verify: few query rows over a long cache. Fused attention kernels split work by query
             # rows, so a handful of thread blocks would stream the whole cache; two matmuls split it by keys.
             acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # softmax of half scores loses mass
@@ -105,7 +106,7 @@ class Transformer(torch.nn.Module):
             out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.attn_scale)
-        return out.view(1, c.n_heads, T, c.head_dim)
+        return out.view(1, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(1, T, self.q_width)
 
     def fused_decode(self, T: int) -> bool:
         """Whether attention runs as tandem.models.decode_attention's kernels (GPU decode and verify steps)."""
@@ -155,7 +156,7 @@ class Transformer(torch.nn.Module):
             cache_v[i].index_copy_(2, positions, v)
             keys, values = cache_k[i][:, :, :kv_len], cache_v[i][:, :, :kv_len]  # [B, H_kv, S, D]
             attn = self.attend(q, keys, values, bias[local], positions, c.sliding_window if local else 0)
-            attn = F.linear(attn.transpose(1, 2).reshape(1, T, self.q_width), w[p + "attn_output.weight"])
+            attn = F.linear(attn, w[p + "attn_output.weight"])
             if c.sandwich_norm:
                 attn = rms_norm(attn, w[p + "post_attention_norm.weight"], c.rms_eps)
             x = x + attn

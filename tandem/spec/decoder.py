@@ -157,18 +157,23 @@ class SpeculativeDecoder:
                 if room < 1:
                     self.finish_reason = "length"
                     break
-                k = self.policy.choose() if proposer is not None else 0
+                k = self.policy.choose(proposer.lag(len(tokens))) if proposer is not None else 0
                 k = max(0, min(k, self.max_tokens - emitted - 1, room - 1))
                 if k == 0 and self.run_ahead > 1:
                     steps = min(self.run_ahead, self.max_tokens - emitted, room)
                     new_tokens, pending, iterations = self._plain_steps(target_seq, pending, steps, generator, clock)
                 else:
                     new_tokens, pending, iterations = self._speculate(target_seq, pending, tokens, k, generator, clock)
+                # Host sync to host sync: what the iteration really cost. The policy is charged that, not only the
+                # device's spans: while the host proposes, launches and reads back, a GPU idles, except under plain
+                # steps queued RUN_AHEAD to a sync (H200: ~0.2 ms of a 1.85 ms step, which made prompt lookup's
+                # 2-token verifies look nearly free and kept it probing at 0.85x).
+                cycle_ms = 1000.0 * (time.perf_counter() - iteration_started) / len(iterations)
                 for k, n, draft_ms, verify_ms, catch_up in iterations:
                     stats.draft_ms += draft_ms
                     stats.verify_ms += verify_ms
                     stats.record_iteration(k, n)
-                    self.policy.observe(k, n, draft_ms, verify_ms, catch_up)
+                    self.policy.observe(k, n, draft_ms, max(verify_ms, cycle_ms - draft_ms), catch_up)
                 if proposer is not None:
                     proposer.accept(len(tokens) + len(new_tokens) - 1)  # all but the pending token are final
                 tokens += new_tokens

@@ -19,7 +19,14 @@ IDLE_DECAY = 0.97  # per plain iteration: evidence fades to the prior, halfway i
 # pairs reach on code and JSON (CONTEXT.md: 0.63-0.82). Starting on where the costs allow is cheap; turning on
 # later means catching the draft up on everything decoded meanwhile.
 ACCEPTANCE_PRIOR = (1.4, 2.0)
-PROBE_BUDGET = 0.1  # turning drafting back on may cost at most this fraction of the plain time since it went off
+# Turning drafting back on may cost at most this fraction of the plain time since it went off. A probe first catches
+# the draft up on every token it missed, so a probe costs about catch-up/plain-step of the time spent idle (0.15 / 1.85
+# ms a token for the real pair on an H200); at 0.1, failed probes cost the code and freeform prompts 4-5% there.
+PROBE_BUDGET = 0.03
+# A draft that must first take in many tokens (the prompt, at the start of a request) drafts only if its predicted
+# gain repays that catch-up within this many tokens: a 60-token prompt costs a launch-bound draft on an H200 four
+# plain steps to take in, more than drafting at a 3% gain wins back in a short reply.
+PAYBACK_TOKENS = 64
 STEADY_CATCH_UP = 2  # a draft that catches up on at most this many tokens is drafting steadily (see observe)
 
 
@@ -76,8 +83,9 @@ class DraftPolicy(ABC):
     name: str
 
     @abstractmethod
-    def choose(self) -> int:
-        """Draft length for the next iteration, 0..k_max."""
+    def choose(self, lag: int | None = None) -> int:
+        """Draft length for the next iteration, 0..k_max; lag = tokens the proposer must take in before it can
+        draft (a draft model's unseen prompt and plain-decoded tokens), None if unknown."""
 
     def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float, catch_up: int = 0) -> None:
         """What the last iteration cost and earned; catch_up = tokens the proposer evaluated before drafting."""
@@ -91,7 +99,7 @@ class FixedPolicy(DraftPolicy):
             raise ValueError(f"draft length must be >= 0, got {k}")
         self.k = k
 
-    def choose(self) -> int:
+    def choose(self, lag: int | None = None) -> int:
         return self.k
 
 
@@ -113,20 +121,32 @@ class AdaptivePolicy(DraftPolicy):
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted > 0 else 0.0
 
-    def switch_on_cost_ms(self) -> float:
-        """What drafting again costs over a plain step: the draft catches up on the `idle` tokens decoded since it
-        last ran, drafts one, and the target verifies two tokens instead of one."""
+    def catch_up_ms(self, tokens: int) -> float:
         costs = self.costs
-        catch_up = costs.catch_up_ms_per_token if costs.catch_up_ms_per_token is not None else costs.draft_step_ms
-        return self.idle * catch_up + costs.draft_step_ms + max(0.0, costs.verify(2) - costs.verify(1))
+        per_token = costs.catch_up_ms_per_token if costs.catch_up_ms_per_token is not None else costs.draft_step_ms
+        return tokens * per_token
 
-    def choose(self) -> int:
+    def switch_on_cost_ms(self, lag: int | None = None) -> float:
+        """What drafting again costs over a plain step: the draft catches up on the `lag` tokens it has not seen
+        (default: the `idle` ones decoded since it last ran), drafts one, and the target verifies two tokens
+        instead of one."""
+        costs = self.costs
+        return (self.catch_up_ms(self.idle if lag is None else lag) + costs.draft_step_ms
+                + max(0.0, costs.verify(2) - costs.verify(1)))
+
+    def choose(self, lag: int | None = None) -> int:
         k = self.costs.best_draft_len(self.acceptance, self.k_max)
         # While drafting is off, stale evidence fades back to the prior until drafting looks worth a try. The try
-        # first pays the draft's catch-up, so it waits until that is a small part of the plain time since: where
-        # catch-up costs a good fraction of a target step a token (a 2-core CPU), drafting stays off for good.
-        if k > 0 and self.idle > 0 and self.switch_on_cost_ms() > PROBE_BUDGET * self.idle * self.costs.verify(1):
+        # first pays the draft's catch-up (on the whole prompt, if the draft never ran), so it waits until that is
+        # a small part of the plain time since: where catch-up costs more than PROBE_BUDGET of a target step a
+        # token (a 2-core CPU; a launch-bound draft on a big GPU), drafting stays off for good.
+        if k > 0 and self.idle > 0 and self.switch_on_cost_ms(lag) > PROBE_BUDGET * self.idle * self.costs.verify(1):
             return 0
+        if k > 0 and lag:
+            a, costs = self.acceptance, self.costs
+            gain_per_token_ms = costs.verify(1) * (1.0 - costs.tokens_per_ms(a, 0) / costs.tokens_per_ms(a, k))
+            if self.catch_up_ms(lag) > PAYBACK_TOKENS * gain_per_token_ms:
+                return 0
         return k
 
     def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float, catch_up: int = 0) -> None:

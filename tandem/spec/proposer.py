@@ -32,6 +32,10 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, tokens: list[int], k: int) -> Proposal: ...
 
+    def lag(self, n_tokens: int) -> int:
+        """Tokens of a sequence of n_tokens that the proposer has yet to take in before it can draft."""
+        return 0
+
     def accept(self, n_valid: int) -> None:
         """The first n_valid tokens of the sequence are final; forget anything proposed beyond them."""
 
@@ -89,6 +93,9 @@ class DraftModelProposer(Proposer):
         if probs.shape[-1] < self.target_vocab:  # a narrower draft vocabulary gives q = 0 to the ids it lacks
             probs = torch.nn.functional.pad(probs, (0, self.target_vocab - probs.shape[-1]))
         return Proposal(draft_tokens, probs.to(self.target_device, non_blocking=True), len(catch_up))
+
+    def lag(self, n_tokens: int) -> int:
+        return n_tokens - (self.seq.length if self.seq is not None else 0)
 
     def accept(self, n_valid: int) -> None:
         if self.seq is not None and self.seq.length > n_valid:
