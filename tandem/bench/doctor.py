@@ -147,11 +147,14 @@ def make_verdict(costs: CostModel, break_even: float | None, predicted: dict[flo
 
 
 def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: int, repeats: int,
-            synthetic: bool = False, shapes: dict[str, str] | None = None) -> DoctorReport:
+            synthetic: bool = False, shapes: dict[str, str] | None = None, log=lambda message: None) -> DoctorReport:
     """Everything but the standalone draft step, which the caller measured before loading the target."""
     from tandem.models.shapes import weight_bytes
 
+    log(f"timing the target's forwards over 1..{max(VERIFY_SIZES)} tokens")
     verify_ms = time_forwards_ms(target, VERIFY_SIZES, repeats, CONTEXT_TOKENS)
+    if draft is not None:
+        log(f"timing the draft's steps between the target's verifies (k = {k})")
     paired_ms = time_draft_steps(draft, target, k, repeats) if draft is not None else None
     costs = CostModel(draft_step_ms=paired_ms if paired_ms is not None else NGRAM_STEP_MS, verify_ms=verify_ms)
     ratio = costs.draft_step_ms / verify_ms[1]
@@ -203,14 +206,26 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     repeats = getattr(args, "repeats", None) or DEFAULT_REPEATS
     k = max(1, args.draft_max)
+    started = time.perf_counter()
+
+    def log(message: str) -> None:
+        # Progress on stderr: on a GPU the first forwards compile for minutes, and a run cut short by a time
+        # limit should still say where it was.
+        print(f"[doctor {time.perf_counter() - started:6.1f} s] {message}", file=sys.stderr, flush=True)
+
     # The draft first, alone: its standalone step must be timed before the target exists.
+    log("loading the draft")
     draft = load_draft(args, backend=None)
     if isinstance(draft, str):
         draft = None  # "ngram": no draft model to time; costs are prompt lookup's
+    if draft is not None:
+        log(f"timing the draft's steps alone (k = {k}, {repeats} repeats; the first compiles)")
     standalone = time_draft_steps(draft, None, k, repeats) if draft is not None else None
+    log("loading the target")
     target = load_target(args)
     shapes = synthetic_shapes(args)
-    report = measure(target, draft, standalone, k, repeats, synthetic=shapes is not None, shapes=shapes)
+    report = measure(target, draft, standalone, k, repeats, synthetic=shapes is not None, shapes=shapes, log=log)
+    log("done")
     env = environment(target)
     if args.json:
         print(json.dumps({**report.to_dict(), "environment": env}, indent=2))
