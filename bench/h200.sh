@@ -49,7 +49,7 @@ vulkan)
     # The paired draft step at k = 3: the verify of 4 tokens stays on llama.cpp's matrix-vector kernels here.
     tandem doctor --model $T --draft $D --backend llama.cpp --device vulkan --draft-max 3 --json \
         > $OUT/doctor_vulkan.json 2>$OUT/doctor_vulkan.err
-    tandem bench --model $T --draft $D --backend llama.cpp --device vulkan --max-tokens 128 \
+    tandem bench --model $T --draft $D --backend llama.cpp --device vulkan --max-tokens 128 --repeats 3 \
         --configs plain,adaptive,ngram --json $OUT/bench_vulkan.json --plot $OUT/bench_vulkan.png 2>&1 \
         | grep --line-buffered -v -i warn | tee $OUT/bench_vulkan.txt
     python3 -c "import json; d = json.load(open('$OUT/doctor_vulkan.json')); print({k: d[k] for k in \
