@@ -79,3 +79,22 @@ def test_verdict_when_speculation_cannot_pay():
     costs = CostModel(draft_step_ms=9.0, verify_ms={n: 10.0 * n for n in range(1, 17)})
     assert break_even_acceptance(costs) is None
     assert "cannot help" in make_verdict(costs, None, {0.5: 1.0, 0.7: 1.0, 0.9: 1.0}, {0.5: 0, 0.7: 0, 0.9: 0})
+
+
+def test_paired_draft_is_timed_at_the_length_the_policy_would_draft(monkeypatch):
+    # A target whose verify cost jumps past 5 tokens (llama.cpp on an H200's Vulkan driver): the loop never drafts
+    # 8 there, so the doctor must not time the draft beside 9-token verifies.
+    import time
+
+    from test_policy import VirtualClock, fake_model
+
+    from tandem.bench.doctor import measure
+
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    target = fake_model(clock, lambda n: 2.4 + 0.5 * (n - 1) if n <= 5 else 14.0 + 2.0 * n)
+    draft = fake_model(clock, lambda n: 0.3 * n, is_draft=True)
+    report = measure(target, draft, standalone_ms=0.3, k=8, repeats=2)
+    assert 1 <= report.draft_len_paired <= 4, report.draft_len_paired
+    assert report.best_draft_len[0.9] == report.draft_len_paired
+    assert report.paired_over_standalone == pytest.approx(1.0)

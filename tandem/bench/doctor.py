@@ -3,7 +3,8 @@
 Measured, each the median over repeats, every figure in milliseconds and per call:
 - the draft's one-token step with only the draft loaded (`draft_step_ms_standalone`), then with the target loaded
   and its verifies interleaved as the real loop does (`draft_step_ms_paired`: k draft steps, one target forward
-  of k + 1 tokens, repeat; only the draft steps are timed). In the report we start from, the draft slowed down
+  of k + 1 tokens, repeat; only the draft steps are timed; k = the length the cost model picks at 90% acceptance,
+  at least 1 and at most --draft-max: `draft_len_paired`). In the report we start from, the draft slowed down
   ~1000x next to the target; a ratio far above 1 is that failure;
 - the target's forward over n = 1..16 tokens (`verify_ms`; n = 1 is a plain decoding step, `target_step_ms`).
 From those the cost model (tandem.spec.policy) predicts the best draft length and the speed-up at a few acceptance
@@ -154,6 +155,11 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
     log(f"timing the target's forwards over 1..{max(VERIFY_SIZES)} tokens")
     verify_ms = time_forwards_ms(target, VERIFY_SIZES, repeats, CONTEXT_TOKENS)
     if draft is not None:
+        # Paired at the draft length the policy would run here (at the highest acceptance asked about), not past
+        # it: beyond a backend's knee the loop never drafts, and there the slow verifies between the draft runs
+        # made the draft look 19% slower (llama.cpp on an H200's Vulkan driver at k = 8; 0.95x at k = 3).
+        first_guess = CostModel(draft_step_ms=standalone_ms or NGRAM_STEP_MS, verify_ms=verify_ms)
+        k = max(1, first_guess.best_draft_len(ACCEPTANCES[-1], k))
         log(f"timing the draft's steps between the target's verifies (k = {k})")
     paired_ms = time_draft_steps(draft, target, k, repeats) if draft is not None else None
     costs = CostModel(draft_step_ms=paired_ms if paired_ms is not None else NGRAM_STEP_MS, verify_ms=verify_ms)
