@@ -154,12 +154,12 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
 
     log(f"timing the target's forwards over 1..{max(VERIFY_SIZES)} tokens")
     verify_ms = time_forwards_ms(target, VERIFY_SIZES, repeats, CONTEXT_TOKENS)
-    if draft is not None:
+    if draft is not None and standalone_ms is not None:
         # Paired at the draft length the policy would run here (at the highest acceptance asked about), not past
         # it: beyond a backend's knee the loop never drafts, and there the slow verifies between the draft runs
         # made the draft look 19% slower (llama.cpp on an H200's Vulkan driver at k = 8; 0.95x at k = 3).
-        first_guess = CostModel(draft_step_ms=standalone_ms or NGRAM_STEP_MS, verify_ms=verify_ms)
-        k = max(1, first_guess.best_draft_len(ACCEPTANCES[-1], k))
+        k = max(1, CostModel(draft_step_ms=standalone_ms, verify_ms=verify_ms).best_draft_len(ACCEPTANCES[-1], k))
+    if draft is not None:
         log(f"timing the draft's steps between the target's verifies (k = {k})")
     paired_ms = time_draft_steps(draft, target, k, repeats) if draft is not None else None
     costs = CostModel(draft_step_ms=paired_ms if paired_ms is not None else NGRAM_STEP_MS, verify_ms=verify_ms)

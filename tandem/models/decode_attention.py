@@ -103,7 +103,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     heads side by side, as the output projection takes them.
     """
     _, n_kv, n_rows, head_dim = q.shape
-    kv_len = keys.shape[2]
+    kv_len, n_tokens = keys.shape[2], positions.shape[0]
     if n_rows > MAX_ROWS:
         raise ValueError(f"decode_attention takes at most {MAX_ROWS} query rows per KV head, got {n_rows}")
     q = q.contiguous()
@@ -114,12 +114,12 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     acc = torch.empty(n_kv, n_chunks, block_r, head_dim, dtype=torch.float32, device=q.device)
     _partial_kernel[(n_kv, n_chunks)](
         q, keys, values, positions, m, total, acc, q.stride(1), q.stride(2), keys.stride(1), keys.stride(2),
-        values.stride(1), values.stride(2), n_rows, positions.shape[0], kv_len, scale, window,
+        values.stride(1), values.stride(2), n_rows, n_tokens, kv_len, scale, window,
         HEAD_DIM=head_dim, BLOCK_R=block_r, CHUNK=CHUNK, HAS_WINDOW=window > 0, num_warps=4, num_stages=1)
-    n_tokens = positions.shape[0]
-    out = q.new_empty(n_tokens, n_kv * n_rows // n_tokens * head_dim)
+    group = n_rows // n_tokens
+    out = q.new_empty(n_tokens, n_kv * group * head_dim)
     _combine_kernel[(n_kv, block_r // COMBINE_ROWS)](
-        m, total, acc, out, out.stride(0), n_rows, n_tokens, n_rows // n_tokens,
+        m, total, acc, out, out.stride(0), n_rows, n_tokens, group,
         HEAD_DIM=head_dim, BLOCK_R=block_r, ROWS=COMBINE_ROWS, n_chunks=n_chunks, num_warps=4)
     return out
 

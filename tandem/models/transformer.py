@@ -48,8 +48,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-
-
 class Transformer(torch.nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int) -> None:
         super().__init__()
