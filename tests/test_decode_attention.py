@@ -58,9 +58,10 @@ CHECKS = textwrap.dedent("""
 """)
 
 
-def run_checks(device: str, seed: int) -> None:
+def run_script(script: str, device: str, seed: int) -> None:
+    """Run `script` (argv: device, seed) in a fresh interpreter; it must print ok."""
     env = dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0")
-    done = subprocess.run([sys.executable, "-c", CHECKS, device, str(seed)], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script, device, str(seed)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
@@ -69,4 +70,4 @@ def run_checks(device: str, seed: int) -> None:
 def test_decode_attention_matches_softmax_attention_and_ignores_span(seed):
     import torch
 
-    run_checks("cuda" if torch.cuda.is_available() else "cpu", seed)
+    run_script(CHECKS, "cuda" if torch.cuda.is_available() else "cpu", seed)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tandem.cache import KVCache
 from tandem.config import ModelConfig
-from tandem.models import decode_attention
+from tandem.models import decode_attention, fused_projections
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,6 +68,8 @@ class Transformer(torch.nn.Module):
         self.act = (lambda g: F.gelu(g, approximate="tanh")) if c.activation == "gelu_tanh" else F.silu
         self.q_width, self.kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         self.decode_kernel = decode_attention.available(self.device, self.dtype, c.head_dim)
+        # Gemma's q/k norms need a whole head before rope: its projections stay unfused.
+        self.projection_kernels = not c.qk_norm and fused_projections.available(self.device, self.dtype, c.head_dim)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
@@ -106,6 +108,31 @@ class Transformer(torch.nn.Module):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.attn_scale)
         return out.view(1, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(1, T, self.q_width)
 
+    def project_qkv(self, h: torch.Tensor, p: str, rope: torch.Tensor, positions: torch.Tensor,
+                    cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """q, k, v of h [1, T, d]; k and v rotated and written into the layer's cache at positions. Returns q
+        rotated, [1, H, T, D]. (tandem.models.fused_projections does all of it in one kernel on the GPU.)"""
+        c, w, T = self.config, self.w, h.shape[1]
+        qkv = F.linear(h, w[p + "attn_qkv.weight"])  # one matmul for q, k and v
+        if p + "attn_qkv.bias" in w:
+            # Added apart, where the compiler fuses it into the rope kernel: cuBLAS's bias-epilogue GEMMs ran
+            # this projection at 1.2 TB/s on an H200, half the speed of the same shape without a bias.
+            qkv = qkv + w[p + "attn_qkv.bias"]
+        q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+        q = q.view(1, T, c.n_heads, c.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        v = v.view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        if c.qk_norm:
+            q = rms_norm(q, w[p + "attn_q_norm.weight"], c.rms_eps)
+            k = rms_norm(k, w[p + "attn_k_norm.weight"], c.rms_eps)
+        cos, sin = rope  # [T, D/2] each
+        q = apply_rope(q, cos, sin, c.rope_interleaved)
+        k = apply_rope(k, cos, sin, c.rope_interleaved)
+        # index_copy_: one kernel, and capturable (no host-side indexing).
+        cache_k.index_copy_(2, positions, k)
+        cache_v.index_copy_(2, positions, v)
+        return q
+
     def fused_decode(self, T: int) -> bool:
         """Whether attention runs as tandem.models.decode_attention's kernels (GPU decode and verify steps)."""
         group = self.config.n_heads // self.config.n_kv_heads
@@ -125,6 +152,7 @@ class Transformer(torch.nn.Module):
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [B=1, T, d]
         T = tokens.shape[0]
         fused = self.fused_decode(T)
+        fused_projection = self.projection_kernels and T <= fused_projections.MAX_ROWS
         bias = {False: None, True: None}
         if not fused:
             bias[False] = self.attention_bias(positions, kv_len, None)
@@ -132,26 +160,14 @@ class Transformer(torch.nn.Module):
         for i in range(c.n_layers):
             p = f"blk.{i}."
             local = c.is_local_layer(i)
-            cos, sin = (self.rope_local if local else self.rope_global)[:, positions]  # [T, D/2] each
+            rope = self.rope_local if local else self.rope_global
 
             h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
-            qkv = F.linear(h, w[p + "attn_qkv.weight"])  # one matmul for q, k and v
-            if p + "attn_qkv.bias" in w:
-                # Added apart, where the compiler fuses it into the rope kernel: cuBLAS's bias-epilogue GEMMs ran
-                # this projection at 1.2 TB/s on an H200, half the speed of the same shape without a bias.
-                qkv = qkv + w[p + "attn_qkv.bias"]
-            q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
-            q = q.view(1, T, c.n_heads, c.head_dim).transpose(1, 2)  # [B, H, T, D]
-            k = k.view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-            v = v.view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
-            if c.qk_norm:
-                q = rms_norm(q, w[p + "attn_q_norm.weight"], c.rms_eps)
-                k = rms_norm(k, w[p + "attn_k_norm.weight"], c.rms_eps)
-            q = apply_rope(q, cos, sin, c.rope_interleaved)
-            k = apply_rope(k, cos, sin, c.rope_interleaved)
-            # index_copy_: one kernel, and capturable (no host-side indexing).
-            cache_k[i].index_copy_(2, positions, k)
-            cache_v[i].index_copy_(2, positions, v)
+            if fused_projection:  # q, k, v, bias, rope and the cache writes in one kernel
+                q = torch.ops.tandem.qkv_rope(h[0], w[p + "attn_qkv.weight"], w.get(p + "attn_qkv.bias"), rope,
+                                              positions, cache_k[i], cache_v[i], c.n_heads, c.rope_interleaved)
+            else:
+                q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i])
             keys, values = cache_k[i][:, :, :kv_len], cache_v[i][:, :, :kv_len]  # [B, H_kv, S, D]
             attn = self.attend(q, keys, values, bias[local], positions, c.sliding_window if local else 0)
             attn = F.linear(attn, w[p + "attn_output.weight"])
@@ -160,8 +176,12 @@ class Transformer(torch.nn.Module):
             x = x + attn
 
             h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
-            gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
-            ffn = F.linear(self.act(gate) * up, w[p + "ffn_down.weight"])
+            if fused_projection:
+                act = torch.ops.tandem.gate_up_act(h[0], w[p + "ffn_gate_up.weight"], c.activation == "gelu_tanh")[None]
+            else:
+                gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
+                act = self.act(gate) * up
+            ffn = F.linear(act, w[p + "ffn_down.weight"])
             if c.sandwich_norm:
                 ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], c.rms_eps)
             x = x + ffn

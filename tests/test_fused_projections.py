@@ -1,0 +1,89 @@
+"""The GPU projection kernels (tandem.models.fused_projections) against the unfused projections they replace. On
+CPU they run in Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the switch is read when the kernels are
+defined); skipped without Triton."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from test_decode_attention import run_script
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+CHECKS = """
+import sys
+from dataclasses import replace
+import torch
+import torch.nn.functional as F
+from tandem.models import fused_projections
+from tandem.models.shapes import get_shape
+from tandem.models.transformer import Transformer, rope_tables
+
+device = sys.argv[1]
+gen = torch.Generator().manual_seed(int(sys.argv[2]))
+
+def rand(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+def close(a, b, what, roundings=1):
+    # Within `roundings` roundings to a's dtype per element (plus as much of the mean magnitude, for cancellation)
+    a, b = a.double().cpu(), b.double().cpu()
+    unit = roundings * 2.0 ** -(8 if a.dtype == torch.bfloat16 else 11)
+    worst = ((a - b).abs() / (b.abs() + b.abs().mean())).max().item()
+    assert worst < 2 * unit, (what, worst, unit)
+
+for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.float16,):
+    for n_heads, n_kv, head_dim, d, interleaved, bias, T, start in [
+            (4, 2, 32, 96, False, True, 9, 40), (2, 1, 16, 64, True, False, 1, 0), (6, 2, 64, 200, False, True, 16, 7)]:
+        config = replace(get_shape("tiny"), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, d_model=d,
+                         rope_interleaved=interleaved)
+        rows = (n_heads + 2 * n_kv) * head_dim
+        weight, b = rand(rows, d, dtype=dtype, scale=0.1), rand(rows, dtype=dtype) if bias else None
+        rope = rope_tables(config, 10000.0, 1.0, 128, dtype, device)
+        x = rand(T, d, dtype=dtype)
+        positions = torch.arange(start, start + T, device=device)
+        caches = [torch.zeros(1, n_kv, 128, head_dim, dtype=torch.float64 if i < 2 else dtype, device=device)
+                  for i in range(4)]
+
+        # The unfused path, as Transformer.project_qkv runs it, in float64 on the same values
+        model = Transformer.__new__(Transformer)
+        model.config, model.q_width, model.kv_width = config, n_heads * head_dim, n_kv * head_dim
+        model.w = {"blk.0.attn_qkv.weight": weight.double()} | ({"blk.0.attn_qkv.bias": b.double()} if bias else {})
+        q_ref = model.project_qkv(x[None].double(), "blk.0.", rope[:, positions].double(), positions, caches[0],
+                                  caches[1])
+        q = fused_projections.qkv_rope(x, weight, b, rope, positions, caches[2], caches[3], n_heads, interleaved)
+        assert q.shape == q_ref.shape and q.dtype == dtype
+        close(q, q_ref, ("q", dtype, n_heads, head_dim, interleaved))
+        close(caches[2], caches[0], ("k cache", dtype, n_heads, head_dim, interleaved))
+        close(caches[3], caches[1], ("v cache", dtype, n_heads, head_dim, interleaved))
+        assert caches[2][:, :, :start].abs().sum() == 0 and caches[2][:, :, start + T:].abs().sum() == 0
+        # A row's bits do not depend on the other rows (padding rows in a graphed step hold anything).
+        other = x.clone()
+        other[1:] = rand(T - 1, d, dtype=dtype) if T > 1 else other[1:]
+        q_other = fused_projections.qkv_rope(other, weight, b, rope, positions, caches[2], caches[3], n_heads,
+                                             interleaved)
+        assert torch.equal(q_other[:, :, 0], q[:, :, 0])
+
+    for gelu in (False, True):
+        for T, d, features in [(9, 96, 160), (1, 64, 16), (16, 200, 72)]:
+            x, weight = rand(T, d, dtype=dtype), rand(2 * features, d, dtype=dtype, scale=0.1)
+            gate, up = (x.double() @ weight.double().T).chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+            out = fused_projections.gate_up_act(x, weight, gelu)
+            assert out.shape == (T, features) and out.dtype == dtype
+            close(out, act * up, ("gate_up", dtype, gelu, T, d, features))
+    try:
+        fused_projections.gate_up_act(rand(17, 64, dtype=dtype), rand(32, 64, dtype=dtype), False)
+        raise AssertionError("17 rows accepted")
+    except ValueError as e:
+        assert "at most 16" in str(e)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_projection_kernels_match_the_unfused_projections(seed):
+    import torch
+
+    run_script(CHECKS, "cuda" if torch.cuda.is_available() else "cpu", seed)
