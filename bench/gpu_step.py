@@ -1,7 +1,8 @@
 """Time one graphed decode step of random-weight models of real shapes, per variant, on a CUDA device.
 
     python bench/gpu_step.py [--variants qwen2.5-1.5b:1:9,qwen2.5-0.5b:1:9] [--contexts 16,700] [--decode 256]
-    # variant = shape:compile:rows[:decode_kernel]; decode_kernel 0 = attention as matmuls (TANDEM_DECODE_KERNEL)
+    # variant = shape:compile:rows[:decode_kernel[:projections]]; 0 = attention as matmuls (TANDEM_DECODE_KERNEL),
+    # projections unfused (TANDEM_FUSED_PROJECTIONS)
 
 For each shape: weight bytes, the byte floor (bytes / measured copy bandwidth), and the median time of one forward
 of n tokens replayed as a CUDA graph of `rows` rows, eager and compiled. Synthetic weights: systems numbers only.
@@ -83,10 +84,11 @@ def main() -> None:
     bandwidth = copy_bandwidth_gb_s("cuda")
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth:.0f} GB/s (read + write)", flush=True)
     for variant in args.variants.split(","):
-        shape, compiled, rows, *kernel = variant.split(":")
+        shape, compiled, rows, *kernels = variant.split(":")
         rows = int(rows)
         os.environ["TANDEM_COMPILE"] = compiled
-        os.environ["TANDEM_DECODE_KERNEL"] = kernel[0] if kernel else "1"
+        os.environ["TANDEM_DECODE_KERNEL"] = kernels[0] if kernels else "1"
+        os.environ["TANDEM_FUSED_PROJECTIONS"] = kernels[1] if len(kernels) > 1 else "1"
         started = time.perf_counter()
         model = random_model(shape, device="cuda", dtype="bfloat16", n_ctx=4096)
         nbytes = weight_bytes(model) - model.config.vocab_size * model.config.d_model * 2 * (

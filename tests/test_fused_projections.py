@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from tandem.models import fused_projections
-from tandem.models.shapes import get_shape
+from tandem.models.shapes import get_shape, random_model
 from tandem.models.transformer import Transformer, rope_tables
 
 device = sys.argv[1]
@@ -78,6 +78,17 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
         raise AssertionError("17 rows accepted")
     except ValueError as e:
         assert "at most 16" in str(e)
+
+    # In the model: a step through both kernels gives the unfused step's logits and cache.
+    model = random_model("tiny", device=device, dtype=dtype, n_ctx=256).transformer
+    tokens, positions = torch.arange(3, 12, device=device), torch.arange(20, 29, device=device)
+    logits, caches = {}, {}
+    for fused in (False, True):
+        model.projection_kernels = fused
+        caches[fused] = model.new_cache(256)
+        logits[fused] = model(tokens, positions, caches[fused].k, caches[fused].v)
+    close(logits[True], logits[False], "logits", 4)
+    close(caches[True].k[0][:, :, 20:29], caches[False].k[0][:, :, 20:29], "model k cache", 3)
 print("ok")
 """
 
