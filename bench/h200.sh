@@ -33,7 +33,7 @@ pair)
     sha256sum $T $D | tee $OUT/sha256.txt
     ;;
 torch)
-    tandem bench --model $T --draft $D --device cuda --max-tokens 128 --configs plain,adaptive,fixed3,ngram \
+    tandem bench --model $T --draft $D --device cuda --max-tokens 128 --repeats 3 --configs plain,adaptive,ngram \
         --json $OUT/bench_real.json --plot $OUT/bench_real.png 2>&1 | grep --line-buffered -v Warn | tee $OUT/bench_real.txt
     ;;
 doctor)

@@ -28,8 +28,8 @@ def rand(*shape, dtype, scale=1.0):
 
 def close(a, b, what, roundings=1):
     # Within `roundings` roundings to a's dtype per element (plus as much of the mean magnitude, for cancellation)
-    a, b = a.double().cpu(), b.double().cpu()
     unit = roundings * 2.0 ** -(8 if a.dtype == torch.bfloat16 else 11)
+    a, b = a.double().cpu(), b.double().cpu()
     worst = ((a - b).abs() / (b.abs() + b.abs().mean())).max().item()
     assert worst < 2 * unit, (what, worst, unit)
 

@@ -22,11 +22,14 @@ except ImportError:  # CPU-only installs: Transformer.forward's unfused path ser
     triton = None
 
 MAX_ROWS = 16  # tokens per forward these kernels take (a graphed step has 9); tl.dot's smallest tile
-QKV_PAIRS = 8  # rope pairs a qkv program computes: 16 weight rows, so a 1.5B model's q/k/v spread over 128 programs
-QKV_BLOCK_K = 128
-GATE_UP_BLOCK_N = 16  # output features a gate/up program computes (its 2 x 16 weight rows)
+# Launch configurations: the fastest of bench/gpu_kernels.py's sweep on an H200 for the 1.5B and 0.5B shapes
+# (bench/results/h200-2026-12-03d): 16 weight rows a qkv program (a 1.5B model's q/k/v over 128 programs), 2 x 32
+# rows a gate/up program.
+QKV_PAIRS = 8
+QKV_BLOCK_K = 256  # 128 where it does not divide d_model
+QKV_LAUNCH = dict(num_warps=2, num_stages=4)
+GATE_UP_BLOCK_N = 32
 GATE_UP_BLOCK_K = 128
-QKV_LAUNCH = dict(num_warps=4, num_stages=3)
 GATE_UP_LAUNCH = dict(num_warps=4, num_stages=3)
 
 
@@ -140,7 +143,8 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r
         x, weight, bias if bias is not None else weight, rope[0], rope[1], positions, q, cache_k, cache_v,
         n_rows, n_heads, n_kv, x.stride(0), rope.stride(1), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(1), cache_v.stride(2),
-        K=d, HEAD_DIM=head_dim, PAIRS=QKV_PAIRS, BLOCK_M=MAX_ROWS, BLOCK_K=QKV_BLOCK_K, HAS_BIAS=bias is not None,
+        K=d, HEAD_DIM=head_dim, PAIRS=QKV_PAIRS, BLOCK_M=MAX_ROWS,
+        BLOCK_K=QKV_BLOCK_K if d % QKV_BLOCK_K == 0 else 128, HAS_BIAS=bias is not None,
         INTERLEAVED=interleaved, **QKV_LAUNCH)
     return q
 
