@@ -41,78 +41,81 @@ def graph_us(fn, n_layers: int, replays: int = 30) -> float:
     return statistics.median(times)
 
 
+def sweep(name: str, T: int) -> None:
+    dev, dt = "cuda", torch.bfloat16
+    c = get_shape(name)
+    L, d, H, Hkv, D, Fd = c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ffn
+    qkv_w = [torch.randn((H + 2 * Hkv) * D, d, device=dev, dtype=dt) * 0.02 for _ in range(L)]
+    qkv_b = [torch.randn((H + 2 * Hkv) * D, device=dev, dtype=dt) * 0.02 for _ in range(L)]
+    gu_w = [torch.randn(2 * Fd, d, device=dev, dtype=dt) * 0.02 for _ in range(L)]
+    ck = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
+    cv = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
+    x = torch.randn(T, d, device=dev, dtype=dt)
+    rope = rope_tables(c, c.rope_base, 1.0, 1100, dt, dev)
+    positions = torch.arange(300, 300 + T, device=dev)
+
+    @torch.compile(dynamic=False)
+    def qkv_unfused(x, w, b, k_cache, v_cache):
+        qkv = F.linear(x, w) + b
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = (t.view(1, T, -1, D).transpose(1, 2) for t in (q, k, v))
+        cos, sin = rope[:, positions]
+        k_cache.index_copy_(2, positions, apply_rope(k, cos, sin, False))
+        v_cache.index_copy_(2, positions, v)
+        return apply_rope(q, cos, sin, False)
+
+    @torch.compile(dynamic=False)
+    def gate_up_unfused(x, w):
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def each_layer(fn):
+        return lambda: [fn(i) for i in range(L)]
+
+    print(f"{name}: T={T}, {torch.cuda.get_device_name()}", flush=True)
+    base = graph_us(each_layer(lambda i: qkv_unfused(x, qkv_w[i], qkv_b[i], ck[i], cv[i])), L)
+    gemm = graph_us(each_layer(lambda i: F.linear(x, qkv_w[i])), L)
+    print(f"  qkv unfused (compiled): {base:.2f} us/layer; its GEMM alone {gemm:.2f}", flush=True)
+    results = []
+    for pairs, bk, warps, stages in itertools.product((8, 16), (128, 256), (2, 4, 8), (2, 3, 4)):
+        if (D // 2) % pairs:
+            continue
+        fp.QKV_PAIRS, fp.QKV_BLOCK_K, fp.QKV_LAUNCH = pairs, bk, dict(num_warps=warps, num_stages=stages)
+        try:
+            us = graph_us(each_layer(lambda i: fp.qkv_rope(x, qkv_w[i], qkv_b[i], rope, positions, ck[i], cv[i],
+                                                            H, False)), L)
+        except Exception as e:  # a configuration that does not compile (shared memory)
+            print(f"  qkv pairs={pairs} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
+            continue
+        results.append((us, f"pairs={pairs} bk={bk} warps={warps} stages={stages}"))
+    for us, cfg in sorted(results)[:6]:
+        print(f"  qkv fused {cfg}: {us:.2f} us/layer ({base / us:.2f}x)", flush=True)
+
+    base = graph_us(each_layer(lambda i: gate_up_unfused(x, gu_w[i])), L)
+    gemm = graph_us(each_layer(lambda i: F.linear(x, gu_w[i])), L)
+    print(f"  gate_up unfused (compiled): {base:.2f} us/layer; its GEMM alone {gemm:.2f}; "
+          f"bytes floor at 4.25 TB/s {2 * Fd * d * 2 / 4.25e6:.2f}", flush=True)
+    results = []
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 3, 4)):
+        fp.GATE_UP_BLOCK_N, fp.GATE_UP_BLOCK_K = bn, bk
+        fp.GATE_UP_LAUNCH = dict(num_warps=warps, num_stages=stages)
+        try:
+            us = graph_us(each_layer(lambda i: fp.gate_up_act(x, gu_w[i], False)), L)
+        except Exception as e:
+            print(f"  gate_up bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
+            continue
+        results.append((us, f"bn={bn} bk={bk} warps={warps} stages={stages}"))
+    for us, cfg in sorted(results)[:6]:
+        print(f"  gate_up fused {cfg}: {us:.2f} us/layer ({base / us:.2f}x)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-0.5b")
     p.add_argument("--rows", type=int, default=9)
     args = p.parse_args()
-    dev, dt, T = "cuda", torch.bfloat16, args.rows
     for name in args.shapes.split(","):
-        c = get_shape(name)
-        L, d, H, Hkv, D, Fd = c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ffn
-        qkv_w = [torch.randn((H + 2 * Hkv) * D, d, device=dev, dtype=dt) * 0.02 for _ in range(L)]
-        qkv_b = [torch.randn((H + 2 * Hkv) * D, device=dev, dtype=dt) * 0.02 for _ in range(L)]
-        gu_w = [torch.randn(2 * Fd, d, device=dev, dtype=dt) * 0.02 for _ in range(L)]
-        ck = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
-        cv = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
-        x = torch.randn(T, d, device=dev, dtype=dt)
-        rope = rope_tables(c, c.rope_base, 1.0, 1100, dt, dev)
-        positions = torch.arange(300, 300 + T, device=dev)
-
-        @torch.compile(dynamic=False)
-        def qkv_unfused(x, w, b, k_cache, v_cache):
-            qkv = F.linear(x, w) + b
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q, k, v = (t.view(1, T, -1, D).transpose(1, 2) for t in (q, k, v))
-            cos, sin = rope[:, positions]
-            k_cache.index_copy_(2, positions, apply_rope(k, cos, sin, False))
-            v_cache.index_copy_(2, positions, v)
-            return apply_rope(q, cos, sin, False)
-
-        @torch.compile(dynamic=False)
-        def gate_up_unfused(x, w):
-            gate, up = F.linear(x, w).chunk(2, dim=-1)
-            return F.silu(gate) * up
-
-        def each_layer(fn):
-            return lambda: [fn(i) for i in range(L)]
-
-        print(f"{name}: T={T}, {torch.cuda.get_device_name()}", flush=True)
-        base = graph_us(each_layer(lambda i: qkv_unfused(x, qkv_w[i], qkv_b[i], ck[i], cv[i])), L)
-        gemm = graph_us(each_layer(lambda i: F.linear(x, qkv_w[i])), L)
-        print(f"  qkv unfused (compiled): {base:.2f} us/layer; its GEMM alone {gemm:.2f}", flush=True)
-        results = []
-        for pairs, bk, warps, stages in itertools.product((8, 16), (128, 256), (2, 4, 8), (2, 3, 4)):
-            if (D // 2) % pairs:
-                continue
-            fp.QKV_PAIRS, fp.QKV_BLOCK_K, fp.QKV_LAUNCH = pairs, bk, dict(num_warps=warps, num_stages=stages)
-            try:
-                us = graph_us(each_layer(lambda i: fp.qkv_rope(x, qkv_w[i], qkv_b[i], rope, positions, ck[i], cv[i],
-                                                                H, False)), L)
-            except Exception as e:  # a configuration that does not compile (shared memory)
-                print(f"  qkv pairs={pairs} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
-                continue
-            results.append((us, f"pairs={pairs} bk={bk} warps={warps} stages={stages}"))
-        for us, cfg in sorted(results)[:6]:
-            print(f"  qkv fused {cfg}: {us:.2f} us/layer ({base / us:.2f}x)", flush=True)
-
-        base = graph_us(each_layer(lambda i: gate_up_unfused(x, gu_w[i])), L)
-        gemm = graph_us(each_layer(lambda i: F.linear(x, gu_w[i])), L)
-        print(f"  gate_up unfused (compiled): {base:.2f} us/layer; its GEMM alone {gemm:.2f}; "
-              f"bytes floor at 4.25 TB/s {2 * Fd * d * 2 / 4.25e6:.2f}", flush=True)
-        results = []
-        for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 3, 4)):
-            fp.GATE_UP_BLOCK_N, fp.GATE_UP_BLOCK_K = bn, bk
-            fp.GATE_UP_LAUNCH = dict(num_warps=warps, num_stages=stages)
-            try:
-                us = graph_us(each_layer(lambda i: fp.gate_up_act(x, gu_w[i], False)), L)
-            except Exception as e:
-                print(f"  gate_up bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
-                continue
-            results.append((us, f"bn={bn} bk={bk} warps={warps} stages={stages}"))
-        for us, cfg in sorted(results)[:6]:
-            print(f"  gate_up fused {cfg}: {us:.2f} us/layer ({base / us:.2f}x)", flush=True)
-        del qkv_w, gu_w, ck, cv
+        sweep(name, args.rows)
         torch.cuda.empty_cache()
 
 

@@ -154,7 +154,9 @@ def test_repeats_interleave_the_configs_and_keep_each_median(monkeypatch):
 
     monkeypatch.setattr(Bench, "generate", generate)
     bench = Bench(None, "ngram", configs, 8, None, False, repeats=3)
-    runs = bench.measure(BenchPrompt("p", "code", ({"role": "user", "content": "x"},)))
+    runs, speedups = bench.measure(BenchPrompt("p", "code", ({"role": "user", "content": "x"},)))
     assert order == ["plain", "ngram", "ngram", "plain", "plain", "ngram"]
     # plain ran at speeds 10, 20, 30 and ngram at 50, 40, 60: the median runs are 20 and 50
     assert {name: run.stats.decode_ms for name, run in runs.items()} == {"plain": 1000.0 / 20, "ngram": 1000.0 / 50}
+    # The speedup compares runs of the same round (5x, 2x, 2x), not the medians of drifting rounds (2.5x)
+    assert speedups == {"plain": 1.0, "ngram": 2.0}

@@ -52,7 +52,7 @@ class ConfigResult:
     decode_tps: float  # tokens after the first / decode s
     wall_tps: float  # generated tokens / wall-clock s of the whole generate() call
     wall_s: float
-    speedup: float  # tps / tandem plain tps on the same prompt
+    speedup: float  # over tandem plain on the same prompt: the median over rounds of tps / plain's tps that round
     prompt_tokens: int
     generated_tokens: int
     draft_tokens: int  # proposed over the generation
@@ -266,18 +266,25 @@ class Bench:
     def warm_up(self, prompt: BenchPrompt, config: BenchConfig) -> None:
         self.generate(prompt, config, min(self.max_tokens, WARMUP_TOKENS))
 
-    def measure(self, prompt: BenchPrompt, on_run=None) -> dict[str, Run]:
-        """Every config on one prompt, `repeats` rounds; each config's median run. Rounds interleave the configs
-        and rotate their order, so a device's drift (clocks, a noisy neighbour) lands on all of them alike: on an
-        H200's Vulkan driver, back-to-back runs of the very same plain loop differed by 5-15%."""
+    def measure(self, prompt: BenchPrompt, on_run=None) -> tuple[dict[str, Run], dict[str, float]]:
+        """Every config on one prompt, `repeats` rounds: each config's median run, and its median over rounds of
+        its speed over plain's in the same round. Rounds interleave the configs and rotate their order, and a ratio
+        within a round cancels drift slower than a round (clocks, a noisy neighbour): on an H200's Vulkan driver,
+        back-to-back runs of the very same plain loop differed by 5-15%."""
         runs: dict[str, list[Run]] = {c.name: [] for c in self.configs}
         for r in range(self.repeats):
             for config in self.configs[r % len(self.configs):] + self.configs[:r % len(self.configs)]:
                 if on_run is not None:
                     on_run(config)
                 runs[config.name].append(self.generate(prompt, config, self.max_tokens))
+        speedups = {}
+        for name, rs in runs.items():
+            ratios = [run.stats.tokens_per_second / plain.stats.tokens_per_second
+                      for run, plain in zip(rs, runs["plain"], strict=True) if plain.stats.tokens_per_second]
+            speedups[name] = statistics.median(ratios) if ratios else 1.0
         # The median run, whole: its counts and timings belong together.
-        return {name: sorted(rs, key=lambda r: r.stats.tokens_per_second)[len(rs) // 2] for name, rs in runs.items()}
+        medians = {name: sorted(rs, key=lambda r: r.stats.tokens_per_second)[len(rs) // 2] for name, rs in runs.items()}
+        return medians, speedups
 
 
 def costs_for(target: Model, draft: Model | str | None, configs: list[BenchConfig]) -> dict[str, CostModel]:
@@ -291,13 +298,18 @@ def costs_for(target: Model, draft: Model | str | None, configs: list[BenchConfi
     return out
 
 
-def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: bool) -> ConfigResult:
+def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: bool,
+                  speedup: float | None = None) -> ConfigResult:
+    """speedup: measured against plain round by round (Bench.measure); None = this run's over plain's."""
     s = run.stats
+    if speedup is None:
+        plain_tps = plain.stats.tokens_per_second if plain else 0.0
+        speedup = s.tokens_per_second / plain_tps if plain_tps else 1.0
     lossless = None if plain is None or synthetic else run.tokens == plain.tokens
     return ConfigResult(
         config=config.name, tps=s.tokens_per_second, decode_tps=s.decode_tokens_per_second,
         wall_tps=s.generated_tokens / run.wall_s if run.wall_s > 0 else 0.0, wall_s=run.wall_s,
-        speedup=s.tokens_per_second / plain.stats.tokens_per_second if plain and plain.stats.tokens_per_second else 1.0,
+        speedup=speedup,
         prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens, draft_tokens=s.draft_tokens,
         accepted_tokens=s.accepted_tokens, acceptance_rate=s.acceptance_rate,
         first_position_acceptance=first_position_acceptance(s), mean_accepted_len=s.mean_accepted_len,
@@ -381,8 +393,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 progress.update(task, description=f"{prompt.name}: {config.name}")
                 progress.advance(task)
 
-            runs = bench.measure(prompt, on_run)
-            results.append(_prompt_result(prompt, configs, runs, costs, args.synthetic_acceptance, synthetic,
+            runs, speedups = bench.measure(prompt, on_run)
+            results.append(_prompt_result(prompt, configs, runs, speedups, costs, args.synthetic_acceptance, synthetic,
                                           weight_bytes(target)))
             for name, peer in peers.items():
                 progress.update(task, description=f"{prompt.name}: peer {name}")
@@ -415,13 +427,13 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_result(prompt: BenchPrompt, configs: list[BenchConfig], runs: dict[str, Run],
+def _prompt_result(prompt: BenchPrompt, configs: list[BenchConfig], runs: dict[str, Run], speedups: dict[str, float],
                    costs: dict[str, CostModel], synthetic_acceptance: float | None, synthetic: bool,
                    target_bytes: int) -> PromptResult:
     plain = runs["plain"]
     rows = {}
     for c in configs:
-        row = config_result(c, runs[c.name], None if c.name == "plain" else plain, synthetic)
+        row = config_result(c, runs[c.name], None if c.name == "plain" else plain, synthetic, speedups[c.name])
         if c.draft is not None and c.draft in costs:
             a = synthetic_acceptance if synthetic_acceptance is not None else row.first_position_acceptance
             row.predicted_speedup = predicted_speedup(costs[c.draft], c, a)
