@@ -92,6 +92,20 @@ def test_ngram_example():
     proposer.start([])
     assert proposer.propose([5, 6, 7, 8, 5, 6], 3).tokens.tolist() == [7, 8, 5]
     assert proposer.propose([5, 6, 7, 8, 5, 6, 9], 3).tokens.tolist() == []
+    # ready() says beforehand whether propose() has anything, so the loop can queue plain steps instead
+    assert proposer.ready([5, 6, 7, 8, 5, 6]) and not proposer.ready([5, 6, 7, 8, 5, 6, 9])
+
+
+@pytest.mark.parametrize("run_ahead", [1, 8])
+def test_ngram_with_nothing_to_propose_runs_plain_steps_losslessly(pair64, run_ahead):
+    # A prompt that repeats only in places: the loop alternates lookups that find a match with runs of plain steps.
+    target, _ = pair64
+    ids = target.tokenizer.encode("abc abc xyz def abc ghi")
+    plain = [t for chunk in SpeculativeDecoder(target, SamplingParams(), max_tokens=40).run(ids) for t in chunk]
+    dec = SpeculativeDecoder(target, SamplingParams(), NgramProposer(), FixedPolicy(3), max_tokens=40,
+                             run_ahead=run_ahead)
+    assert [t for chunk in dec.run(ids) for t in chunk] == plain
+    assert dec.stats.draft_tokens > 0 and dec.stats.draft_len_counts.get(0, 0) > 0
 
 
 @pytest.mark.parametrize("seed", [0, 7])

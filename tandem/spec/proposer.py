@@ -36,6 +36,10 @@ class Proposer(ABC):
         """Tokens of a sequence of n_tokens that the proposer has yet to take in before it can draft."""
         return 0
 
+    def ready(self, tokens: list[int]) -> bool:
+        """Whether propose(tokens, k > 0) would return any token (asked before the iteration is planned)."""
+        return True
+
     def accept(self, n_valid: int) -> None:
         """The first n_valid tokens of the sequence are final; forget anything proposed beyond them."""
 
@@ -137,14 +141,18 @@ class NgramProposer(Proposer):
                     self.index[tuple(tokens[end - n : end])] = end
         self.indexed = max(self.indexed, len(tokens) - 1)
 
-    def propose(self, tokens: list[int], k: int) -> Proposal:
+    def _follow(self, tokens: list[int]) -> int | None:
+        """Where the continuation of the longest indexed suffix of tokens starts, if any."""
         self._extend_index(tokens)
-        found: list[int] = []
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(tokens) < n:
-                continue
-            follow = self.index.get(tuple(tokens[-n:]))
-            if follow is not None:
-                found = tokens[follow : follow + k]
-                break
+            if len(tokens) >= n and (follow := self.index.get(tuple(tokens[-n:]))) is not None:
+                return follow
+        return None
+
+    def ready(self, tokens: list[int]) -> bool:
+        return self._follow(tokens) is not None
+
+    def propose(self, tokens: list[int], k: int) -> Proposal:
+        follow = self._follow(tokens)
+        found = tokens[follow : follow + k] if follow is not None else []
         return Proposal(torch.tensor(found, dtype=torch.long, device=self.target_device), None)
