@@ -151,10 +151,10 @@ class Transformer(torch.nn.Module):
         kv_len = cache_k[0].shape[2] if kv_len is None else kv_len
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [B=1, T, d]
         T = tokens.shape[0]
-        fused = self.fused_decode(T)
+        fused_attention = self.fused_decode(T)
         fused_projection = self.projection_kernels and T <= fused_projections.MAX_ROWS
         bias = {False: None, True: None}
-        if not fused:
+        if not fused_attention:
             bias[False] = self.attention_bias(positions, kv_len, None)
             bias[True] = self.attention_bias(positions, kv_len, c.sliding_window) if c.sliding_window else bias[False]
         for i in range(c.n_layers):
