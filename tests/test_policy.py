@@ -184,8 +184,8 @@ def run_adaptive(monkeypatch, target_ms, draft_ms, acceptance, max_tokens=300, f
     decoder = SpeculativeDecoder(target, params, proposer, policy_for(target, proposer, K_MAX), max_tokens=max_tokens)
     started = clock.now
     tokens = [t for chunk in decoder.run(list(range(1, prompt_len + 1))) for t in chunk]
-    first = prompt_len
-    assert tokens == [target_token(p) for p in range(first, first + len(tokens))]  # lossless, whatever k was chosen
+    # lossless, whatever k was chosen
+    assert tokens == [target_token(p) for p in range(prompt_len, prompt_len + len(tokens))]
     return decoder.stats, len(tokens) / (clock.now - started)
 
 

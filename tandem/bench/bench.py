@@ -298,13 +298,9 @@ def costs_for(target: Model, draft: Model | str | None, configs: list[BenchConfi
     return out
 
 
-def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: bool,
-                  speedup: float | None = None) -> ConfigResult:
-    """speedup: measured against plain round by round (Bench.measure); None = this run's over plain's."""
+def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: bool, speedup: float) -> ConfigResult:
+    """speedup: measured against plain round by round (Bench.measure)."""
     s = run.stats
-    if speedup is None:
-        plain_tps = plain.stats.tokens_per_second if plain else 0.0
-        speedup = s.tokens_per_second / plain_tps if plain_tps else 1.0
     lossless = None if plain is None or synthetic else run.tokens == plain.tokens
     return ConfigResult(
         config=config.name, tps=s.tokens_per_second, decode_tps=s.decode_tokens_per_second,
