@@ -73,11 +73,17 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
             out = fused_projections.gate_up_act(x, weight, gelu)
             assert out.shape == (T, features) and out.dtype == dtype
             close(out, act * up, ("gate_up", dtype, gelu, T, d, features))
-    try:
-        fused_projections.gate_up_act(rand(17, 64, dtype=dtype), rand(32, 64, dtype=dtype), False)
-        raise AssertionError("17 rows accepted")
-    except ValueError as e:
-        assert "at most 16" in str(e)
+    cache = torch.zeros(1, 1, 32, 16, dtype=dtype, device=device)
+    for too_many in (lambda: fused_projections.gate_up_act(rand(17, 64, dtype=dtype), rand(32, 64, dtype=dtype), False),
+                     lambda: fused_projections.qkv_rope(rand(17, 64, dtype=dtype), rand(48, 64, dtype=dtype), None,
+                                                        rope_tables(config, 1e4, 1.0, 32, dtype, device),
+                                                        torch.arange(17, device=device), cache, cache.clone(), 1,
+                                                        False)):
+        try:
+            too_many()
+            raise AssertionError("17 rows accepted")
+        except ValueError as e:
+            assert "at most 16" in str(e)
 
     # In the model: a step through both kernels gives the unfused step's logits and cache.
     model = random_model("tiny", device=device, dtype=dtype, n_ctx=256).transformer
