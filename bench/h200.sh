@@ -3,6 +3,8 @@
 #   setup     wheels (.whl), Vulkan loader (.gl debs), llama-cpp-python built for Vulkan here (.vk), and llama.cpp's
 #             CUDA llama-server built in the background from llama-cpp-python's vendored tree (.xfer/llama-src.tar.xz)
 #   (then one call per chunk: cat .xfer/cNNN >> /root/m/pair.bin)
+#   kernels   the fused kernels' tests on the GPU (if they fail, later phases run with the kernels off), their
+#             timings against the unfused ops, one graphed decode step (random weights of the real shapes)
 #   pair      split the real pair out of /root/m/pair.bin, check SHA-256
 #   torch     split the real pair, tandem bench (torch, bf16)
 #   doctor    tandem doctor (torch, bf16)
@@ -16,6 +18,7 @@ phase=$1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 tandem() { python3 -m tandem.cli "$@"; }
 T=/root/m/T.gguf D=/root/m/D.gguf
+[ -f /root/m/unfused ] && export TANDEM_FUSED_PROJECTIONS=0 && echo "fused projections OFF (their GPU test failed)"
 case $phase in
 setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -28,6 +31,15 @@ setup)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     ls /usr/local/nvidia/share/vulkan/icd.d/ /usr/share/vulkan/icd.d/ /etc/vulkan/icd.d/ 2>&1 | head
     ;;
+kernels)
+    python3 -m pytest -q -p no:cacheprovider tests/test_fused_projections.py tests/test_decode_attention.py 2>&1 \
+        | tail -15 | tee $OUT/kernel_tests.txt
+    grep -q " passed" $OUT/kernel_tests.txt && ! grep -q failed $OUT/kernel_tests.txt || touch /root/m/unfused
+    python3 bench/gpu_kernels.py --shapes qwen2.5-1.5b,qwen2.5-0.5b 2>&1 | grep --line-buffered -v Warn \
+        | tee $OUT/kernels.txt
+    python3 bench/gpu_step.py --variants qwen2.5-1.5b:1:9:1:1 --contexts 700 --decode 256 2>&1 \
+        | grep --line-buffered -v Warn | tee $OUT/step.txt
+    ;;
 pair)
     cd /root/m && head -c 1117320768 pair.bin > T.gguf && tail -c 491400064 pair.bin > D.gguf && cd - >/dev/null
     sha256sum $T $D | tee $OUT/sha256.txt
@@ -37,10 +49,11 @@ torch)
         --json $OUT/bench_real.json --plot $OUT/bench_real.png 2>&1 | grep --line-buffered -v Warn | tee $OUT/bench_real.txt
     ;;
 doctor)
-    tandem doctor --model $T --draft $D --device cuda --draft-max 3 --repeats 3 --json > $OUT/doctor_cuda.json \
+    tandem doctor --model $T --draft $D --device cuda --draft-max 3 --repeats 15 --json > $OUT/doctor_cuda.json \
         2>$OUT/doctor_cuda.err
     python3 -c "import json; d = json.load(open('$OUT/doctor_cuda.json')); print({k: d[k] for k in \
-        ('paired_over_standalone', 'target_step_ms', 'draft_step_ms_paired', 'best_draft_len', 'verdict')})"
+        ('paired_over_standalone', 'draft_step_ms_standalone', 'draft_step_ms_target_idle', 'draft_step_ms_paired', \
+        'target_step_ms', 'best_draft_len', 'verdict')})"
     ;;
 vulkan)
     export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk

@@ -11,7 +11,8 @@ from tandem.bench.doctor import break_even_acceptance, diagnose, make_verdict
 from tandem.cli import main
 from tandem.spec.policy import CostModel
 
-KEYS = {"draft_step_ms_standalone", "draft_step_ms_paired", "paired_over_standalone", "target_step_ms", "verify_ms",
+KEYS = {"draft_step_ms_standalone", "draft_step_ms_target_idle", "draft_step_ms_paired", "paired_over_standalone",
+        "target_step_ms", "verify_ms",
         "best_draft_len", "predicted_speedup", "flags", "verdict", "device", "backend", "break_even_acceptance",
         "draft_cost_ratio"}
 
@@ -28,7 +29,7 @@ def check_contract(d: dict) -> None:
     assert d["target_step_ms"] == d["verify_ms"]["1"]
     assert set(d["best_draft_len"]) == set(d["predicted_speedup"]) == {"0.5", "0.7", "0.9"}
     assert all(isinstance(k, int) and 0 <= k <= 15 for k in d["best_draft_len"].values())
-    assert d["draft_step_ms_standalone"] > 0 and d["draft_step_ms_paired"] > 0
+    assert d["draft_step_ms_standalone"] > 0 and d["draft_step_ms_paired"] > 0 and d["draft_step_ms_target_idle"] > 0
     assert d["paired_over_standalone"] == pytest.approx(d["draft_step_ms_paired"] / d["draft_step_ms_standalone"])
     assert isinstance(d["flags"], list) and all(isinstance(f, str) for f in d["flags"])
     assert isinstance(d["verdict"], str) and d["verdict"]
@@ -98,3 +99,4 @@ def test_paired_draft_is_timed_at_the_length_the_policy_would_draft(monkeypatch)
     assert 1 <= report.draft_len_paired <= 4, report.draft_len_paired
     assert report.best_draft_len[0.9] == report.draft_len_paired
     assert report.paired_over_standalone == pytest.approx(1.0)
+    assert report.draft_step_ms_target_idle == pytest.approx(0.3)

@@ -5,7 +5,9 @@ Measured, each the median over repeats, every figure in milliseconds and per cal
   and its verifies interleaved as the real loop does (`draft_step_ms_paired`: k draft steps, one target forward
   of k + 1 tokens, repeat; only the draft steps are timed; k = the length the cost model picks at 90% acceptance,
   at least 1 and at most --draft-max: `draft_len_paired`). In the report we start from, the draft slowed down
-  ~1000x next to the target; a ratio far above 1 is that failure;
+  ~1000x next to the target; a ratio far above 1 is that failure. Between the two, the same steps with the target
+  loaded but idle (`draft_step_ms_target_idle`) tell sharing memory (a slower idle step) from sharing the queue
+  (only the interleaved one slower);
 - the target's forward over n = 1..16 tokens (`verify_ms`; n = 1 is a plain decoding step, `target_step_ms`).
 From those the cost model (tandem.spec.policy) predicts the best draft length and the speed-up at a few acceptance
 rates: E(k) / (k c_d + V(k+1)) tokens per ms against 1 / V(1) for plain decoding.
@@ -44,6 +46,7 @@ class DoctorReport:
     draft_len_paired: int  # k of the interleaved measurement
     repeats: int
     draft_step_ms_standalone: float | None  # per draft step (one token), only the draft loaded
+    draft_step_ms_target_idle: float | None  # per draft step, target loaded but not running
     draft_step_ms_paired: float | None  # per draft step, target loaded and verifying between draft runs
     paired_over_standalone: float | None
     target_step_ms: float  # per plain decoding step (a forward of one token)
@@ -159,9 +162,11 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
         # it: beyond a backend's knee the loop never drafts, and there the slow verifies between the draft runs
         # made the draft look 19% slower (llama.cpp on an H200's Vulkan driver at k = 8; 0.95x at k = 3).
         k = max(1, CostModel(draft_step_ms=standalone_ms, verify_ms=verify_ms).best_draft_len(ACCEPTANCES[-1], k))
+    idle_ms = paired_ms = None
     if draft is not None:
-        log(f"timing the draft's steps between the target's verifies (k = {k})")
-    paired_ms = time_draft_steps(draft, target, k, repeats) if draft is not None else None
+        log(f"timing the draft's steps beside the idle target, then between its verifies (k = {k})")
+        idle_ms = time_draft_steps(draft, None, k, repeats)
+        paired_ms = time_draft_steps(draft, target, k, repeats)
     costs = CostModel(draft_step_ms=paired_ms if paired_ms is not None else NGRAM_STEP_MS, verify_ms=verify_ms)
     ratio = costs.draft_step_ms / verify_ms[1]
     target_bytes = weight_bytes(target)
@@ -173,7 +178,8 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
     return DoctorReport(
         device=target.device, backend=target.backend, target=target.path, draft=draft.path if draft else None,
         draft_len_paired=k, repeats=repeats, draft_step_ms_standalone=standalone_ms,
-        draft_step_ms_paired=paired_ms, paired_over_standalone=paired_over, target_step_ms=verify_ms[1],
+        draft_step_ms_target_idle=idle_ms, draft_step_ms_paired=paired_ms, paired_over_standalone=paired_over,
+        target_step_ms=verify_ms[1],
         verify_ms=verify_ms, draft_cost_ratio=ratio, weight_bytes_ratio=bytes_ratio, best_draft_len=best,
         predicted_speedup=predicted, break_even_acceptance=even,
         flags=diagnose(paired_over, verify_ms, ratio, bytes_ratio), verdict=make_verdict(costs, even, predicted, best),
@@ -191,6 +197,7 @@ def format_report(r: DoctorReport, device_name: str = "") -> str:
         f"  target: {r.target}",
         f"  draft:  {r.draft or '(none: prompt lookup costs)'}",
         f"  draft step, draft alone (per token):          {ms(r.draft_step_ms_standalone)}",
+        f"  draft step, target loaded and idle:           {ms(r.draft_step_ms_target_idle)}",
         f"  draft step, target loaded, k={r.draft_len_paired} (per token): {ms(r.draft_step_ms_paired)}"
         + (f"  ({r.paired_over_standalone:.2f}x standalone)" if r.paired_over_standalone else ""),
         f"  target step (per token, plain decoding):      {ms(r.target_step_ms)}",
