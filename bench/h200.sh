@@ -27,7 +27,7 @@ setup)
     mkdir -p /root/llama && tar xJf .xfer/llama-src.tar.xz -C /root/llama
     setsid nohup bash -c "cd /root/llama/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
         -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=off -DCMAKE_BUILD_TYPE=Release && \
-        cmake --build build --target llama-server -j 15; echo build-exit \$?" >/root/build.log 2>&1 </dev/null &
+        cmake --build build --target llama-server -j 10; echo build-exit \$?" >/root/build.log 2>&1 </dev/null &
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     ls /usr/local/nvidia/share/vulkan/icd.d/ /usr/share/vulkan/icd.d/ /etc/vulkan/icd.d/ 2>&1 | head
     ;;
