@@ -3,8 +3,8 @@
 #   setup     wheels (.whl), Vulkan loader (.gl debs), llama-cpp-python built for Vulkan here (.vk), and llama.cpp's
 #             CUDA llama-server built in the background from llama-cpp-python's vendored tree (.xfer/llama-src.tar.xz)
 #   (then one call per chunk: cat .xfer/cNNN >> /root/m/pair.bin)
-#   kernels   the fused kernels' tests on the GPU (if they fail, later phases run with the kernels off), their
-#             timings against the unfused ops, one graphed decode step (random weights of the real shapes)
+#   kernels   the fused kernels' tests on the GPU (if they fail, later phases run with the kernels off), one
+#             graphed decode step (random weights of the real shapes); bench/gpu_kernels.py times the kernels alone
 #   pair      split the real pair out of /root/m/pair.bin, check SHA-256
 #   torch     split the real pair, tandem bench (torch, bf16)
 #   doctor    tandem doctor (torch, bf16)
@@ -35,8 +35,6 @@ kernels)
     python3 -m pytest -q -p no:cacheprovider tests/test_fused_projections.py tests/test_decode_attention.py 2>&1 \
         | tail -15 | tee $OUT/kernel_tests.txt
     grep -q " passed" $OUT/kernel_tests.txt && ! grep -q failed $OUT/kernel_tests.txt || touch /root/m/unfused
-    python3 bench/gpu_kernels.py --shapes qwen2.5-1.5b,qwen2.5-0.5b 2>&1 | grep --line-buffered -v Warn \
-        | tee $OUT/kernels.txt
     python3 bench/gpu_step.py --variants qwen2.5-1.5b:1:9:1:1 --contexts 700 --decode 256 2>&1 \
         | grep --line-buffered -v Warn | tee $OUT/step.txt
     ;;
