@@ -24,10 +24,12 @@ setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
     mkdir -p /root/m /root/vk && cp -a .vk/. /root/vk/
-    mkdir -p /root/llama && tar xJf .xfer/llama-src.tar.xz -C /root/llama
-    setsid nohup bash -c "cd /root/llama/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
-        -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=off -DCMAKE_BUILD_TYPE=Release && \
-        cmake --build build --target llama-server -j 10; echo build-exit \$?" >/root/build.log 2>&1 </dev/null &
+    if [ -f .xfer/llama-src.tar.xz ]; then  # only when the llamacpp phase will run: the build takes 10 cores
+        mkdir -p /root/llama && tar xJf .xfer/llama-src.tar.xz -C /root/llama
+        setsid nohup bash -c "cd /root/llama/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
+            -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=off -DCMAKE_BUILD_TYPE=Release && \
+            cmake --build build --target llama-server -j 10; echo build-exit \$?" >/root/build.log 2>&1 </dev/null &
+    fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     ls /usr/local/nvidia/share/vulkan/icd.d/ /usr/share/vulkan/icd.d/ /etc/vulkan/icd.d/ 2>&1 | head
     ;;
