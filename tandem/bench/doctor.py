@@ -179,9 +179,8 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
         device=target.device, backend=target.backend, target=target.path, draft=draft.path if draft else None,
         draft_len_paired=k, repeats=repeats, draft_step_ms_standalone=standalone_ms,
         draft_step_ms_target_idle=idle_ms, draft_step_ms_paired=paired_ms, paired_over_standalone=paired_over,
-        target_step_ms=verify_ms[1],
-        verify_ms=verify_ms, draft_cost_ratio=ratio, weight_bytes_ratio=bytes_ratio, best_draft_len=best,
-        predicted_speedup=predicted, break_even_acceptance=even,
+        target_step_ms=verify_ms[1], verify_ms=verify_ms, draft_cost_ratio=ratio, weight_bytes_ratio=bytes_ratio,
+        best_draft_len=best, predicted_speedup=predicted, break_even_acceptance=even,
         flags=diagnose(paired_over, verify_ms, ratio, bytes_ratio), verdict=make_verdict(costs, even, predicted, best),
         synthetic=synthetic, shapes=shapes,
     )
