@@ -64,7 +64,7 @@ vulkan)
     # The paired draft step at k = 3: the verify of 4 tokens stays on llama.cpp's matrix-vector kernels here.
     tandem doctor --model $T --draft $D --backend llama.cpp --device vulkan --draft-max 3 --json \
         > $OUT/doctor_vulkan.json 2>$OUT/doctor_vulkan.err
-    tandem bench --model $T --draft $D --backend llama.cpp --device vulkan --max-tokens 128 --repeats 3 \
+    tandem bench --model $T --draft $D --backend llama.cpp --device vulkan --max-tokens 128 --repeats 5 \
         --configs plain,adaptive,ngram --json $OUT/bench_vulkan.json --plot $OUT/bench_vulkan.png 2>&1 \
         | grep --line-buffered -v -i warn | tee $OUT/bench_vulkan.txt
     python3 -c "import json; d = json.load(open('$OUT/doctor_vulkan.json')); print({k: d[k] for k in \
@@ -76,7 +76,9 @@ llamacpp)
         --draft $D --n-max 3,8 --ngl 99 --max-tokens 128 --json $OUT/llama_server_cuda.json 2>&1 | tail -20
     ;;
 hf)
+    # Two prompts: the static-cache peer compiles anew for each prompt length.
     tandem bench --model $T --draft $D --device cuda --max-tokens 128 --configs plain --peer hf --peer hf-static \
+        --prompts code,summary \
         --json $OUT/bench_hf.json 2>&1 | grep --line-buffered -v Warn | tail -25
     ;;
 synthetic)
