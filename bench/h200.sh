@@ -41,6 +41,7 @@ kernels)
     python3 bench/gpu_step.py --variants qwen2.5-1.5b:1:9:1:1:0,qwen2.5-1.5b:1:9:1:1:1,qwen2.5-1.5b:1:9:1:1:1:64 \
         --contexts 700 --decode 256 2>&1 \
         | grep --line-buffered -v Warn | tee $OUT/step.txt
+    python3 bench/gpu_profile.py qwen2.5-1.5b 9 1 > $OUT/profile_1.5b_9rows.txt 2>&1
     ;;
 pair)
     cd /root/m && head -c 1117320768 pair.bin > T.gguf && tail -c 491400064 pair.bin > D.gguf && cd - >/dev/null
