@@ -1,11 +1,9 @@
 """Sweep tandem.models.fused_projections' launch configurations against the unfused projections they replace.
 
-    python bench/gpu_kernels.py [--shapes qwen2.5-1.5b,qwen2.5-0.5b] [--rows 9] [--sweep]
+    python bench/gpu_kernels.py [--shapes qwen2.5-1.5b,qwen2.5-0.5b] [--rows 9]
 
-Both sides start from the residual stream and the last block's output: add, RMS norm, projection (and rope and
-cache writes, or the activation). Without --sweep only the configurations in fused_projections run. Each variant
-runs for every layer of the shape, each layer with its own weights (cold in L2, as in a real step), captured in one
-CUDA graph; printed: microseconds a layer, median of replays. Synthetic weights: systems numbers.
+Each variant runs for every layer of the shape, each layer with its own weights (cold in L2, as in a real step),
+captured in one CUDA graph; printed: microseconds a layer, median of replays. Synthetic weights: systems numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import torch.nn.functional as F
 
 from tandem.models import fused_projections as fp
 from tandem.models.shapes import get_shape
-from tandem.models.transformer import apply_rope, rms_norm, rope_tables
+from tandem.models.transformer import apply_rope, rope_tables
 
 
 def graph_us(fn, n_layers: int, replays: int = 30) -> float:
@@ -43,7 +41,7 @@ def graph_us(fn, n_layers: int, replays: int = 30) -> float:
     return statistics.median(times)
 
 
-def sweep(name: str, T: int, grid: bool) -> None:
+def sweep(name: str, T: int) -> None:
     dev, dt = "cuda", torch.bfloat16
     c = get_shape(name)
     L, d, H, Hkv, D, Fd = c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ffn
@@ -52,14 +50,13 @@ def sweep(name: str, T: int, grid: bool) -> None:
     gu_w = [torch.randn(2 * Fd, d, device=dev, dtype=dt) * 0.02 for _ in range(L)]
     ck = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
     cv = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
-    x, delta = torch.randn(T, d, device=dev, dtype=dt), torch.randn(T, d, device=dev, dtype=dt)
-    norm = torch.rand(d, device=dev, dtype=dt) + 0.5
+    x = torch.randn(T, d, device=dev, dtype=dt)
     rope = rope_tables(c, c.rope_base, 1.0, 1100, dt, dev)
     positions = torch.arange(300, 300 + T, device=dev)
 
     @torch.compile(dynamic=False)
     def qkv_unfused(x, w, b, k_cache, v_cache):
-        qkv = F.linear(rms_norm(x + delta, norm, 1e-6), w) + b
+        qkv = F.linear(x, w) + b
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = (t.view(1, T, -1, D).transpose(1, 2) for t in (q, k, v))
         cos, sin = rope[:, positions]
@@ -69,7 +66,7 @@ def sweep(name: str, T: int, grid: bool) -> None:
 
     @torch.compile(dynamic=False)
     def gate_up_unfused(x, w):
-        gate, up = F.linear(rms_norm(x + delta, norm, 1e-6), w).chunk(2, dim=-1)
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def each_layer(fn):
@@ -80,15 +77,13 @@ def sweep(name: str, T: int, grid: bool) -> None:
     gemm = graph_us(each_layer(lambda i: F.linear(x, qkv_w[i])), L)
     print(f"  qkv unfused (compiled): {base:.2f} us/layer; its GEMM alone {gemm:.2f}", flush=True)
     results = []
-    configs = itertools.product((8, 16), (128, 256), (2, 4, 8), (2, 3, 4)) if grid else [
-        (fp.QKV_PAIRS, fp.QKV_BLOCK_K, fp.QKV_LAUNCH["num_warps"], fp.QKV_LAUNCH["num_stages"])]
-    for pairs, bk, warps, stages in configs:
+    for pairs, bk, warps, stages in itertools.product((8, 16), (128, 256), (2, 4, 8), (2, 3, 4)):
         if (D // 2) % pairs:
             continue
         fp.QKV_PAIRS, fp.QKV_BLOCK_K, fp.QKV_LAUNCH = pairs, bk, dict(num_warps=warps, num_stages=stages)
         try:
-            us = graph_us(each_layer(lambda i: fp.qkv_rope(x, delta, norm, 1e-6, qkv_w[i], qkv_b[i], rope,
-                                                            positions, ck[i], cv[i], H, False)), L)
+            us = graph_us(each_layer(lambda i: fp.qkv_rope(x, qkv_w[i], qkv_b[i], rope, positions, ck[i], cv[i],
+                                                            H, False)), L)
         except Exception as e:  # a configuration that does not compile (shared memory)
             print(f"  qkv pairs={pairs} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
             continue
@@ -101,13 +96,11 @@ def sweep(name: str, T: int, grid: bool) -> None:
     print(f"  gate_up unfused (compiled): {base:.2f} us/layer; its GEMM alone {gemm:.2f}; "
           f"bytes floor at 4.25 TB/s {2 * Fd * d * 2 / 4.25e6:.2f}", flush=True)
     results = []
-    configs = itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 3, 4)) if grid else [
-        (fp.GATE_UP_BLOCK_N, fp.GATE_UP_BLOCK_K, fp.GATE_UP_LAUNCH["num_warps"], fp.GATE_UP_LAUNCH["num_stages"])]
-    for bn, bk, warps, stages in configs:
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 3, 4)):
         fp.GATE_UP_BLOCK_N, fp.GATE_UP_BLOCK_K = bn, bk
         fp.GATE_UP_LAUNCH = dict(num_warps=warps, num_stages=stages)
         try:
-            us = graph_us(each_layer(lambda i: fp.gate_up_act(x, delta, norm, 1e-6, gu_w[i], False)), L)
+            us = graph_us(each_layer(lambda i: fp.gate_up_act(x, gu_w[i], False)), L)
         except Exception as e:
             print(f"  gate_up bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
             continue
@@ -120,10 +113,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-0.5b")
     p.add_argument("--rows", type=int, default=9)
-    p.add_argument("--sweep", action="store_true", help="every launch configuration, not only the chosen ones")
     args = p.parse_args()
     for name in args.shapes.split(","):
-        sweep(name, args.rows, args.sweep)
+        sweep(name, args.rows)
         torch.cuda.empty_cache()
 
 

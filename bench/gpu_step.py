@@ -1,9 +1,8 @@
 """Time one graphed decode step of random-weight models of real shapes, per variant, on a CUDA device.
 
     python bench/gpu_step.py [--variants qwen2.5-1.5b:1:9,qwen2.5-0.5b:1:9] [--contexts 16,700] [--decode 256]
-    # variant = shape:compile:rows[:decode_kernel[:projections[:norm[:chunk]]]]; 0 = attention as matmuls
-    # (TANDEM_DECODE_KERNEL), projections unfused (TANDEM_FUSED_PROJECTIONS), the residual add and norm apart from
-    # the projection kernels (TANDEM_FUSED_NORM); chunk = the decode attention's cache slots a program
+    # variant = shape:compile:rows[:decode_kernel[:projections]]; 0 = attention as matmuls (TANDEM_DECODE_KERNEL),
+    # projections unfused (TANDEM_FUSED_PROJECTIONS)
 
 For each shape: weight bytes, the byte floor (bytes / measured copy bandwidth), and the median time of one forward
 of n tokens replayed as a CUDA graph of `rows` rows, eager and compiled. Synthetic weights: systems numbers only.
@@ -90,10 +89,6 @@ def main() -> None:
         os.environ["TANDEM_COMPILE"] = compiled
         os.environ["TANDEM_DECODE_KERNEL"] = kernels[0] if kernels else "1"
         os.environ["TANDEM_FUSED_PROJECTIONS"] = kernels[1] if len(kernels) > 1 else "1"
-        os.environ["TANDEM_FUSED_NORM"] = kernels[2] if len(kernels) > 2 else "1"
-        from tandem.models import decode_attention
-
-        decode_attention.CHUNK = int(kernels[3]) if len(kernels) > 3 else 128
         started = time.perf_counter()
         model = random_model(shape, device="cuda", dtype="bfloat16", n_ctx=4096)
         nbytes = weight_bytes(model) - model.config.vocab_size * model.config.d_model * 2 * (

@@ -70,7 +70,6 @@ class Transformer(torch.nn.Module):
         self.decode_kernel = decode_attention.available(self.device, self.dtype, c.head_dim)
         # Gemma's q/k norms need a whole head before rope: its projections stay unfused.
         self.projection_kernels = not c.qk_norm and fused_projections.available(self.device, self.dtype, c.head_dim)
-        self.norm_kernels = fused_projections.takes_norm()  # the residual add and the norm, too (with the above)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
@@ -158,52 +157,34 @@ class Transformer(torch.nn.Module):
         if not fused_attention:
             bias[False] = self.attention_bias(positions, kv_len, None)
             bias[True] = self.attention_bias(positions, kv_len, c.sliding_window) if c.sliding_window else bias[False]
-        # The residual stream is x + delta: each block's output is added where the next norm reads it, so that
-        # the fused kernels do the add, the norm and the projection in one launch (one kernel less each).
-        norm_kernels = fused_projection and self.norm_kernels
-        delta = None
         for i in range(c.n_layers):
             p = f"blk.{i}."
             local = c.is_local_layer(i)
             rope = self.rope_local if local else self.rope_global
-            qkv_args = (w[p + "attn_qkv.weight"], w.get(p + "attn_qkv.bias"), rope, positions, cache_k[i], cache_v[i],
-                        c.n_heads, c.rope_interleaved)
 
-            if norm_kernels:  # + delta, norm, q, k, v, bias, rope and the cache writes in one kernel
-                q, x = torch.ops.tandem.qkv_rope(x[0], None if delta is None else delta[0],
-                                                 w[p + "attn_norm.weight"], c.rms_eps, *qkv_args)
-                x = x[None]
+            h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
+            if fused_projection:  # q, k, v, bias, rope and the cache writes in one kernel
+                q = torch.ops.tandem.qkv_rope(h[0], w[p + "attn_qkv.weight"], w.get(p + "attn_qkv.bias"), rope,
+                                              positions, cache_k[i], cache_v[i], c.n_heads, c.rope_interleaved)
             else:
-                x = x + delta if delta is not None else x
-                h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
-                if fused_projection:  # q, k, v, bias, rope and the cache writes in one kernel
-                    q = torch.ops.tandem.qkv_rope(h[0], None, None, c.rms_eps, *qkv_args)[0]
-                else:
-                    q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i])
+                q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i])
             keys, values = cache_k[i][:, :, :kv_len], cache_v[i][:, :, :kv_len]  # [B, H_kv, S, D]
             attn = self.attend(q, keys, values, bias[local], positions, c.sliding_window if local else 0)
-            delta = F.linear(attn, w[p + "attn_output.weight"])
+            attn = F.linear(attn, w[p + "attn_output.weight"])
             if c.sandwich_norm:
-                delta = rms_norm(delta, w[p + "post_attention_norm.weight"], c.rms_eps)
+                attn = rms_norm(attn, w[p + "post_attention_norm.weight"], c.rms_eps)
+            x = x + attn
 
-            gelu = c.activation == "gelu_tanh"
-            if norm_kernels:
-                act, x = torch.ops.tandem.gate_up_act(x[0], delta[0], w[p + "ffn_norm.weight"], c.rms_eps,
-                                                      w[p + "ffn_gate_up.weight"], gelu)
-                act, x = act[None], x[None]
+            h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
+            if fused_projection:
+                act = torch.ops.tandem.gate_up_act(h[0], w[p + "ffn_gate_up.weight"], c.activation == "gelu_tanh")[None]
             else:
-                x = x + delta
-                h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
-                if fused_projection:
-                    act = torch.ops.tandem.gate_up_act(h[0], None, None, c.rms_eps, w[p + "ffn_gate_up.weight"],
-                                                       gelu)[0][None]
-                else:
-                    gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
-                    act = self.act(gate) * up
-            delta = F.linear(act, w[p + "ffn_down.weight"])
+                gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
+                act = self.act(gate) * up
+            ffn = F.linear(act, w[p + "ffn_down.weight"])
             if c.sandwich_norm:
-                delta = rms_norm(delta, w[p + "post_ffw_norm.weight"], c.rms_eps)
-        x = x + delta if delta is not None else x
+                ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], c.rms_eps)
+            x = x + ffn
 
         x = x[0, -1:] if last_only else x[0]  # [T, d]
         x = rms_norm(x, w["output_norm.weight"], c.rms_eps)
