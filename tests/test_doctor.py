@@ -100,3 +100,25 @@ def test_paired_draft_is_timed_at_the_length_the_policy_would_draft(monkeypatch)
     assert report.best_draft_len[0.9] == report.draft_len_paired
     assert report.paired_over_standalone == pytest.approx(1.0)
     assert report.draft_step_ms_target_idle == pytest.approx(0.3)
+
+
+def test_a_device_slow_in_one_timing_pass_gets_the_faster_figures_and_a_flag(monkeypatch):
+    # A target that runs 3x slower until 1.2 s of its work have passed (a device still warming up past the doctor's
+    # warm-up): the first pass is slow, the second is not.
+    import time
+
+    from test_policy import VirtualClock, fake_model
+
+    from tandem.bench.doctor import measure
+
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    target = fake_model(clock, lambda n: (2.0 + 0.1 * (n - 1)) * (3.0 if clock.now < 1.2 else 1.0))
+    report = measure(target, None, standalone_ms=None, k=3, repeats=2)
+    assert report.target_step_ms == pytest.approx(2.0)
+    assert report.verify_ms[16] == pytest.approx(3.5)
+    assert any(flag.startswith("timings drifted") for flag in report.flags), report.flags
+
+    steady = fake_model(clock, lambda n: 2.0 + 0.1 * (n - 1))
+    report = measure(steady, None, standalone_ms=None, k=3, repeats=2)
+    assert not any(flag.startswith("timings drifted") for flag in report.flags), report.flags

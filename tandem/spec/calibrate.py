@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Iterable
 
-from tandem.backends.base import Model
+from tandem.backends.base import Model, Sequence
 from tandem.spec.policy import AdaptivePolicy, CostModel
 from tandem.spec.proposer import DraftModelProposer, Proposer
 
@@ -23,11 +23,24 @@ NGRAM_PRIOR = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations unt
 CATCH_UP_TOKENS = 8  # a draft's forward over this many tokens prices its catch-up after plain steps
 
 
+def warm_up(model: Model, seq: Sequence, context: int, seconds: float) -> None:
+    """One-token forwards on seq (rolled back to `context` after each) for `seconds`, at least three: a device idle
+    before it runs at idle clocks, and Vulkan drivers build pipelines on first use. On an H200 through NVIDIA's
+    Vulkan driver, the doctor's first target steps timed 6.5-7.5 ms where the bench's ran 2.4-2.9 ms."""
+    token = model.tokenizer.bos_token_id or 0
+    deadline, runs = time.perf_counter() + seconds, 0
+    while runs < 3 or time.perf_counter() < deadline:
+        seq.forward([token], logits="last")
+        seq.rewind(context)
+        runs += 1
+    model.synchronize()
+
+
 def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
-                     context: int = WARMUP_TOKENS, drafting: bool = False) -> dict[int, float]:
+                     context: int = WARMUP_TOKENS, drafting: bool = False, warmup_s: float = 0.0) -> dict[int, float]:
     """n -> median ms of one forward of n tokens after `context` tokens. One scratch sequence serves every n (a
     llama.cpp context costs far more to create than to run), rolled back after each forward; the first is a warm-up
-    (allocations, graph capture)."""
+    (allocations, graph capture), and `warmup_s` of one-token forwards come before them all (see warm_up)."""
     sizes = sorted(set(sizes))
     if sizes[-1] + 1 > model.n_ctx:
         raise ValueError(f"cannot time a forward of {sizes[-1]} tokens in a context of {model.n_ctx}")
@@ -37,6 +50,8 @@ def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
     try:
         token = model.tokenizer.bos_token_id or 0
         seq.forward([token] * context, logits="last")
+        if warmup_s > 0:
+            warm_up(model, seq, context, warmup_s)
         out = {}
         for n in sizes:
             times = []
