@@ -30,6 +30,7 @@ def run_bench(tmp_path, *args: str) -> dict:
 
 def check_contract(result: dict, configs: list[str]) -> None:
     assert set(result) >= {"synthetic", "meta", "prompts", "summary"}
+    assert result["complete"] is True
     assert META_KEYS <= set(result["meta"])
     assert result["prompts"]
     for p in result["prompts"]:
@@ -88,6 +89,28 @@ def test_bench_synthetic_shape_and_acceptance(tmp_path):
         assert c["predicted_speedup"] > 0 and c["fraction_of_prediction"] > 0
     assert drafted > 0
     assert accepted_first / iterations == pytest.approx(0.8, abs=0.15)
+
+
+def test_a_run_that_dies_leaves_the_prompts_it_finished(tmp_path, monkeypatch):
+    from tandem.bench.bench import Bench
+
+    measure, calls = Bench.measure, []
+
+    def dies_on_the_third_prompt(self, prompt, on_run):
+        calls.append(prompt.name)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return measure(self, prompt, on_run)
+
+    monkeypatch.setattr(Bench, "measure", dies_on_the_third_prompt)
+    out = tmp_path / "bench.json"
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        main(["bench", "--synthetic-shape", "tiny,tiny-draft", "--configs", "plain,fixed2", "--max-tokens", "8",
+              "--prompts", "code,json,summary", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["complete"] is False
+    assert [p["name"] for p in result["prompts"]] == ["code", "json"]
+    assert set(result["summary"]["configs"]) == {"plain", "fixed2"}
 
 
 def test_parse_configs_and_suite():

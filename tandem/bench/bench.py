@@ -396,14 +396,34 @@ def run_bench(args: argparse.Namespace) -> int:
                 progress.update(task, description=f"{prompt.name}: peer {name}")
                 results[-1].peers[name] = peer.run(target.tokenizer.encode_chat(list(prompt.messages)),
                                                    args.max_tokens)
+            if args.json_out and len(results) < len(prompts):
+                # The prompts so far, in case the run dies later (a rented GPU's time limit, a device error).
+                _write_json(args.json_out, _document(args, bench, target, draft, configs, peers, results, shapes,
+                                                     synthetic, complete=False))
 
-    env = environment(target)
-    out = {
+    out = _document(args, bench, target, draft, configs, peers, results, shapes, synthetic, complete=True)
+    # A wide table: rich would squeeze it into 80 columns when stdout is a file or a pipe.
+    report.print_table(out, console=Console(width=None if sys.stdout.isatty() else 170))
+    if args.json_out:
+        _write_json(args.json_out, out)
+    if args.plot:
+        report.plot(out, args.plot)
+    return 0
+
+
+def _document(args: argparse.Namespace, bench: Bench, target: Model, draft: Model | str | None,
+              configs: list[BenchConfig], peers: dict, results: list[PromptResult], shapes, synthetic: bool,
+              complete: bool) -> dict:
+    from tandem.models.shapes import weight_bytes
+
+    return {
         "synthetic": synthetic,
+        "complete": complete,  # False: the run stopped before its last prompt; `prompts` holds the ones done
         "meta": {
-            **env, "backend": target.backend, "dtype": getattr(target, "dtype", None) and str(target.dtype),
+            **environment(target), "backend": target.backend,
+            "dtype": getattr(target, "dtype", None) and str(target.dtype),
             "target": target.path, "draft": draft.path if isinstance(draft, Model) else draft,
-            "max_tokens": args.max_tokens, "repeats": repeats, "greedy": True, "suite": args.suite,
+            "max_tokens": args.max_tokens, "repeats": bench.repeats, "greedy": True, "suite": args.suite,
             "configs": [asdict(c) for c in configs], "ignore_eos": bench.ignore_eos,
             "synthetic_acceptance": args.synthetic_acceptance, "shapes": shapes,
             "weight_bytes": {"target": weight_bytes(target),
@@ -413,14 +433,11 @@ def run_bench(args: argparse.Namespace) -> int:
         "prompts": [asdict(p) for p in results],
         "summary": summarize(results, configs),
     }
-    # A wide table: rich would squeeze it into 80 columns when stdout is a file or a pipe.
-    report.print_table(out, console=Console(width=None if sys.stdout.isatty() else 170))
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=2)
-    if args.plot:
-        report.plot(out, args.plot)
-    return 0
+
+
+def _write_json(path: str, document: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=2)
 
 
 def _prompt_result(prompt: BenchPrompt, configs: list[BenchConfig], runs: dict[str, Run], speedups: dict[str, float],
