@@ -1,5 +1,6 @@
 """The adaptive policy against a fake backend whose costs and acceptance we set."""
 
+import copy
 import random
 
 import pytest
@@ -241,3 +242,18 @@ def test_loop_drafts_from_the_start_when_the_draft_is_cheap(monkeypatch):
                                        prompt_len=600)
     assert stats.draft_len_counts.get(0, 0) <= 2, stats.draft_len_counts
     assert tokens_per_s > 2.0 * 1000 / 17.0, tokens_per_s
+
+
+def test_a_lookup_miss_is_not_an_idle_step():
+    # Prompt lookup on an H200: verifies cost a plain step plus a host sync whatever their length. The policy drafts
+    # 8 at good acceptance; the lookup then finds no match for two steps. Those plain steps are not the policy's
+    # choice, so the next iteration drafts again instead of waiting out a probe budget (~8 plain steps).
+    gpu = CostModel(draft_step_ms=0.01, verify_ms={1: 1.65, 2: 1.9, 9: 1.9}, catch_up_ms_per_token=0.0)
+    for chosen, drafts_next in ((False, True), (True, False)):
+        policy = AdaptivePolicy(copy.deepcopy(gpu), K_MAX, prior=(0.5, 2.0))
+        for _ in range(3):
+            policy.observe(8, 6, 0.08, 1.9)
+        assert policy.choose(0) == 8
+        for _ in range(2):
+            policy.observe(0, 0, 0.0, 1.65, chosen=chosen)
+        assert (policy.choose(0) > 0) is drafts_next, (chosen, policy.choose(0))
