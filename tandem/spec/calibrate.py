@@ -26,7 +26,8 @@ CATCH_UP_TOKENS = 8  # a draft's forward over this many tokens prices its catch-
 def warm_up(model: Model, seq: Sequence, context: int, seconds: float) -> None:
     """One-token forwards on seq (rolled back to `context` after each) for `seconds`, at least three: a device idle
     before it runs at idle clocks, and Vulkan drivers build pipelines on first use. On an H200 through NVIDIA's
-    Vulkan driver, the doctor's first target steps timed 6.5-7.5 ms where the bench's ran 2.4-2.9 ms."""
+    Vulkan driver the doctor's target steps, timed first in a lease, read 6.5-7.5 ms where the bench's ran 2.4-2.9
+    ms a minute later (and a second doctor run 2.35 ms); what exactly was cold is not pinned down."""
     token = model.tokenizer.bos_token_id or 0
     deadline, runs = time.perf_counter() + seconds, 0
     while runs < 3 or time.perf_counter() < deadline:
