@@ -26,11 +26,15 @@ gen = torch.Generator().manual_seed(int(sys.argv[2]))
 def rand(*shape, dtype, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
 
-def close(a, b, what, roundings=1):
-    # Within `roundings` roundings to a's dtype per element (plus as much of the mean magnitude, for cancellation)
-    unit = roundings * 2.0 ** -(8 if a.dtype == torch.bfloat16 else 11)
+def error(a, b):
+    # Worst relative difference of a from b, each element against its own magnitude plus the mean (cancellation)
     a, b = a.double().cpu(), b.double().cpu()
-    worst = ((a - b).abs() / (b.abs() + b.abs().mean())).max().item()
+    return ((a - b).abs() / (b.abs() + b.abs().mean())).max().item()
+
+def close(a, b, what, roundings=1):
+    # Within `roundings` roundings to a's dtype per element
+    unit = roundings * 2.0 ** -(8 if a.dtype == torch.bfloat16 else 11)
+    worst = error(a, b)
     assert worst < 2 * unit, (what, worst, unit)
 
 for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.float16,):
@@ -93,10 +97,6 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
     tokens, positions = torch.arange(3, 12, device=device), torch.arange(20, 29, device=device)
     exact_cache = exact.new_cache(256)
     exact_logits = exact(tokens, positions, exact_cache.k, exact_cache.v)
-
-    def error(a, b):
-        a, b = a.double().cpu(), b.double().cpu()
-        return ((a - b).abs() / (b.abs() + b.abs().mean())).max().item()
 
     errors = {}
     for fused in (False, True):

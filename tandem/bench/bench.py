@@ -367,6 +367,16 @@ def run_bench(args: argparse.Namespace) -> int:
     bench = Bench(target, draft, configs, args.max_tokens, args.synthetic_acceptance,
                   getattr(args, "ignore_eos", False), repeats)
     peers = _load_peers(args, target, draft, shapes)
+    target_bytes = weight_bytes(target)
+    meta = {
+        **environment(target), "backend": target.backend, "dtype": getattr(target, "dtype", None) and str(target.dtype),
+        "target": target.path, "draft": draft.path if isinstance(draft, Model) else draft,
+        "max_tokens": args.max_tokens, "repeats": repeats, "greedy": True, "suite": args.suite,
+        "configs": [asdict(c) for c in configs], "ignore_eos": bench.ignore_eos,
+        "synthetic_acceptance": args.synthetic_acceptance, "shapes": shapes,
+        "weight_bytes": {"target": target_bytes, "draft": weight_bytes(draft) if isinstance(draft, Model) else None},
+        "peers": {name: peer.describe() for name, peer in peers.items()},
+    }
 
     console = Console(stderr=True)
     total = len(configs) * len(prompts) * (1 + repeats)
@@ -391,17 +401,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
             runs, speedups = bench.measure(prompt, on_run)
             results.append(_prompt_result(prompt, configs, runs, speedups, costs, args.synthetic_acceptance, synthetic,
-                                          weight_bytes(target)))
+                                          target_bytes))
             for name, peer in peers.items():
                 progress.update(task, description=f"{prompt.name}: peer {name}")
                 results[-1].peers[name] = peer.run(target.tokenizer.encode_chat(list(prompt.messages)),
                                                    args.max_tokens)
             if args.json_out and len(results) < len(prompts):
                 # The prompts so far, in case the run dies later (a rented GPU's time limit, a device error).
-                _write_json(args.json_out, _document(args, bench, target, draft, configs, peers, results, shapes,
-                                                     synthetic, complete=False))
+                _write_json(args.json_out, _document(meta, results, configs, synthetic, complete=False))
 
-    out = _document(args, bench, target, draft, configs, peers, results, shapes, synthetic, complete=True)
+    out = _document(meta, results, configs, synthetic, complete=True)
     # A wide table: rich would squeeze it into 80 columns when stdout is a file or a pipe.
     report.print_table(out, console=Console(width=None if sys.stdout.isatty() else 170))
     if args.json_out:
@@ -411,25 +420,12 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _document(args: argparse.Namespace, bench: Bench, target: Model, draft: Model | str | None,
-              configs: list[BenchConfig], peers: dict, results: list[PromptResult], shapes, synthetic: bool,
+def _document(meta: dict, results: list[PromptResult], configs: list[BenchConfig], synthetic: bool,
               complete: bool) -> dict:
-    from tandem.models.shapes import weight_bytes
-
     return {
         "synthetic": synthetic,
         "complete": complete,  # False: the run stopped before its last prompt; `prompts` holds the ones done
-        "meta": {
-            **environment(target), "backend": target.backend,
-            "dtype": getattr(target, "dtype", None) and str(target.dtype),
-            "target": target.path, "draft": draft.path if isinstance(draft, Model) else draft,
-            "max_tokens": args.max_tokens, "repeats": bench.repeats, "greedy": True, "suite": args.suite,
-            "configs": [asdict(c) for c in configs], "ignore_eos": bench.ignore_eos,
-            "synthetic_acceptance": args.synthetic_acceptance, "shapes": shapes,
-            "weight_bytes": {"target": weight_bytes(target),
-                             "draft": weight_bytes(draft) if isinstance(draft, Model) else None},
-            "peers": {name: peer.describe() for name, peer in peers.items()},
-        },
+        "meta": meta,
         "prompts": [asdict(p) for p in results],
         "summary": summarize(results, configs),
     }
