@@ -109,13 +109,63 @@ def sweep(name: str, T: int) -> None:
         print(f"  gate_up fused {cfg}: {us:.2f} us/layer ({base / us:.2f}x)", flush=True)
 
 
+def sweep_split_k(name: str, T: int) -> None:
+    """The output and down projections: cuBLAS against linear_split_k's configurations, alone; then the best of
+    them with the residual add after it (the compiler fuses the sum of the partials into that add)."""
+    dev, dt = "cuda", torch.bfloat16
+    c = get_shape(name)
+    L, d, Fd, q_width = c.n_layers, c.d_model, c.d_ffn, c.n_heads * c.head_dim
+    residual = torch.randn(T, d, device=dev, dtype=dt)
+
+    @torch.compile(dynamic=False)
+    def unfused(x, w, residual):
+        return residual + F.linear(x, w)
+
+    @torch.compile(dynamic=False)
+    def split(x, w, residual):
+        return residual + torch.ops.tandem.linear_split_k(x, w).sum(0).to(x.dtype)
+
+    for what, k in (("o", q_width), ("down", Fd)):
+        ws = [torch.randn(d, k, device=dev, dtype=dt) * 0.02 for _ in range(L)]
+        x = torch.randn(T, k, device=dev, dtype=dt)
+        alone = graph_us(lambda: [F.linear(x, ws[i]) for i in range(L)], L)
+        results = []
+        for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 4)):
+            fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = bn, bk
+            fp.SPLIT_LAUNCH = dict(num_warps=warps, num_stages=stages)
+            try:
+                us = graph_us(lambda: [fp.linear_split_k(x, ws[i]) for i in range(L)], L)
+            except Exception as e:
+                print(f"  {what} bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
+                continue
+            results.append((us, (bn, bk, warps, stages)))
+        print(f"  {what} ({d}x{k}): cuBLAS alone {alone:.2f} us/layer; bytes floor at 4.25 TB/s "
+              f"{d * k * 2 / 4.25e6:.2f}", flush=True)
+        for us, (bn, bk, warps, stages) in sorted(results)[:5]:
+            print(f"  {what} split-K alone bn={bn} bk={bk} warps={warps} stages={stages}: {us:.2f} us/layer "
+                  f"({alone / us:.2f}x)", flush=True)
+        # The best with what follows it in a step: the residual add, and for split-K the sum of the partials
+        us, (bn, bk, warps, stages) = min(results)
+        fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = bn, bk
+        fp.SPLIT_LAUNCH = dict(num_warps=warps, num_stages=stages)
+        torch._dynamo.reset()
+        base = graph_us(lambda: [unfused(x, ws[i], residual) for i in range(L)], L)
+        best = graph_us(lambda: [split(x, ws[i], residual) for i in range(L)], L)
+        print(f"  {what} with the residual add (compiled): cuBLAS {base:.2f}, split-K {best:.2f} us/layer "
+              f"({base / best:.2f}x)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-0.5b")
     p.add_argument("--rows", type=int, default=9)
+    p.add_argument("--only", choices=("inputs", "outputs"), help="sweep only the input or the output projections")
     args = p.parse_args()
     for name in args.shapes.split(","):
-        sweep(name, args.rows)
+        if args.only != "outputs":
+            sweep(name, args.rows)
+        if args.only != "inputs":
+            sweep_split_k(name, args.rows)
         torch.cuda.empty_cache()
 
 

@@ -37,8 +37,11 @@ kernels)
     python3 -m pytest -q -p no:cacheprovider tests/test_fused_projections.py tests/test_decode_attention.py 2>&1 \
         | tail -15 | tee $OUT/kernel_tests.txt
     grep -q " passed" $OUT/kernel_tests.txt && ! grep -q failed $OUT/kernel_tests.txt || touch /root/m/unfused
-    python3 bench/gpu_step.py --variants qwen2.5-1.5b:1:9:1:1 --contexts 700 --decode 256 2>&1 \
-        | grep --line-buffered -v Warn | tee $OUT/step.txt
+    python3 bench/gpu_kernels.py --shapes qwen2.5-1.5b --only outputs 2>&1 | grep --line-buffered -v Warn \
+        | tee $OUT/kernels_split_k.txt
+    # The step with the output projections by cuBLAS (split_k 0) and by linear_split_k (1)
+    python3 bench/gpu_step.py --variants qwen2.5-1.5b:1:9:1:1:0,qwen2.5-1.5b:1:9:1:1:1 --contexts 700 --decode 256 \
+        2>&1 | grep --line-buffered -v Warn | tee $OUT/step.txt
     python3 bench/gpu_profile.py qwen2.5-1.5b 9 1 > $OUT/profile_1.5b_9rows.txt 2>&1
     ;;
 pair)

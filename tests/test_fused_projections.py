@@ -77,8 +77,19 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
             out = fused_projections.gate_up_act(x, weight, gelu)
             assert out.shape == (T, features) and out.dtype == dtype
             close(out, act * up, ("gate_up", dtype, gelu, T, d, features))
+    for T, d, features in [(9, 1000, 40), (1, 64, 16), (16, 200, 72)]:  # the last slice short; 7 slices empty; 6 empty
+        x, weight = rand(T, d, dtype=dtype), rand(features, d, dtype=dtype, scale=0.1)
+        partials = fused_projections.linear_split_k(x, weight)
+        assert partials.shape == (fused_projections.SPLIT_SLICES, T, features)
+        assert partials.dtype == torch.float32
+        out = partials.sum(0).to(dtype)
+        close(out, x.double() @ weight.double().T, ("linear_split_k", dtype, T, d, features))
+        other = x.clone()
+        other[1:] = rand(T - 1, d, dtype=dtype) if T > 1 else other[1:]
+        assert torch.equal(fused_projections.linear_split_k(other, weight)[:, 0], partials[:, 0])
     cache = torch.zeros(1, 1, 32, 16, dtype=dtype, device=device)
-    for too_many in (lambda: fused_projections.gate_up_act(rand(17, 64, dtype=dtype), rand(32, 64, dtype=dtype), False),
+    for too_many in (lambda: fused_projections.linear_split_k(rand(17, 64, dtype=dtype), rand(32, 64, dtype=dtype)),
+                     lambda: fused_projections.gate_up_act(rand(17, 64, dtype=dtype), rand(32, 64, dtype=dtype), False),
                      lambda: fused_projections.qkv_rope(rand(17, 64, dtype=dtype), rand(48, 64, dtype=dtype), None,
                                                         rope_tables(config, 1e4, 1.0, 32, dtype, device),
                                                         torch.arange(17, device=device), cache, cache.clone(), 1,
@@ -89,7 +100,7 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
         except ValueError as e:
             assert "at most 16" in str(e)
 
-    # In the model: a step through both kernels is as accurate as the unfused step, both measured against the same
+    # In the model: a step through all three kernels is as accurate as the unfused step, both measured against the same
     # weights in float64 (on a GPU the unfused side's cuBLAS may reduce fp16 products in fp16, so the two
     # half-precision paths are not held to each other: that failed at 0.0137 against a 4-rounding bound).
     model = random_model("tiny", device=device, dtype=dtype, n_ctx=256).transformer
@@ -100,7 +111,7 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
 
     errors = {}
     for fused in (False, True):
-        model.projection_kernels = fused
+        model.projection_kernels = model.split_k_outputs = fused
         cache = model.new_cache(256)
         logits = model(tokens, positions, cache.k, cache.v)
         errors[fused] = (error(logits, exact_logits), error(cache.k[-1][:, :, 20:29], exact_cache.k[-1][:, :, 20:29]))

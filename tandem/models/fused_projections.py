@@ -1,10 +1,16 @@
-"""A decode step's two input projections with their elementwise work fused in (Triton, GPU, <= 16 rows).
+"""A decode step's projections as Triton kernels (GPU, <= 16 rows): inputs with their elementwise work fused in,
+outputs split over K.
 
 A graphed decode step of a small model is bound by its kernels' fixed costs, not by bytes: on an H200 the q/k/v
 projection of a 1.5B model took 4.9 us for 6 MB, then three more kernels (bias + rope for q, for k, cache writes)
 ~1.5 us each plus their gaps; gate/up took 16.9 us and the SwiGLU product another kernel. Here
  - `qkv_rope`: x @ W_qkv^T + b, rope on q and k, k and v written into the cache at their positions: one kernel;
- - `gate_up_act`: act(x @ W_gate^T) * (x @ W_up^T): one kernel, the [T, 2F] intermediate never stored.
+ - `gate_up_act`: act(x @ W_gate^T) * (x @ W_up^T): one kernel, the [T, 2F] intermediate never stored;
+ - `linear_split_k`: x @ W^T for the output and down projections as float32 partial sums over slices of K. Their
+   outputs are narrow (d_model features) and their K wide (8960 for down): split by features alone, a 1.5B model's
+   down projection fills a third of an H200's SMs. cuBLAS splits K too but reduces in a kernel of its own (9.7 +
+   1.6 us); here the caller sums the partials where the compiler fuses that sum into the residual add and the next
+   RMS norm, one kernel fewer a projection, in a fixed order (the reduction is deterministic).
 Each program reads a slab of whole weight rows and every (<= 16) input row, so an output element is one dot in a
 fixed order whatever the other rows hold: padding rows never change a real row's bits (see StepGraph).
 """
@@ -31,6 +37,15 @@ QKV_LAUNCH = dict(num_warps=2, num_stages=4)
 GATE_UP_BLOCK_N = 32
 GATE_UP_BLOCK_K = 128
 GATE_UP_LAUNCH = dict(num_warps=4, num_stages=3)
+SPLIT_BLOCK_N = 32
+SPLIT_BLOCK_K = 128
+# 32 features a program, 128 of K a step, 4 warps, 4 stages: bench/gpu_kernels.py's best for the 1.5B model's down
+# projection on an H200 (9.8 us a layer against cuBLAS's 12.1), within 2% of the best for its output projection.
+# Always 8 slices: a constant, so that the compiler sees a sum over 8 partials whatever the shapes (which it
+# traces as symbols) and unrolls it into the residual add and the norm after it (a sum over a symbolic count was a
+# reduction kernel of its own, 5.5 us, on an H200). A 1.5B model's projections run 48 x 8 programs.
+SPLIT_SLICES = 8
+SPLIT_LAUNCH = dict(num_warps=4, num_stages=4)
 
 
 def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -123,6 +138,32 @@ if triton is not None:
         tl.store(out, (act * up).to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+    @triton.jit
+    def _linear_split_k_kernel(X, W, P, n_rows, N, stride_xm, K: tl.constexpr, K_SLICE: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Program = (BLOCK_N output features, slice of K): P[slice, rows, features] = x[:, slice] @ W[features, slice]^T
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_first = tl.program_id(1) * K_SLICE
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        col_ok, row_ok = cols < N, rows < n_rows
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K_SLICE, BLOCK_K):  # a constant trip count, which Triton pipelines; K_SLICE % BLOCK_K == 0
+            k = k_first + k0 + ks
+            k_ok = k < K
+            x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(W + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        out = P + (tl.program_id(1) * n_rows + rows[:, None]) * N + cols[None, :]
+        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def k_slice_width(k: int) -> int:
+    """Width of each of linear_split_k's SPLIT_SLICES slices of K: a whole number of SPLIT_BLOCK_K (slices past K
+    hold zeros)."""
+    return -(-(-(-k // SPLIT_SLICES)) // SPLIT_BLOCK_K) * SPLIT_BLOCK_K
+
+
 @torch.library.custom_op("tandem::qkv_rope", mutates_args=("cache_k", "cache_v"))
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: torch.Tensor,
              positions: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int,
@@ -173,3 +214,24 @@ def gate_up_act(x: torch.Tensor, weight: torch.Tensor, gelu: bool) -> torch.Tens
 @gate_up_act.register_fake
 def _(x, weight, gelu):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+@torch.library.custom_op("tandem::linear_split_k", mutates_args=())
+def linear_split_k(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T as float32 partial sums over slices of K: [SPLIT_SLICES, T, N] whose sum over the first
+    dimension is the product. x: [T, K], T <= MAX_ROWS; weight: [N, K]."""
+    n_rows, d = x.shape
+    if n_rows > MAX_ROWS:
+        raise ValueError(f"linear_split_k takes at most {MAX_ROWS} tokens, got {n_rows}")
+    x, weight = x.contiguous(), weight.contiguous()
+    features = weight.shape[0]
+    partials = x.new_empty(SPLIT_SLICES, n_rows, features, dtype=torch.float32)
+    _linear_split_k_kernel[(triton.cdiv(features, SPLIT_BLOCK_N), SPLIT_SLICES)](
+        x, weight, partials, n_rows, features, x.stride(0), K=d, K_SLICE=k_slice_width(d),
+        BLOCK_M=MAX_ROWS, BLOCK_N=SPLIT_BLOCK_N, BLOCK_K=SPLIT_BLOCK_K, **SPLIT_LAUNCH)
+    return partials
+
+
+@linear_split_k.register_fake
+def _(x, weight):
+    return x.new_empty(SPLIT_SLICES, x.shape[0], weight.shape[0], dtype=torch.float32)

@@ -14,6 +14,7 @@ converter has already folded Gemma's (1 + w) into its norm weights and permuted 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,7 @@ class Transformer(torch.nn.Module):
         self.decode_kernel = decode_attention.available(self.device, self.dtype, c.head_dim)
         # Gemma's q/k norms need a whole head before rope: its projections stay unfused.
         self.projection_kernels = not c.qk_norm and fused_projections.available(self.device, self.dtype, c.head_dim)
+        self.split_k_outputs = self.projection_kernels and os.environ.get("TANDEM_SPLIT_K", "1") != "0"
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
@@ -133,6 +135,14 @@ class Transformer(torch.nn.Module):
         cache_v.index_copy_(2, positions, v)
         return q
 
+    def project_out(self, h: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+        """h [1, T, K] @ weight^T: the output and down projections, whose result joins the residual stream."""
+        if not fused:
+            return F.linear(h, weight)
+        # The K-slices' float32 partials summed here, where the compiler fuses the sum into the residual add and
+        # the next norm (tandem.models.fused_projections); one rounding to h's dtype, as a GEMM's epilogue does.
+        return torch.ops.tandem.linear_split_k(h[0], weight).sum(0).to(h.dtype)[None]
+
     def fused_decode(self, T: int) -> bool:
         """Whether attention runs as tandem.models.decode_attention's kernels (GPU decode and verify steps)."""
         group = self.config.n_heads // self.config.n_kv_heads
@@ -153,6 +163,7 @@ class Transformer(torch.nn.Module):
         T = tokens.shape[0]
         fused_attention = self.fused_decode(T)
         fused_projection = self.projection_kernels and T <= fused_projections.MAX_ROWS
+        split_k = self.split_k_outputs and T <= fused_projections.MAX_ROWS
         bias = {False: None, True: None}
         if not fused_attention:
             bias[False] = self.attention_bias(positions, kv_len, None)
@@ -170,7 +181,7 @@ class Transformer(torch.nn.Module):
                 q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i])
             keys, values = cache_k[i][:, :, :kv_len], cache_v[i][:, :, :kv_len]  # [B, H_kv, S, D]
             attn = self.attend(q, keys, values, bias[local], positions, c.sliding_window if local else 0)
-            attn = F.linear(attn, w[p + "attn_output.weight"])
+            attn = self.project_out(attn, w[p + "attn_output.weight"], split_k)
             if c.sandwich_norm:
                 attn = rms_norm(attn, w[p + "post_attention_norm.weight"], c.rms_eps)
             x = x + attn
@@ -181,7 +192,7 @@ class Transformer(torch.nn.Module):
             else:
                 gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
                 act = self.act(gate) * up
-            ffn = F.linear(act, w[p + "ffn_down.weight"])
+            ffn = self.project_out(act, w[p + "ffn_down.weight"], split_k)
             if c.sandwich_norm:
                 ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], c.rms_eps)
             x = x + ffn
