@@ -19,6 +19,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 tandem() { python3 -m tandem.cli "$@"; }
 T=/root/m/T.gguf D=/root/m/D.gguf
 [ -f /root/m/unfused ] && export TANDEM_FUSED_PROJECTIONS=0 && echo "fused projections OFF (their GPU test failed)"
+[ -f /root/m/nosplit ] && export TANDEM_SPLIT_K=0 && echo "split-K output projections OFF (slower step)"
 case $phase in
 setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -37,11 +38,18 @@ kernels)
     python3 -m pytest -q -p no:cacheprovider tests/test_fused_projections.py tests/test_decode_attention.py 2>&1 \
         | tail -15 | tee $OUT/kernel_tests.txt
     grep -q " passed" $OUT/kernel_tests.txt && ! grep -q failed $OUT/kernel_tests.txt || touch /root/m/unfused
-    python3 bench/gpu_kernels.py --shapes qwen2.5-1.5b --only outputs 2>&1 | grep --line-buffered -v Warn \
-        | tee $OUT/kernels_split_k.txt
-    # The step with the output projections by cuBLAS (split_k 0) and by linear_split_k (1)
-    python3 bench/gpu_step.py --variants qwen2.5-1.5b:1:9:1:1:0,qwen2.5-1.5b:1:9:1:1:1 --contexts 700 --decode 256 \
-        2>&1 | grep --line-buffered -v Warn | tee $OUT/step.txt
+    [ "${SWEEP:-0}" = 1 ] && python3 bench/gpu_kernels.py --shapes qwen2.5-1.5b --only outputs 2>&1 \
+        | grep --line-buffered -v Warn | tee $OUT/kernels_split_k.txt
+    # The step with the output projections by cuBLAS (split_k 0) and by linear_split_k (1); later phases keep the
+    # faster
+    python3 bench/gpu_step.py --variants qwen2.5-1.5b:1:9:1:1:0,qwen2.5-1.5b:1:9:1:1:1 --contexts 700 \
+        --decode ${DECODE:-0} 2>&1 | grep --line-buffered -v Warn | tee $OUT/step.txt
+    python3 - $OUT/step.txt <<'PY' || touch /root/m/nosplit
+import re, sys
+ms = {m[0]: float(m[1]) for m in re.findall(r":1:9:1:1:(\d) context= 700 .* n=9: ([\d.]+) ms", open(sys.argv[1]).read())}
+print("step ms, cuBLAS / split-K outputs:", ms)
+sys.exit(0 if ms.get("1", 1e9) < ms.get("0", 0) else 1)
+PY
     python3 bench/gpu_profile.py qwen2.5-1.5b 9 1 > $OUT/profile_1.5b_9rows.txt 2>&1
     ;;
 pair)
