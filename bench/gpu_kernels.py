@@ -128,13 +128,17 @@ def sweep_split_k(name: str, T: int) -> None:
     for what, k in (("o", q_width), ("down", Fd)):
         ws = [torch.randn(d, k, device=dev, dtype=dt) * 0.02 for _ in range(L)]
         x = torch.randn(T, k, device=dev, dtype=dt)
-        alone = graph_us(lambda: [F.linear(x, ws[i]) for i in range(L)], L)
+
+        def each_layer(fn, x=x, ws=ws):
+            return lambda: [fn(x, ws[i]) for i in range(L)]
+
+        alone = graph_us(each_layer(F.linear), L)
         results = []
         for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 4)):
             fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = bn, bk
             fp.SPLIT_LAUNCH = dict(num_warps=warps, num_stages=stages)
             try:
-                us = graph_us(lambda: [fp.linear_split_k(x, ws[i]) for i in range(L)], L)
+                us = graph_us(each_layer(fp.linear_split_k), L)
             except Exception as e:
                 print(f"  {what} bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
                 continue
@@ -149,8 +153,8 @@ def sweep_split_k(name: str, T: int) -> None:
         fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = bn, bk
         fp.SPLIT_LAUNCH = dict(num_warps=warps, num_stages=stages)
         torch._dynamo.reset()
-        base = graph_us(lambda: [unfused(x, ws[i], residual) for i in range(L)], L)
-        best = graph_us(lambda: [split(x, ws[i], residual) for i in range(L)], L)
+        base = graph_us(each_layer(lambda x, w: unfused(x, w, residual)), L)
+        best = graph_us(each_layer(lambda x, w: split(x, w, residual)), L)
         print(f"  {what} with the residual add (compiled): cuBLAS {base:.2f}, split-K {best:.2f} us/layer "
               f"({base / best:.2f}x)", flush=True)
 

@@ -161,7 +161,8 @@ if triton is not None:
 def k_slice_width(k: int) -> int:
     """Width of each of linear_split_k's SPLIT_SLICES slices of K: a whole number of SPLIT_BLOCK_K (slices past K
     hold zeros)."""
-    return -(-(-(-k // SPLIT_SLICES)) // SPLIT_BLOCK_K) * SPLIT_BLOCK_K
+    width = -(-k // SPLIT_SLICES)
+    return -(-width // SPLIT_BLOCK_K) * SPLIT_BLOCK_K
 
 
 @torch.library.custom_op("tandem::qkv_rope", mutates_args=("cache_k", "cache_v"))
