@@ -233,6 +233,29 @@ def test_loop_never_loses_to_plain_when_catching_up_is_dear(monkeypatch, accepta
     assert tokens_per_s >= 0.97 * 1000 / 1.85, (tokens_per_s, stats.draft_len_counts)
 
 
+def test_loop_does_not_bet_a_short_reply_on_the_prior(monkeypatch):
+    # Seen on an H200 (real pair, freeform prompt of 46 tokens, 128 tokens): calibration priced the draft at 0.59 of
+    # a 1.62 ms target step, so at the prior acceptance (0.7) drafting one token looked 7% faster and the prompt's
+    # catch-up repaid within 64 tokens. In the loop the draft cost 1.21 ms a token and the text's acceptance was
+    # 0.61: 0.95x plain. Here the draft's forwards cost 0.95 ms a replay while calibration times them, 1.21 after.
+    forwards = []
+
+    def draft_ms(n):
+        forwards.append(n)
+        return (0.95 if len(forwards) <= 12 else 1.21) * -(-n // 9)
+
+    verifies = []
+
+    def target_ms(n):  # a verify's host sync, which plain steps (queued 8 to a sync) do not pay
+        verifies.append(n)
+        return 1.62 + (0.2 if n > 1 and len(verifies) > 12 else 0.0)
+
+    stats, tokens_per_s = run_adaptive(monkeypatch, target_ms, draft_ms, acceptance=0.61, max_tokens=128,
+                                       prompt_len=46)
+    # Drafting at all costs the prompt's catch-up (46 tokens, ~5 ms): with a 64-token payback it ran 0.971x here
+    assert tokens_per_s >= 0.99 * 1000 / 1.62, (tokens_per_s, stats.draft_len_counts)
+
+
 def test_loop_drafts_from_the_start_when_the_draft_is_cheap(monkeypatch):
     # The report's regime: a bandwidth-bound 32B-like target (17 ms a step) and a draft a tenth of it; a 600-token
     # prompt for the draft to take in first is repaid within a few tokens.
