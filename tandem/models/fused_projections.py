@@ -9,7 +9,7 @@ projection of a 1.5B model took 4.9 us for 6 MB, then three more kernels (bias +
  - `linear_split_k`: x @ W^T for the output and down projections as float32 partial sums over slices of K. Their
    outputs are narrow (d_model features) and their K wide (8960 for down): split by features alone, a 1.5B model's
    down projection fills a third of an H200's SMs. cuBLAS splits K too but reduces in a kernel of its own (9.7 +
-   1.6 us); here the caller sums the partials where the compiler fuses that sum into the residual add and the next
+   1.6 us); here the caller adds the partials where the compiler fuses those adds into the residual add and the next
    RMS norm, one kernel fewer a projection, in a fixed order (the reduction is deterministic).
 Each program reads a slab of whole weight rows and every (<= 16) input row, so an output element is one dot in a
 fixed order whatever the other rows hold: padding rows never change a real row's bits (see StepGraph).
@@ -41,9 +41,9 @@ SPLIT_BLOCK_N = 32
 SPLIT_BLOCK_K = 128
 # 32 features a program, 128 of K a step, 4 warps, 4 stages: bench/gpu_kernels.py's best for the 1.5B model's down
 # projection on an H200 (9.8 us a layer against cuBLAS's 12.1), within 2% of the best for its output projection.
-# Always 8 slices: a constant, so that the compiler sees a sum over 8 partials whatever the shapes (which it
-# traces as symbols) and unrolls it into the residual add and the norm after it (a sum over a symbolic count was a
-# reduction kernel of its own, 5.5 us, on an H200). A 1.5B model's projections run 48 x 8 programs.
+# Always 8 slices: a constant, so that the caller's adds over the partials are 7 elementwise adds whatever the
+# shapes (which the compiler traces as symbols), fused into the residual add and the norm after them. A 1.5B model's
+# projections run 48 x 8 programs.
 SPLIT_SLICES = 8
 SPLIT_LAUNCH = dict(num_warps=4, num_stages=4)
 
