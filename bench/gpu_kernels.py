@@ -123,11 +123,7 @@ def sweep_split_k(name: str, T: int) -> None:
 
     @torch.compile(dynamic=False)
     def split(x, w, residual):
-        partials = torch.ops.tandem.linear_split_k(x, w)
-        total = partials[0]
-        for i in range(1, fp.SPLIT_SLICES):  # as Transformer.project_out adds them
-            total = total + partials[i]
-        return residual + total.to(x.dtype)
+        return residual + fp.add_partials(torch.ops.tandem.linear_split_k(x, w)).to(x.dtype)
 
     for what, k in (("o", q_width), ("down", Fd)):
         ws = [torch.randn(d, k, device=dev, dtype=dt) * 0.02 for _ in range(L)]

@@ -140,14 +140,9 @@ class Transformer(torch.nn.Module):
         if not fused:
             return F.linear(h, weight)
         # The K-slices' float32 partials summed here, where the compiler fuses the adds into the residual add and
-        # the next norm (tandem.models.fused_projections); one rounding to h's dtype, as a GEMM's epilogue does.
-        # Added one by one, not .sum(0): Inductor made that a reduction kernel of its own over the outer dimension
-        # (9.5 us on an H200, more than the projection); eight adds are elementwise and fuse.
+        # the next norm; one rounding to h's dtype, as a GEMM's epilogue does.
         partials = torch.ops.tandem.linear_split_k(h[0], weight)
-        total = partials[0]
-        for i in range(1, partials.shape[0]):
-            total = total + partials[i]
-        return total.to(h.dtype)[None]
+        return fused_projections.add_partials(partials).to(h.dtype)[None]
 
     def fused_decode(self, T: int) -> bool:
         """Whether attention runs as tandem.models.decode_attention's kernels (GPU decode and verify steps)."""
