@@ -51,6 +51,7 @@ def sweep(name: str, T: int) -> None:
     ck = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
     cv = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
     x = torch.randn(T, d, device=dev, dtype=dt)
+    sum_sq, norm_w = fp.sum_squares(x), torch.ones(d, device=dev, dtype=dt)  # the fused kernels normalise x
     rope = rope_tables(c, c.rope_base, 1.0, 1100, dt, dev)
     positions = torch.arange(300, 300 + T, device=dev)
 
@@ -82,8 +83,8 @@ def sweep(name: str, T: int) -> None:
             continue
         fp.QKV_PAIRS, fp.QKV_BLOCK_K, fp.QKV_LAUNCH = pairs, bk, dict(num_warps=warps, num_stages=stages)
         try:
-            us = graph_us(each_layer(lambda i: fp.qkv_rope(x, qkv_w[i], qkv_b[i], rope, positions, ck[i], cv[i],
-                                                            H, False)), L)
+            us = graph_us(each_layer(lambda i: fp.qkv_rope(x, sum_sq, norm_w, 1e-6, qkv_w[i], qkv_b[i], rope,
+                                                            positions, ck[i], cv[i], H, False)), L)
         except Exception as e:  # a configuration that does not compile (shared memory)
             print(f"  qkv pairs={pairs} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
             continue
@@ -100,7 +101,7 @@ def sweep(name: str, T: int) -> None:
         fp.GATE_UP_BLOCK_N, fp.GATE_UP_BLOCK_K = bn, bk
         fp.GATE_UP_LAUNCH = dict(num_warps=warps, num_stages=stages)
         try:
-            us = graph_us(each_layer(lambda i: fp.gate_up_act(x, gu_w[i], False)), L)
+            us = graph_us(each_layer(lambda i: fp.gate_up_act(x, sum_sq, norm_w, 1e-6, gu_w[i], False)), L)
         except Exception as e:
             print(f"  gate_up bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
             continue
@@ -110,20 +111,18 @@ def sweep(name: str, T: int) -> None:
 
 
 def sweep_split_k(name: str, T: int) -> None:
-    """The output and down projections: cuBLAS against linear_split_k's configurations, alone; then the best of
-    them with the residual add after it (the compiler fuses the sum of the partials into that add)."""
+    """The output and down projections with the residual add and the sums of squares after them (what the next
+    layer's fused norm reads): compiled cuBLAS + elementwise against add_linear_split_k's configurations."""
     dev, dt = "cuda", torch.bfloat16
     c = get_shape(name)
     L, d, Fd, q_width = c.n_layers, c.d_model, c.d_ffn, c.n_heads * c.head_dim
     residual = torch.randn(T, d, device=dev, dtype=dt)
+    arrivals = torch.zeros(d, dtype=torch.int32, device=dev)
 
     @torch.compile(dynamic=False)
     def unfused(x, w, residual):
-        return residual + F.linear(x, w)
-
-    @torch.compile(dynamic=False)
-    def split(x, w, residual):
-        return residual + fp.add_partials(torch.ops.tandem.linear_split_k(x, w)).to(x.dtype)
+        out = residual + F.linear(x, w)
+        return out, fp.sum_squares(out)
 
     for what, k in (("o", q_width), ("down", Fd)):
         ws = [torch.randn(d, k, device=dev, dtype=dt) * 0.02 for _ in range(L)]
@@ -132,31 +131,22 @@ def sweep_split_k(name: str, T: int) -> None:
         def each_layer(fn, x=x, ws=ws):
             return lambda: [fn(x, ws[i]) for i in range(L)]
 
-        alone = graph_us(each_layer(F.linear), L)
+        base = graph_us(each_layer(lambda x, w: unfused(x, w, residual)), L)
         results = []
         for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 4)):
             fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = bn, bk
             fp.SPLIT_LAUNCH = dict(num_warps=warps, num_stages=stages)
             try:
-                us = graph_us(each_layer(fp.linear_split_k), L)
+                us = graph_us(each_layer(lambda x, w: fp.add_linear_split_k(x, w, residual, arrivals)), L)
             except Exception as e:
                 print(f"  {what} bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
                 continue
             results.append((us, (bn, bk, warps, stages)))
-        print(f"  {what} ({d}x{k}): cuBLAS alone {alone:.2f} us/layer; bytes floor at 4.25 TB/s "
-              f"{d * k * 2 / 4.25e6:.2f}", flush=True)
+        print(f"  {what} ({d}x{k}) + residual + sums of squares: cuBLAS + compiled {base:.2f} us/layer; "
+              f"bytes floor at 4.25 TB/s {d * k * 2 / 4.25e6:.2f}", flush=True)
         for us, (bn, bk, warps, stages) in sorted(results)[:5]:
-            print(f"  {what} split-K alone bn={bn} bk={bk} warps={warps} stages={stages}: {us:.2f} us/layer "
-                  f"({alone / us:.2f}x)", flush=True)
-        # The best with what follows it in a step: the residual add, and for split-K the sum of the partials
-        us, (bn, bk, warps, stages) = min(results)
-        fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = bn, bk
-        fp.SPLIT_LAUNCH = dict(num_warps=warps, num_stages=stages)
-        torch._dynamo.reset()
-        base = graph_us(each_layer(lambda x, w: unfused(x, w, residual)), L)
-        best = graph_us(each_layer(lambda x, w: split(x, w, residual)), L)
-        print(f"  {what} with the residual add (compiled): cuBLAS {base:.2f}, split-K {best:.2f} us/layer "
-              f"({base / best:.2f}x)", flush=True)
+            print(f"  {what} add_linear_split_k bn={bn} bk={bk} warps={warps} stages={stages}: {us:.2f} us/layer "
+                  f"({base / us:.2f}x)", flush=True)
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """Time one graphed decode step of random-weight models of real shapes, per variant, on a CUDA device.
 
     python bench/gpu_step.py [--variants qwen2.5-1.5b:1:9,qwen2.5-0.5b:1:9] [--contexts 16,700] [--decode 256]
-    # variant = shape:compile:rows[:decode_kernel[:projections[:split_k]]]; 0 = attention as matmuls
+    # variant = shape:compile:rows[:decode_kernel[:projections[:split_k[:pdl]]]]; 0 = attention as matmuls
     # (TANDEM_DECODE_KERNEL), projections unfused (TANDEM_FUSED_PROJECTIONS), output projections by cuBLAS
-    # (TANDEM_SPLIT_K)
+    # (TANDEM_SPLIT_K), kernels launched without programmatic dependent launch (TANDEM_PDL)
 
 For each shape: weight bytes, the byte floor (bytes / measured copy bandwidth), and the median time of one forward
 of n tokens replayed as a CUDA graph of `rows` rows, eager and compiled. Synthetic weights: systems numbers only.
@@ -91,6 +91,7 @@ def main() -> None:
         os.environ["TANDEM_DECODE_KERNEL"] = kernels[0] if kernels else "1"
         os.environ["TANDEM_FUSED_PROJECTIONS"] = kernels[1] if len(kernels) > 1 else "1"
         os.environ["TANDEM_SPLIT_K"] = kernels[2] if len(kernels) > 2 else "1"
+        os.environ["TANDEM_PDL"] = kernels[3] if len(kernels) > 3 else "1"
         started = time.perf_counter()
         model = random_model(shape, device="cuda", dtype="bfloat16", n_ctx=4096)
         nbytes = weight_bytes(model) - model.config.vocab_size * model.config.d_model * 2 * (

@@ -3,8 +3,9 @@
 #   setup     wheels (.whl), Vulkan loader (.gl debs), llama-cpp-python built for Vulkan here (.vk), and llama.cpp's
 #             CUDA llama-server built in the background from llama-cpp-python's vendored tree (.xfer/llama-src.tar.xz)
 #   (then one call per chunk: cat .xfer/cNNN >> /root/m/pair.bin)
-#   kernels   the fused kernels' tests on the GPU (if they fail, later phases run with the kernels off), one
-#             graphed decode step (random weights of the real shapes); bench/gpu_kernels.py times the kernels alone
+#   kernels   the fused kernels' tests on the GPU (if they fail, later phases run with the kernels off); with
+#             STEP=variants, graphed decode steps (random weights of the real shapes) and a profile; with SWEEP=1
+#             bench/gpu_kernels.py times the output projections alone
 #   pair      split the real pair out of /root/m/pair.bin, check SHA-256
 #   torch     split the real pair, tandem bench (torch, bf16)
 #   doctor    tandem doctor (torch, bf16)
@@ -20,6 +21,7 @@ tandem() { python3 -m tandem.cli "$@"; }
 T=/root/m/T.gguf D=/root/m/D.gguf
 [ -f /root/m/unfused ] && export TANDEM_FUSED_PROJECTIONS=0 && echo "fused projections OFF (their GPU test failed)"
 [ -f /root/m/nosplit ] && export TANDEM_SPLIT_K=0 && echo "split-K output projections OFF (slower step)"
+[ -f /root/m/nopdl ] && export TANDEM_PDL=0 && echo "programmatic dependent launch OFF (slower step)"
 case $phase in
 setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -40,17 +42,19 @@ kernels)
     grep -q " passed" $OUT/kernel_tests.txt && ! grep -q failed $OUT/kernel_tests.txt || touch /root/m/unfused
     [ "${SWEEP:-0}" = 1 ] && python3 bench/gpu_kernels.py --shapes qwen2.5-1.5b --only outputs 2>&1 \
         | grep --line-buffered -v Warn | tee $OUT/kernels_split_k.txt
-    # The step with the output projections by cuBLAS (split_k 0) and by linear_split_k (1); later phases keep the
-    # faster
-    python3 bench/gpu_step.py --variants qwen2.5-1.5b:1:9:1:1:0,qwen2.5-1.5b:1:9:1:1:1 --contexts 700 \
-        --decode ${DECODE:-0} 2>&1 | grep --line-buffered -v Warn | tee $OUT/step.txt
-    python3 - $OUT/step.txt <<'PY' || touch /root/m/nosplit
+    # STEP="variant,variant": time the step (bench/gpu_step.py) in these variants, e.g. with PDL (last field 1)
+    # and without (0); later phases keep PDL only if it was faster
+    if [ -n "${STEP:-}" ]; then
+        python3 bench/gpu_step.py --variants $STEP --contexts 700 --decode ${DECODE:-0} 2>&1 \
+            | grep --line-buffered -v Warn | tee $OUT/step.txt
+        python3 - $OUT/step.txt <<'PY' || touch /root/m/nopdl
 import re, sys
-ms = {m[0]: float(m[1]) for m in re.findall(r":1:9:1:1:(\d) context= 700 .* n=9: ([\d.]+) ms", open(sys.argv[1]).read())}
-print("step ms, cuBLAS / split-K outputs:", ms)
-sys.exit(0 if ms.get("1", 1e9) < ms.get("0", 0) else 1)
+ms = {m[0]: float(m[1]) for m in re.findall(r":1:9:1:1:1:(\d) context= 700 .* n=9: ([\d.]+) ms", open(sys.argv[1]).read())}
+print("step ms, without / with PDL:", ms)
+sys.exit(0 if ms.get("1", 1e9) <= ms.get("0", 1e9) else 1)
 PY
-    python3 bench/gpu_profile.py qwen2.5-1.5b 9 1 > $OUT/profile_1.5b_9rows.txt 2>&1
+        python3 bench/gpu_profile.py qwen2.5-1.5b 9 1 > $OUT/profile_1.5b_9rows.txt 2>&1
+    fi
     ;;
 pair)
     cd /root/m && head -c 1117320768 pair.bin > T.gguf && tail -c 491400064 pair.bin > D.gguf && cd - >/dev/null

@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from tandem.models.kernel_launch import gdc_launch_dependents, gdc_wait, pdl_options
+
 try:
     import triton
     import triton.language as tl
@@ -43,7 +45,10 @@ if triton is not None:
     def _partial_kernel(Q, K, V, POS, M, L, ACC, stride_qh, stride_qr, stride_kh, stride_ks, stride_vh, stride_vs,
                         n_rows, n_tokens, kv_len, scale, window,
                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr):
+                        HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # see tandem.models.kernel_launch
+            gdc_launch_dependents()
+            gdc_wait()
         head, chunk, n_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
         rows = tl.arange(0, BLOCK_R)
         dims = tl.arange(0, HEAD_DIM)
@@ -70,7 +75,11 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(M, L, ACC, OUT, stride_ot, n_rows, n_tokens, group,
-                        HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, n_chunks: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, n_chunks: tl.constexpr,
+                        PDL: tl.constexpr):
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         head, block = tl.program_id(0), tl.program_id(1)
         rows = block * ROWS + tl.arange(0, ROWS)
         dims = tl.arange(0, HEAD_DIM)
@@ -115,12 +124,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     _partial_kernel[(n_kv, n_chunks)](
         q, keys, values, positions, m, total, acc, q.stride(1), q.stride(2), keys.stride(1), keys.stride(2),
         values.stride(1), values.stride(2), n_rows, n_tokens, kv_len, scale, window,
-        HEAD_DIM=head_dim, BLOCK_R=block_r, CHUNK=CHUNK, HAS_WINDOW=window > 0, num_warps=4, num_stages=1)
+        HEAD_DIM=head_dim, BLOCK_R=block_r, CHUNK=CHUNK, HAS_WINDOW=window > 0, num_warps=4, num_stages=1,
+        **pdl_options(q.device))
     group = n_rows // n_tokens
     out = q.new_empty(n_tokens, n_kv * group * head_dim)
     _combine_kernel[(n_kv, block_r // COMBINE_ROWS)](
         m, total, acc, out, out.stride(0), n_rows, n_tokens, group,
-        HEAD_DIM=head_dim, BLOCK_R=block_r, ROWS=COMBINE_ROWS, n_chunks=n_chunks, num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_R=block_r, ROWS=COMBINE_ROWS, n_chunks=n_chunks, num_warps=4,
+        **pdl_options(q.device))
     return out
 
 

@@ -1,16 +1,18 @@
-"""A decode step's projections as Triton kernels (GPU, <= 16 rows): inputs with their elementwise work fused in,
-outputs split over K.
+"""A decode step's projections as Triton kernels (GPU, <= 16 rows), with the elementwise work around them fused in.
 
 A graphed decode step of a small model is bound by its kernels' fixed costs, not by bytes: on an H200 the q/k/v
 projection of a 1.5B model took 4.9 us for 6 MB, then three more kernels (bias + rope for q, for k, cache writes)
-~1.5 us each plus their gaps; gate/up took 16.9 us and the SwiGLU product another kernel. Here
- - `qkv_rope`: x @ W_qkv^T + b, rope on q and k, k and v written into the cache at their positions: one kernel;
- - `gate_up_act`: act(x @ W_gate^T) * (x @ W_up^T): one kernel, the [T, 2F] intermediate never stored;
- - `linear_split_k`: x @ W^T for the output and down projections as float32 partial sums over slices of K. Their
-   outputs are narrow (d_model features) and their K wide (8960 for down): split by features alone, a 1.5B model's
-   down projection fills a third of an H200's SMs. cuBLAS splits K too but reduces in a kernel of its own (9.7 +
-   1.6 us); here the caller adds the partials where the compiler fuses those adds into the residual add and the next
-   RMS norm, one kernel fewer a projection, in a fixed order (the reduction is deterministic).
+~1.5 us each plus their gaps; gate/up took 16.9 us and the SwiGLU product another kernel; and each of a layer's two
+RMS norms, with the residual add before it, was a kernel of 3.9 us. Here a layer is four kernels (and attention):
+ - `qkv_rope`: rms_norm(x) @ W_qkv^T + b, rope on q and k, k and v written into the cache at their positions;
+ - `gate_up_act`: act(rms_norm(x) @ W_gate^T) * (rms_norm(x) @ W_up^T), the [T, 2F] intermediate never stored;
+ - `add_linear_split_k`: x + h @ W^T for the output and down projections, with each row's sum of squares, which
+   the next kernel's norm needs. Their outputs are narrow (d_model features) and their K wide (8960 for down):
+   split by features alone, a 1.5B model's down projection fills a third of an H200's SMs. So K is split too, each
+   program writing a float32 partial; the last program to finish a tile of features adds the tile's partials in
+   slice order (deterministic, whichever program that is), adds the residual and writes the tile's sums of squares.
+The two input kernels normalise as they load x: a norm needs a row's sum of squares, which no single program of the
+kernel before has, so it writes one per tile of features and every input program adds those (48 floats a row).
 Each program reads a slab of whole weight rows and every (<= 16) input row, so an output element is one dot in a
 fixed order whatever the other rows hold: padding rows never change a real row's bits (see StepGraph).
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from tandem.models.kernel_launch import gdc_launch_dependents, gdc_wait, pdl_options
 
 try:
     import triton
@@ -41,9 +45,7 @@ SPLIT_BLOCK_N = 32
 SPLIT_BLOCK_K = 128
 # 32 features a program, 128 of K a step, 4 warps, 4 stages: bench/gpu_kernels.py's best for the 1.5B model's down
 # projection on an H200 (9.8 us a layer against cuBLAS's 12.1), within 2% of the best for its output projection.
-# Always 8 slices: a constant, so that the caller's adds over the partials are 7 elementwise adds whatever the
-# shapes (which the compiler traces as symbols), fused into the residual add and the norm after them. A 1.5B model's
-# projections run 48 x 8 programs.
+# 8 slices of K: a 1.5B model's projections run 48 x 8 programs.
 SPLIT_SLICES = 8
 SPLIT_LAUNCH = dict(num_warps=4, num_stages=4)
 
@@ -59,12 +61,31 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _qkv_rope_kernel(X, W, B, COS, SIN, POS, Q, CK, CV, n_rows, n_heads, n_kv, stride_xm, stride_rope_pos,
-                         stride_ck_h, stride_ck_s, stride_cv_h, stride_cv_s, K: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    def _input_norm(SS, n_parts, stride_ss, rows, row_ok, eps, K: tl.constexpr, PARTS: tl.constexpr):
+        # 1 / rms of each row from the sums of squares of its parts (tiles of features), added in a fixed order.
+        parts = tl.arange(0, PARTS)
+        ss = tl.load(SS + parts[:, None] * stride_ss + rows[None, :], mask=(parts < n_parts)[:, None] & row_ok[None, :],
+                     other=0.0)
+        return tl.rsqrt(tl.sum(ss, 0) / K + eps)
+
+    @triton.jit
+    def _load_normed(X, G, rows, row_ok, stride_xm, k, k_ok, inv_rms):
+        # x's rows over k, RMS-normalised and scaled as rms_norm does, in float32 (the caller rounds once).
+        x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
+        return x.to(tl.float32) * inv_rms[:, None] * g[None, :]
+
+    @triton.jit
+    def _qkv_rope_kernel(X, SS, G, W, B, COS, SIN, POS, Q, CK, CV, n_rows, n_parts, eps, n_heads, n_kv, stride_xm,
+                         stride_ss, stride_rope_pos, stride_ck_h, stride_ck_s, stride_cv_h, stride_cv_s,
+                         K: tl.constexpr, PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
         # Program = (head of q, k or v stacked as W_qkv stacks them, PAIRS rope pairs of it). Tile column i holds
         # half i % 2 of pair i // 2, so one dot yields both halves of every pair this program rotates.
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         HALF: tl.constexpr = HEAD_DIM // 2
         head = tl.program_id(0) // (HALF // PAIRS)
         first = (tl.program_id(0) % (HALF // PAIRS)) * PAIRS
@@ -76,12 +97,13 @@ if triton is not None:
             dims = half * HALF + pair
         w_rows = head * HEAD_DIM + dims
         rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
         ks = tl.arange(0, BLOCK_K)
+        inv_rms = _input_norm(SS, n_parts, stride_ss, rows, row_ok, eps, K, PARTS)
         acc = tl.zeros([BLOCK_M, 2 * PAIRS], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = k0 + ks < K
-            x = tl.load(X + rows[:, None] * stride_xm + k0 + ks[None, :], mask=(rows < n_rows)[:, None] & k_ok[None, :],
-                        other=0.0)
+            x = _load_normed(X, G, rows, row_ok, stride_xm, k0 + ks, k_ok, inv_rms).to(W.dtype.element_ty)
             w = tl.load(W + w_rows[:, None] * K + k0 + ks[None, :], mask=k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
         if HAS_BIAS:
@@ -90,7 +112,6 @@ if triton is not None:
         pairs = first + tl.arange(0, PAIRS)
         dims1 = 2 * pairs if INTERLEAVED else pairs
         dims2 = dims1 + 1 if INTERLEAVED else pairs + HALF
-        row_ok = rows < n_rows
         pos = tl.load(POS + rows, mask=row_ok, other=0)
         if head < n_heads + n_kv:  # q or k: rotate
             at = pos[:, None] * stride_rope_pos + pairs[None, :]
@@ -111,19 +132,23 @@ if triton is not None:
             tl.store(out + dims2[None, :], x2.to(CV.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _gate_up_kernel(X, W, OUT, n_rows, F, stride_xm, stride_om, K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GELU: tl.constexpr):
+    def _gate_up_kernel(X, SS, G, W, OUT, n_rows, n_parts, eps, F, stride_xm, stride_ss, stride_om,
+                        K: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
         # W stacks gate [F, K] over up [F, K]: this program's gate rows and the up rows of the same features.
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         col_ok, row_ok = cols < F, rows < n_rows
+        inv_rms = _input_norm(SS, n_parts, stride_ss, rows, row_ok, eps, K, PARTS)
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = k0 + ks < K
-            x = tl.load(X + rows[:, None] * stride_xm + k0 + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
+            x = _load_normed(X, G, rows, row_ok, stride_xm, k0 + ks, k_ok, inv_rms).to(W.dtype.element_ty)
             w_mask = col_ok[:, None] & k_ok[None, :]
             w_gate = tl.load(W + cols[:, None] * K + k0 + ks[None, :], mask=w_mask, other=0.0)
             w_up = tl.load(W + (F + cols[:, None]) * K + k0 + ks[None, :], mask=w_mask, other=0.0)
@@ -137,13 +162,18 @@ if triton is not None:
         out = OUT + rows[:, None] * stride_om + cols[None, :]
         tl.store(out, (act * up).to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-
     @triton.jit
-    def _linear_split_k_kernel(X, W, P, n_rows, N, stride_xm, K: tl.constexpr, K_SLICE: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Program = (BLOCK_N output features, slice of K): P[slice, rows, features] = x[:, slice] @ W[features, slice]^T
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_first = tl.program_id(1) * K_SLICE
+    def _add_linear_split_k_kernel(X, W, R, P, OUT, SS, ARRIVALS, n_rows, N, stride_xm, stride_rm,
+                                   K: tl.constexpr, K_SLICE: tl.constexpr, SLICES: tl.constexpr,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   PDL: tl.constexpr):
+        # Program = (tile of BLOCK_N output features, slice of K): P[slice] = x[:, slice] @ W[tile, slice]^T.
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        tile, piece = tl.program_id(0), tl.program_id(1)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_first = piece * K_SLICE
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         col_ok, row_ok = cols < N, rows < n_rows
@@ -154,95 +184,138 @@ if triton is not None:
             x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(W + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
-        out = P + (tl.program_id(1) * n_rows + rows[:, None]) * N + cols[None, :]
-        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+        ok = row_ok[:, None] & col_ok[None, :]
+        at = rows[:, None] * N + cols[None, :]
+        tl.store(P + piece * n_rows * N + at, acc, mask=ok)
+        # Every thread's partial is stored before the arrival (a release) publishes them; the last of the tile's
+        # SLICES programs to arrive reads them all from L2 (.cg: not from its own L1, which may hold none of them).
+        tl.debug_barrier()
+        if tl.atomic_add(ARRIVALS + tile, 1, sem="acq_rel") == SLICES - 1:
+            total = tl.load(P + at, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, SLICES):  # in slice order, whichever program arrived last
+                total += tl.load(P + s * n_rows * N + at, mask=ok, other=0.0, cache_modifier=".cg")
+            # As x + linear(h, W) rounds: the product to x's dtype, then the sum
+            residual = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0)
+            out = (residual.to(tl.float32) + total.to(OUT.dtype.element_ty).to(tl.float32)).to(OUT.dtype.element_ty)
+            tl.store(OUT + at, out, mask=ok)
+            out = out.to(tl.float32)  # zero outside the tile's rows and features
+            tl.store(SS + tile * n_rows + rows, tl.sum(out * out, 1), mask=row_ok)
+            tl.atomic_xchg(ARRIVALS + tile, 0)  # left as found, for the next projection
 
 
 def k_slice_width(k: int) -> int:
-    """Width of each of linear_split_k's SPLIT_SLICES slices of K: a whole number of SPLIT_BLOCK_K (slices past K
-    hold zeros)."""
+    """Width of each of add_linear_split_k's SPLIT_SLICES slices of K: a whole number of SPLIT_BLOCK_K (slices past
+    K hold zeros)."""
     width = -(-k // SPLIT_SLICES)
     return -(-width // SPLIT_BLOCK_K) * SPLIT_BLOCK_K
 
 
-@torch.library.custom_op("tandem::qkv_rope", mutates_args=("cache_k", "cache_v"))
-def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: torch.Tensor,
-             positions: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int,
-             interleaved: bool) -> torch.Tensor:
-    """q, k, v = x @ weight^T + bias; rope on q and k at `positions`; k and v written to the cache there.
+def sum_squares(x: torch.Tensor) -> torch.Tensor:
+    """Each row of x [T, d] as the input kernels' norm takes it: its sum of squares in float32, as [1, T] (one part).
+    For a residual stream the compiler wrote (the first layer's, or every layer's with split-K off), where it fuses
+    this into the kernel that wrote x."""
+    return x.float().pow(2).sum(-1)[None]
 
-    x: [T, d] (T <= MAX_ROWS); weight: [(H + 2 H_kv) D, d], q's rows then k's then v's; rope: [2, slots, D/2]
-    cos and sin (Transformer.rope_tables); cache_k/v: [1, H_kv, S, D]. Returns q rotated: [1, H, T, D].
+
+def _input_norm_args(x: torch.Tensor, sum_sq: torch.Tensor, norm_weight: torch.Tensor, what: str) -> tuple:
+    n_rows, d = x.shape
+    if n_rows > MAX_ROWS:
+        raise ValueError(f"{what} takes at most {MAX_ROWS} tokens, got {n_rows}")
+    if sum_sq.dim() != 2 or sum_sq.shape[1] != n_rows or norm_weight.shape != (d,):
+        raise ValueError(f"{what}: sums of squares {tuple(sum_sq.shape)} and norm weight {tuple(norm_weight.shape)} "
+                         f"do not fit x {tuple(x.shape)}")
+    return sum_sq.shape[0], sum_sq.stride(0), triton.next_power_of_2(sum_sq.shape[0])
+
+
+@torch.library.custom_op("tandem::qkv_rope", mutates_args=("cache_k", "cache_v"))
+def qkv_rope(x: torch.Tensor, sum_sq: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+             bias: torch.Tensor | None, rope: torch.Tensor, positions: torch.Tensor, cache_k: torch.Tensor,
+             cache_v: torch.Tensor, n_heads: int, interleaved: bool) -> torch.Tensor:
+    """q, k, v = rms_norm(x) @ weight^T + bias; rope on q and k at `positions`; k and v written to the cache there.
+
+    x: [T, d] (T <= MAX_ROWS), the residual stream; sum_sq: [parts, T], float32 sums of squares of parts of each
+    row of x (add_linear_split_k's, or sum_squares'); norm_weight: [d]; weight: [(H + 2 H_kv) D, d], q's rows then
+    k's then v's; rope: [2, slots, D/2] cos and sin (Transformer.rope_tables); cache_k/v: [1, H_kv, S, D]. Returns q
+    rotated: [1, H, T, D].
     """
+    n_parts, stride_ss, parts_p2 = _input_norm_args(x, sum_sq, norm_weight, "qkv_rope")
     n_rows, d = x.shape
     n_kv, head_dim = cache_k.shape[1], cache_k.shape[3]
-    if n_rows > MAX_ROWS:
-        raise ValueError(f"qkv_rope takes at most {MAX_ROWS} tokens, got {n_rows}")
     x, weight = x.contiguous(), weight.contiguous()
     q = x.new_empty(1, n_heads, n_rows, head_dim)
     grid = ((n_heads + 2 * n_kv) * (head_dim // 2 // QKV_PAIRS),)
     _qkv_rope_kernel[grid](
-        x, weight, bias if bias is not None else weight, rope[0], rope[1], positions, q, cache_k, cache_v,
-        n_rows, n_heads, n_kv, x.stride(0), rope.stride(1), cache_k.stride(1), cache_k.stride(2),
-        cache_v.stride(1), cache_v.stride(2),
-        K=d, HEAD_DIM=head_dim, PAIRS=QKV_PAIRS, BLOCK_M=MAX_ROWS,
+        x, sum_sq, norm_weight, weight, bias if bias is not None else weight, rope[0], rope[1], positions, q, cache_k,
+        cache_v, n_rows, n_parts, eps, n_heads, n_kv, x.stride(0), stride_ss, rope.stride(1), cache_k.stride(1),
+        cache_k.stride(2), cache_v.stride(1), cache_v.stride(2),
+        K=d, PARTS=parts_p2, HEAD_DIM=head_dim, PAIRS=QKV_PAIRS, BLOCK_M=MAX_ROWS,
         BLOCK_K=QKV_BLOCK_K if d % QKV_BLOCK_K == 0 else 128, HAS_BIAS=bias is not None,
-        INTERLEAVED=interleaved, **QKV_LAUNCH)
+        INTERLEAVED=interleaved, **QKV_LAUNCH, **pdl_options(x.device))
     return q
 
 
 @qkv_rope.register_fake
-def _(x, weight, bias, rope, positions, cache_k, cache_v, n_heads, interleaved):
+def _(x, sum_sq, norm_weight, eps, weight, bias, rope, positions, cache_k, cache_v, n_heads, interleaved):
     return x.new_empty(1, n_heads, x.shape[0], cache_k.shape[3])
 
 
 @torch.library.custom_op("tandem::gate_up_act", mutates_args=())
-def gate_up_act(x: torch.Tensor, weight: torch.Tensor, gelu: bool) -> torch.Tensor:
-    """act(x @ W_gate^T) * (x @ W_up^T), weight = [W_gate; W_up] ([2F, d]); act = SiLU, or GELU (tanh) if gelu.
-    x: [T, d], T <= MAX_ROWS. Returns [T, F] in x's dtype."""
+def gate_up_act(x: torch.Tensor, sum_sq: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                gelu: bool) -> torch.Tensor:
+    """act(h @ W_gate^T) * (h @ W_up^T) with h = rms_norm(x), weight = [W_gate; W_up] ([2F, d]); act = SiLU, or
+    GELU (tanh) if gelu. x: [T, d], T <= MAX_ROWS; sum_sq, norm_weight as qkv_rope takes them. Returns [T, F] in
+    x's dtype."""
+    n_parts, stride_ss, parts_p2 = _input_norm_args(x, sum_sq, norm_weight, "gate_up_act")
     n_rows, d = x.shape
-    if n_rows > MAX_ROWS:
-        raise ValueError(f"gate_up_act takes at most {MAX_ROWS} tokens, got {n_rows}")
     x, weight = x.contiguous(), weight.contiguous()
     features = weight.shape[0] // 2
     out = x.new_empty(n_rows, features)
     _gate_up_kernel[(triton.cdiv(features, GATE_UP_BLOCK_N),)](
-        x, weight, out, n_rows, features, x.stride(0), out.stride(0), K=d,
-        BLOCK_M=MAX_ROWS, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=GATE_UP_BLOCK_K, GELU=gelu, **GATE_UP_LAUNCH)
+        x, sum_sq, norm_weight, weight, out, n_rows, n_parts, eps, features, x.stride(0), stride_ss, out.stride(0),
+        K=d, PARTS=parts_p2, BLOCK_M=MAX_ROWS, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=GATE_UP_BLOCK_K, GELU=gelu,
+        **GATE_UP_LAUNCH, **pdl_options(x.device))
     return out
 
 
 @gate_up_act.register_fake
-def _(x, weight, gelu):
+def _(x, sum_sq, norm_weight, eps, weight, gelu):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
-@torch.library.custom_op("tandem::linear_split_k", mutates_args=())
-def linear_split_k(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T as float32 partial sums over slices of K: [SPLIT_SLICES, T, N] whose sum over the first
-    dimension is the product. x: [T, K], T <= MAX_ROWS; weight: [N, K]."""
-    n_rows, d = x.shape
-    if n_rows > MAX_ROWS:
-        raise ValueError(f"linear_split_k takes at most {MAX_ROWS} tokens, got {n_rows}")
-    x, weight = x.contiguous(), weight.contiguous()
+def split_k_tiles(features: int) -> int:
+    """Tiles of features add_linear_split_k splits an output into: the parts of its sums of squares, and the
+    arrival counters it needs."""
+    return -(-features // SPLIT_BLOCK_N)
+
+
+# `arrivals` is scratch the kernel leaves as it found it (zeros), so the op is declared pure: declared mutated, the
+# compiler would copy it before every call, a kernel each.
+@torch.library.custom_op("tandem::add_linear_split_k", mutates_args=())
+def add_linear_split_k(h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                       arrivals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual + h @ weight^T, and the float32 sums of squares of each of its tiles of features, [tiles, T]
+    (qkv_rope's and gate_up_act's sum_sq). h: [T, K], T <= MAX_ROWS; weight: [N, K]; residual: [T, N];
+    arrivals: int32 zeros, at least split_k_tiles(N) of them, used by one projection at a time."""
+    n_rows, d = h.shape
     features = weight.shape[0]
-    partials = x.new_empty(SPLIT_SLICES, n_rows, features, dtype=torch.float32)
-    _linear_split_k_kernel[(triton.cdiv(features, SPLIT_BLOCK_N), SPLIT_SLICES)](
-        x, weight, partials, n_rows, features, x.stride(0), K=d, K_SLICE=k_slice_width(d),
-        BLOCK_M=MAX_ROWS, BLOCK_N=SPLIT_BLOCK_N, BLOCK_K=SPLIT_BLOCK_K, **SPLIT_LAUNCH)
-    return partials
+    tiles = split_k_tiles(features)
+    if n_rows > MAX_ROWS:
+        raise ValueError(f"add_linear_split_k takes at most {MAX_ROWS} tokens, got {n_rows}")
+    if residual.shape != (n_rows, features) or arrivals.dtype != torch.int32 or arrivals.numel() < tiles:
+        raise ValueError(f"add_linear_split_k: residual {tuple(residual.shape)} or arrivals "
+                         f"{tuple(arrivals.shape)} {arrivals.dtype} do not fit a [{n_rows}, {features}] output")
+    h, weight = h.contiguous(), weight.contiguous()
+    partials = h.new_empty(SPLIT_SLICES, n_rows, features, dtype=torch.float32)
+    out = residual.new_empty(n_rows, features)
+    sum_sq = h.new_empty(tiles, n_rows, dtype=torch.float32)
+    _add_linear_split_k_kernel[(tiles, SPLIT_SLICES)](
+        h, weight, residual, partials, out, sum_sq, arrivals, n_rows, features, h.stride(0), residual.stride(0),
+        K=d, K_SLICE=k_slice_width(d), SLICES=SPLIT_SLICES, BLOCK_M=MAX_ROWS, BLOCK_N=SPLIT_BLOCK_N,
+        BLOCK_K=SPLIT_BLOCK_K, **SPLIT_LAUNCH, **pdl_options(h.device))
+    return out, sum_sq
 
 
-@linear_split_k.register_fake
-def _(x, weight):
-    return x.new_empty(SPLIT_SLICES, x.shape[0], weight.shape[0], dtype=torch.float32)
-
-
-def add_partials(partials: torch.Tensor) -> torch.Tensor:
-    """linear_split_k's partials [S, T, N] summed in slice order, float32. Added one by one, not .sum(0): Inductor
-    made that a reduction kernel of its own over the outer dimension (9.5 us on an H200, more than the projection);
-    S - 1 elementwise adds fuse into the residual add and the norm that consume them."""
-    total = partials[0]
-    for i in range(1, partials.shape[0]):
-        total = total + partials[i]
-    return total
+@add_linear_split_k.register_fake
+def _(h, weight, residual, arrivals):
+    tiles = split_k_tiles(weight.shape[0])
+    return residual.new_empty(h.shape[0], weight.shape[0]), h.new_empty(tiles, h.shape[0], dtype=torch.float32)

@@ -71,7 +71,11 @@ class Transformer(torch.nn.Module):
         self.decode_kernel = decode_attention.available(self.device, self.dtype, c.head_dim)
         # Gemma's q/k norms need a whole head before rope: its projections stay unfused.
         self.projection_kernels = not c.qk_norm and fused_projections.available(self.device, self.dtype, c.head_dim)
-        self.split_k_outputs = self.projection_kernels and os.environ.get("TANDEM_SPLIT_K", "1") != "0"
+        self.split_k_outputs = (self.projection_kernels and not c.sandwich_norm  # its post-norm needs whole rows
+                                and os.environ.get("TANDEM_SPLIT_K", "1") != "0")
+        # add_linear_split_k's scratch: one counter a tile of output features, zero between projections
+        self.arrivals = torch.zeros(fused_projections.split_k_tiles(c.d_model), dtype=torch.int32,
+                                    device=self.device)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
@@ -135,14 +139,19 @@ class Transformer(torch.nn.Module):
         cache_v.index_copy_(2, positions, v)
         return q
 
-    def project_out(self, h: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
-        """h [1, T, K] @ weight^T: the output and down projections, whose result joins the residual stream."""
-        if not fused:
-            return F.linear(h, weight)
-        # The K-slices' float32 partials summed here, where the compiler fuses the adds into the residual add and
-        # the next norm; one rounding to h's dtype, as a GEMM's epilogue does.
-        partials = torch.ops.tandem.linear_split_k(h[0], weight)
-        return fused_projections.add_partials(partials).to(h.dtype)[None]
+    def add_projection(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, post_norm: str,
+                       split_k: bool, sum_squares: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x + h @ weight^T (post-normed where the model has sandwich norms): the output and down projections
+        joining the residual stream [1, T, d]. Returns the new stream and, when the input projections are fused
+        kernels, its rows' sums of squares, from which they normalise it."""
+        if split_k:  # the projection, the residual add and the sums of squares in one kernel
+            x, sum_sq = torch.ops.tandem.add_linear_split_k(h[0], weight, x[0], self.arrivals)
+            return x[None], sum_sq
+        y = F.linear(h, weight)
+        if self.config.sandwich_norm:
+            y = rms_norm(y, self.w[post_norm], self.config.rms_eps)
+        x = x + y
+        return x, fused_projections.sum_squares(x[0]) if sum_squares else None
 
     def fused_decode(self, T: int) -> bool:
         """Whether attention runs as tandem.models.decode_attention's kernels (GPU decode and verify steps)."""
@@ -169,34 +178,34 @@ class Transformer(torch.nn.Module):
         if not fused_attention:
             bias[False] = self.attention_bias(positions, kv_len, None)
             bias[True] = self.attention_bias(positions, kv_len, c.sliding_window) if c.sliding_window else bias[False]
+        # The fused input projections normalise x themselves, from its rows' sums of squares
+        sum_sq = fused_projections.sum_squares(x[0]) if fused_projection else None
         for i in range(c.n_layers):
             p = f"blk.{i}."
             local = c.is_local_layer(i)
             rope = self.rope_local if local else self.rope_global
 
-            h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
-            if fused_projection:  # q, k, v, bias, rope and the cache writes in one kernel
-                q = torch.ops.tandem.qkv_rope(h[0], w[p + "attn_qkv.weight"], w.get(p + "attn_qkv.bias"), rope,
-                                              positions, cache_k[i], cache_v[i], c.n_heads, c.rope_interleaved)
+            if fused_projection:  # the norm, q, k, v, bias, rope and the cache writes in one kernel
+                q = torch.ops.tandem.qkv_rope(x[0], sum_sq, w[p + "attn_norm.weight"], c.rms_eps,
+                                              w[p + "attn_qkv.weight"], w.get(p + "attn_qkv.bias"), rope, positions,
+                                              cache_k[i], cache_v[i], c.n_heads, c.rope_interleaved)
             else:
+                h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
                 q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i])
             keys, values = cache_k[i][:, :, :kv_len], cache_v[i][:, :, :kv_len]  # [B, H_kv, S, D]
             attn = self.attend(q, keys, values, bias[local], positions, c.sliding_window if local else 0)
-            attn = self.project_out(attn, w[p + "attn_output.weight"], split_k)
-            if c.sandwich_norm:
-                attn = rms_norm(attn, w[p + "post_attention_norm.weight"], c.rms_eps)
-            x = x + attn
+            x, sum_sq = self.add_projection(x, attn, w[p + "attn_output.weight"], p + "post_attention_norm.weight",
+                                            split_k, fused_projection)
 
-            h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
-            if fused_projection:
-                act = torch.ops.tandem.gate_up_act(h[0], w[p + "ffn_gate_up.weight"], c.activation == "gelu_tanh")[None]
+            if fused_projection:  # the norm, gate, up and the activation in one kernel
+                act = torch.ops.tandem.gate_up_act(x[0], sum_sq, w[p + "ffn_norm.weight"], c.rms_eps,
+                                                   w[p + "ffn_gate_up.weight"], c.activation == "gelu_tanh")[None]
             else:
+                h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
                 gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
                 act = self.act(gate) * up
-            ffn = self.project_out(act, w[p + "ffn_down.weight"], split_k)
-            if c.sandwich_norm:
-                ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], c.rms_eps)
-            x = x + ffn
+            x, sum_sq = self.add_projection(x, act, w[p + "ffn_down.weight"], p + "post_ffw_norm.weight", split_k,
+                                            fused_projection)
 
         x = x[0, -1:] if last_only else x[0]  # [T, d]
         x = rms_norm(x, w["output_norm.weight"], c.rms_eps)
