@@ -47,8 +47,9 @@ if triton is not None:
                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
                         HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see tandem.models.kernel_launch
-            gdc_launch_dependents()
             gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
         head, chunk, n_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
         rows = tl.arange(0, BLOCK_R)
         dims = tl.arange(0, HEAD_DIM)
@@ -68,6 +69,8 @@ if triton is not None:
         p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
         v = tl.load(V + head * stride_vh + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v)  # [BLOCK_R, HEAD_DIM] float32
+        if PDL == 1:
+            gdc_launch_dependents()
         out = (head * n_chunks + chunk) * BLOCK_R + rows
         tl.store(M + out, m)
         tl.store(L + out, tl.sum(p, 1))
@@ -77,9 +80,10 @@ if triton is not None:
     def _combine_kernel(M, L, ACC, OUT, stride_ot, n_rows, n_tokens, group,
                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, n_chunks: tl.constexpr,
                         PDL: tl.constexpr):
-        if PDL:
-            gdc_launch_dependents()
+        if PDL:  # see tandem.models.kernel_launch
             gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
         head, block = tl.program_id(0), tl.program_id(1)
         rows = block * ROWS + tl.arange(0, ROWS)
         dims = tl.arange(0, HEAD_DIM)
@@ -95,6 +99,8 @@ if triton is not None:
             weight = tl.exp(tl.load(M + at) - m_max)
             total += weight * tl.load(L + at)
             acc += weight[:, None] * tl.load(ACC + at[:, None] * HEAD_DIM + dims[None, :])
+        if PDL == 1:
+            gdc_launch_dependents()
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # padding rows (past n_rows) see nothing
         # Row r is query head head * group + r // T at token r % T: stored as [T, H * D], the output projection's
         # input, so no transpose kernel runs between the two.

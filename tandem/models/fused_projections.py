@@ -6,13 +6,17 @@ projection of a 1.5B model took 4.9 us for 6 MB, then three more kernels (bias +
 RMS norms, with the residual add before it, was a kernel of 3.9 us. Here a layer is four kernels (and attention):
  - `qkv_rope`: rms_norm(x) @ W_qkv^T + b, rope on q and k, k and v written into the cache at their positions;
  - `gate_up_act`: act(rms_norm(x) @ W_gate^T) * (rms_norm(x) @ W_up^T), the [T, 2F] intermediate never stored;
+   both take the norm's scale folded into W (Transformer's fuse_projections) and x as it is: each output row is
+   scaled by 1/rms(x) after the dot, so the loop over K streams x and W as a plain projection does (a first
+   version normalised x inside the loop, where x no longer went straight to the dot: its 1.5B step on an H200 was
+   1.755 ms against 1.644 with separate norm kernels);
  - `add_linear_split_k`: x + h @ W^T for the output and down projections, with each row's sum of squares, which
    the next kernel's norm needs. Their outputs are narrow (d_model features) and their K wide (8960 for down):
    split by features alone, a 1.5B model's down projection fills a third of an H200's SMs. So K is split too, each
    program writing a float32 partial; the last program to finish a tile of features adds the tile's partials in
    slice order (deterministic, whichever program that is), adds the residual and writes the tile's sums of squares.
-The two input kernels normalise as they load x: a norm needs a row's sum of squares, which no single program of the
-kernel before has, so it writes one per tile of features and every input program adds those (48 floats a row).
+The norm needs each row's sum of squares, which no single program of the kernel before has: it writes one per tile
+of features and every input program adds those (48 floats a row).
 Each program reads a slab of whole weight rows and every (<= 16) input row, so an output element is one dot in a
 fixed order whatever the other rows hold: padding rows never change a real row's bits (see StepGraph).
 """
@@ -61,31 +65,29 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _input_norm(SS, n_parts, stride_ss, rows, row_ok, eps, K: tl.constexpr, PARTS: tl.constexpr):
-        # 1 / rms of each row from the sums of squares of its parts (tiles of features), added in a fixed order.
+    def _load_sum_sq(SS, n_parts, stride_ss, rows, row_ok, PARTS: tl.constexpr):
+        # Issued before a projection's loop and first used after it, so its latency hides behind the weights'.
         parts = tl.arange(0, PARTS)
-        ss = tl.load(SS + parts[:, None] * stride_ss + rows[None, :], mask=(parts < n_parts)[:, None] & row_ok[None, :],
-                     other=0.0)
-        return tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        return tl.load(SS + parts[:, None] * stride_ss + rows[None, :],
+                       mask=(parts < n_parts)[:, None] & row_ok[None, :], other=0.0)
 
     @triton.jit
-    def _load_normed(X, G, rows, row_ok, stride_xm, k, k_ok, inv_rms):
-        # x's rows over k, RMS-normalised and scaled as rms_norm does, in float32 (the caller rounds once).
-        x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
-        return x.to(tl.float32) * inv_rms[:, None] * g[None, :]
+    def _inv_rms(sum_sq, eps, K: tl.constexpr):
+        # 1 / rms of each row from the sums of squares of its parts (tiles of features), added in a fixed order.
+        return tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
 
     @triton.jit
-    def _qkv_rope_kernel(X, SS, G, W, B, COS, SIN, POS, Q, CK, CV, n_rows, n_parts, eps, n_heads, n_kv, stride_xm,
+    def _qkv_rope_kernel(X, SS, W, B, COS, SIN, POS, Q, CK, CV, n_rows, n_parts, eps, n_heads, n_kv, stride_xm,
                          stride_ss, stride_rope_pos, stride_ck_h, stride_ck_s, stride_cv_h, stride_cv_s,
                          K: tl.constexpr, PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                          INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
         # Program = (head of q, k or v stacked as W_qkv stacks them, PAIRS rope pairs of it). Tile column i holds
         # half i % 2 of pair i // 2, so one dot yields both halves of every pair this program rotates.
-        if PDL:
-            gdc_launch_dependents()
+        if PDL:  # see tandem.models.kernel_launch
             gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
         HALF: tl.constexpr = HEAD_DIM // 2
         head = tl.program_id(0) // (HALF // PAIRS)
         first = (tl.program_id(0) % (HALF // PAIRS)) * PAIRS
@@ -99,13 +101,17 @@ if triton is not None:
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         ks = tl.arange(0, BLOCK_K)
-        inv_rms = _input_norm(SS, n_parts, stride_ss, rows, row_ok, eps, K, PARTS)
+        sum_sq = _load_sum_sq(SS, n_parts, stride_ss, rows, row_ok, PARTS)
         acc = tl.zeros([BLOCK_M, 2 * PAIRS], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = k0 + ks < K
-            x = _load_normed(X, G, rows, row_ok, stride_xm, k0 + ks, k_ok, inv_rms).to(W.dtype.element_ty)
+            x = tl.load(X + rows[:, None] * stride_xm + k0 + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             w = tl.load(W + w_rows[:, None] * K + k0 + ks[None, :], mask=k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
+        if PDL == 1:
+            gdc_launch_dependents()
+        acc *= _inv_rms(sum_sq, eps, K)[:, None]  # the norm's scale is in W (fuse_projections)
         if HAS_BIAS:
             acc += tl.load(B + w_rows).to(tl.float32)[None, :]
         x1, x2 = tl.split(tl.reshape(acc, [BLOCK_M, PAIRS, 2]))  # [BLOCK_M, PAIRS] each: the pairs' two halves
@@ -132,28 +138,34 @@ if triton is not None:
             tl.store(out + dims2[None, :], x2.to(CV.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _gate_up_kernel(X, SS, G, W, OUT, n_rows, n_parts, eps, F, stride_xm, stride_ss, stride_om,
+    def _gate_up_kernel(X, SS, W, OUT, n_rows, n_parts, eps, F, stride_xm, stride_ss, stride_om,
                         K: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
         # W stacks gate [F, K] over up [F, K]: this program's gate rows and the up rows of the same features.
-        if PDL:
-            gdc_launch_dependents()
+        if PDL:  # see tandem.models.kernel_launch
             gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         col_ok, row_ok = cols < F, rows < n_rows
-        inv_rms = _input_norm(SS, n_parts, stride_ss, rows, row_ok, eps, K, PARTS)
+        sum_sq = _load_sum_sq(SS, n_parts, stride_ss, rows, row_ok, PARTS)
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = k0 + ks < K
-            x = _load_normed(X, G, rows, row_ok, stride_xm, k0 + ks, k_ok, inv_rms).to(W.dtype.element_ty)
+            x = tl.load(X + rows[:, None] * stride_xm + k0 + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             w_mask = col_ok[:, None] & k_ok[None, :]
             w_gate = tl.load(W + cols[:, None] * K + k0 + ks[None, :], mask=w_mask, other=0.0)
             w_up = tl.load(W + (F + cols[:, None]) * K + k0 + ks[None, :], mask=w_mask, other=0.0)
             gate = tl.dot(x, tl.trans(w_gate), gate)
             up = tl.dot(x, tl.trans(w_up), up)
+        if PDL == 1:
+            gdc_launch_dependents()
+        inv_rms = _inv_rms(sum_sq, eps, K)[:, None]  # the norm's scale is in W (fuse_projections)
+        gate, up = gate * inv_rms, up * inv_rms
         if GELU:  # tanh approximation, Gemma's
             inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
             act = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
@@ -168,9 +180,10 @@ if triton is not None:
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                    PDL: tl.constexpr):
         # Program = (tile of BLOCK_N output features, slice of K): P[slice] = x[:, slice] @ W[tile, slice]^T.
-        if PDL:
-            gdc_launch_dependents()
+        if PDL:  # see tandem.models.kernel_launch
             gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
         tile, piece = tl.program_id(0), tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k_first = piece * K_SLICE
@@ -187,6 +200,8 @@ if triton is not None:
         ok = row_ok[:, None] & col_ok[None, :]
         at = rows[:, None] * N + cols[None, :]
         tl.store(P + piece * n_rows * N + at, acc, mask=ok)
+        if PDL == 1:
+            gdc_launch_dependents()
         # Every thread's partial is stored before the arrival (a release) publishes them; the last of the tile's
         # SLICES programs to arrive reads them all from L2 (.cg: not from its own L1, which may hold none of them).
         tl.debug_barrier()
@@ -217,35 +232,35 @@ def sum_squares(x: torch.Tensor) -> torch.Tensor:
     return x.float().pow(2).sum(-1)[None]
 
 
-def _input_norm_args(x: torch.Tensor, sum_sq: torch.Tensor, norm_weight: torch.Tensor, what: str) -> tuple:
-    n_rows, d = x.shape
+def _input_norm_args(x: torch.Tensor, sum_sq: torch.Tensor, what: str) -> tuple:
+    n_rows = x.shape[0]
     if n_rows > MAX_ROWS:
         raise ValueError(f"{what} takes at most {MAX_ROWS} tokens, got {n_rows}")
-    if sum_sq.dim() != 2 or sum_sq.shape[1] != n_rows or norm_weight.shape != (d,):
-        raise ValueError(f"{what}: sums of squares {tuple(sum_sq.shape)} and norm weight {tuple(norm_weight.shape)} "
-                         f"do not fit x {tuple(x.shape)}")
+    if sum_sq.dim() != 2 or sum_sq.shape[1] != n_rows or sum_sq.dtype != torch.float32:
+        raise ValueError(f"{what}: sums of squares {tuple(sum_sq.shape)} {sum_sq.dtype} do not fit x "
+                         f"{tuple(x.shape)}")
     return sum_sq.shape[0], sum_sq.stride(0), triton.next_power_of_2(sum_sq.shape[0])
 
 
 @torch.library.custom_op("tandem::qkv_rope", mutates_args=("cache_k", "cache_v"))
-def qkv_rope(x: torch.Tensor, sum_sq: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-             bias: torch.Tensor | None, rope: torch.Tensor, positions: torch.Tensor, cache_k: torch.Tensor,
-             cache_v: torch.Tensor, n_heads: int, interleaved: bool) -> torch.Tensor:
+def qkv_rope(x: torch.Tensor, sum_sq: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+             rope: torch.Tensor, positions: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int,
+             interleaved: bool) -> torch.Tensor:
     """q, k, v = rms_norm(x) @ weight^T + bias; rope on q and k at `positions`; k and v written to the cache there.
 
     x: [T, d] (T <= MAX_ROWS), the residual stream; sum_sq: [parts, T], float32 sums of squares of parts of each
-    row of x (add_linear_split_k's, or sum_squares'); norm_weight: [d]; weight: [(H + 2 H_kv) D, d], q's rows then
-    k's then v's; rope: [2, slots, D/2] cos and sin (Transformer.rope_tables); cache_k/v: [1, H_kv, S, D]. Returns q
-    rotated: [1, H, T, D].
+    row of x (add_linear_split_k's, or sum_squares'); weight: [(H + 2 H_kv) D, d], q's rows then k's then v's, the
+    norm's scale folded in (fuse_projections); rope: [2, slots, D/2] cos and sin (Transformer.rope_tables);
+    cache_k/v: [1, H_kv, S, D]. Returns q rotated: [1, H, T, D].
     """
-    n_parts, stride_ss, parts_p2 = _input_norm_args(x, sum_sq, norm_weight, "qkv_rope")
+    n_parts, stride_ss, parts_p2 = _input_norm_args(x, sum_sq, "qkv_rope")
     n_rows, d = x.shape
     n_kv, head_dim = cache_k.shape[1], cache_k.shape[3]
     x, weight = x.contiguous(), weight.contiguous()
     q = x.new_empty(1, n_heads, n_rows, head_dim)
     grid = ((n_heads + 2 * n_kv) * (head_dim // 2 // QKV_PAIRS),)
     _qkv_rope_kernel[grid](
-        x, sum_sq, norm_weight, weight, bias if bias is not None else weight, rope[0], rope[1], positions, q, cache_k,
+        x, sum_sq, weight, bias if bias is not None else weight, rope[0], rope[1], positions, q, cache_k,
         cache_v, n_rows, n_parts, eps, n_heads, n_kv, x.stride(0), stride_ss, rope.stride(1), cache_k.stride(1),
         cache_k.stride(2), cache_v.stride(1), cache_v.stride(2),
         K=d, PARTS=parts_p2, HEAD_DIM=head_dim, PAIRS=QKV_PAIRS, BLOCK_M=MAX_ROWS,
@@ -255,30 +270,29 @@ def qkv_rope(x: torch.Tensor, sum_sq: torch.Tensor, norm_weight: torch.Tensor, e
 
 
 @qkv_rope.register_fake
-def _(x, sum_sq, norm_weight, eps, weight, bias, rope, positions, cache_k, cache_v, n_heads, interleaved):
+def _(x, sum_sq, eps, weight, bias, rope, positions, cache_k, cache_v, n_heads, interleaved):
     return x.new_empty(1, n_heads, x.shape[0], cache_k.shape[3])
 
 
 @torch.library.custom_op("tandem::gate_up_act", mutates_args=())
-def gate_up_act(x: torch.Tensor, sum_sq: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                gelu: bool) -> torch.Tensor:
-    """act(h @ W_gate^T) * (h @ W_up^T) with h = rms_norm(x), weight = [W_gate; W_up] ([2F, d]); act = SiLU, or
-    GELU (tanh) if gelu. x: [T, d], T <= MAX_ROWS; sum_sq, norm_weight as qkv_rope takes them. Returns [T, F] in
-    x's dtype."""
-    n_parts, stride_ss, parts_p2 = _input_norm_args(x, sum_sq, norm_weight, "gate_up_act")
+def gate_up_act(x: torch.Tensor, sum_sq: torch.Tensor, eps: float, weight: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(h @ W_gate^T) * (h @ W_up^T) with h = rms_norm(x), weight = [W_gate; W_up] ([2F, d]) with the norm's
+    scale folded in; act = SiLU, or GELU (tanh) if gelu. x: [T, d], T <= MAX_ROWS; sum_sq as qkv_rope takes it.
+    Returns [T, F] in x's dtype."""
+    n_parts, stride_ss, parts_p2 = _input_norm_args(x, sum_sq, "gate_up_act")
     n_rows, d = x.shape
     x, weight = x.contiguous(), weight.contiguous()
     features = weight.shape[0] // 2
     out = x.new_empty(n_rows, features)
     _gate_up_kernel[(triton.cdiv(features, GATE_UP_BLOCK_N),)](
-        x, sum_sq, norm_weight, weight, out, n_rows, n_parts, eps, features, x.stride(0), stride_ss, out.stride(0),
+        x, sum_sq, weight, out, n_rows, n_parts, eps, features, x.stride(0), stride_ss, out.stride(0),
         K=d, PARTS=parts_p2, BLOCK_M=MAX_ROWS, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=GATE_UP_BLOCK_K, GELU=gelu,
         **GATE_UP_LAUNCH, **pdl_options(x.device))
     return out
 
 
 @gate_up_act.register_fake
-def _(x, sum_sq, norm_weight, eps, weight, gelu):
+def _(x, sum_sq, eps, weight, gelu):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 

@@ -28,10 +28,11 @@ def _hopper_or_later(device_index: int) -> bool:
 
 
 def pdl_options(device: torch.device) -> dict:
-    """Keyword arguments for a kernel launch on `device`: the kernel's PDL flag and Triton's launch option. Read at
-    every launch (outside graphs only at capture), so TANDEM_PDL applies to graphs captured after it is set."""
-    if (device.type != "cuda" or gdc_wait is None or os.environ.get("TANDEM_PDL", "1") == "0"
-            or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Keyword arguments for a kernel launch on `device`: the kernel's PDL mode (0 off; 1 dependents launched after
+    the kernel's main loop; 2 at its start) and Triton's launch option. Read at every launch (in graphs only at
+    capture), so TANDEM_PDL (0, 1, early) applies to graphs captured after it is set."""
+    mode = {"0": 0, "early": 2}.get(os.environ.get("TANDEM_PDL", "1"), 1)
+    if (mode == 0 or device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET", "0") == "1"
             or not _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())):
-        return {"PDL": False}
-    return {"PDL": True, "launch_pdl": True}
+        return {"PDL": 0}
+    return {"PDL": mode, "launch_pdl": True}

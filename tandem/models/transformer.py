@@ -8,7 +8,8 @@
 
 References: Touvron et al. 2023 (Llama), Qwen2 technical report 2024 (q/k/v biases), Gemma 3 report 2025 (q/k
 norms, sandwich norms, 5:1 local/global attention). Weight names are GGUF's (`blk.{i}.attn_q.weight`); llama.cpp's
-converter has already folded Gemma's (1 + w) into its norm weights and permuted Llama's Q/K for interleaved rope.
+converter has already folded Gemma's (1 + w) into its norm weights and permuted Llama's Q/K for interleaved rope;
+loading stacks q/k/v and gate/up and folds the norm before each stack into it (`fuse_projections`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from tandem.config import ModelConfig
 from tandem.models import decode_attention, fused_projections
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight; weight None where the projection after it holds the scale (see fuse_projections)."""
     # Half-precision squares overflow and lose the mean; normalise in float32 (float64 stays float64).
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(compute)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.to(compute)).to(x.dtype)
+    return (xf if weight is None else xf * weight.to(compute)).to(x.dtype)
 
 
 def rope_tables(config: ModelConfig, base: float, scale: float, capacity: int, dtype, device) -> torch.Tensor:
@@ -186,11 +188,11 @@ class Transformer(torch.nn.Module):
             rope = self.rope_local if local else self.rope_global
 
             if fused_projection:  # the norm, q, k, v, bias, rope and the cache writes in one kernel
-                q = torch.ops.tandem.qkv_rope(x[0], sum_sq, w[p + "attn_norm.weight"], c.rms_eps,
-                                              w[p + "attn_qkv.weight"], w.get(p + "attn_qkv.bias"), rope, positions,
-                                              cache_k[i], cache_v[i], c.n_heads, c.rope_interleaved)
+                q = torch.ops.tandem.qkv_rope(x[0], sum_sq, c.rms_eps, w[p + "attn_qkv.weight"],
+                                              w.get(p + "attn_qkv.bias"), rope, positions, cache_k[i], cache_v[i],
+                                              c.n_heads, c.rope_interleaved)
             else:
-                h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
+                h = rms_norm(x, None, c.rms_eps)  # attn_norm's scale is in attn_qkv
                 q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i])
             keys, values = cache_k[i][:, :, :kv_len], cache_v[i][:, :, :kv_len]  # [B, H_kv, S, D]
             attn = self.attend(q, keys, values, bias[local], positions, c.sliding_window if local else 0)
@@ -198,10 +200,10 @@ class Transformer(torch.nn.Module):
                                             split_k, fused_projection)
 
             if fused_projection:  # the norm, gate, up and the activation in one kernel
-                act = torch.ops.tandem.gate_up_act(x[0], sum_sq, w[p + "ffn_norm.weight"], c.rms_eps,
-                                                   w[p + "ffn_gate_up.weight"], c.activation == "gelu_tanh")[None]
+                act = torch.ops.tandem.gate_up_act(x[0], sum_sq, c.rms_eps, w[p + "ffn_gate_up.weight"],
+                                                   c.activation == "gelu_tanh")[None]
             else:
-                h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
+                h = rms_norm(x, None, c.rms_eps)  # ffn_norm's scale is in ffn_gate_up
                 gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
                 act = self.act(gate) * up
             x, sum_sq = self.add_projection(x, act, w[p + "ffn_down.weight"], p + "post_ffw_norm.weight", split_k,
@@ -214,19 +216,28 @@ class Transformer(torch.nn.Module):
 
 
 def fuse_projections(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of `weights` with q/k/v stacked into `attn_qkv` and gate/up into `ffn_gate_up`.
+    """A copy of `weights` with q/k/v stacked into `attn_qkv` and gate/up into `ffn_gate_up`, and the RMS norms
+    before them folded in: rms_norm(x) * g @ W^T = rms_norm(x) @ (W diag(g))^T.
 
     A decode step of a small model costs its kernel launches more than its bytes: one matmul where there were
-    three (and one for two) cuts a quarter of them. Each pair is replaced as it is stacked, so the peak memory is
-    one layer's projections over the weights themselves (the caller's dict keeps the originals only if it lives).
+    three (and one for two) cuts a quarter of them. With the norm's scale in the weights, what is left of a norm is
+    a scalar a row, which the GPU kernels apply after the dot (tandem.models.fused_projections). Each part is
+    replaced as it is stacked, so the peak memory is one layer's projections over the weights themselves (the
+    caller's dict keeps the originals only if it lives).
     """
     fused = dict(weights)
     for i in range(config.n_layers):
         p = f"blk.{i}."
-        stacks = ((p + "attn_qkv", ("attn_q", "attn_k", "attn_v")), (p + "ffn_gate_up", ("ffn_gate", "ffn_up")))
-        for out, parts in stacks:
+        stacks = ((p + "attn_qkv", ("attn_q", "attn_k", "attn_v"), p + "attn_norm.weight"),
+                  (p + "ffn_gate_up", ("ffn_gate", "ffn_up"), p + "ffn_norm.weight"))
+        for out, parts, norm in stacks:
             for suffix in (".weight", ".bias"):
                 names = [p + part + suffix for part in parts]
                 if all(name in fused for name in names):
                     fused[out + suffix] = torch.cat([fused.pop(name) for name in names])
+            if norm in fused:  # (absent in a dict this made)
+                weight, scale = fused[out + ".weight"], fused.pop(norm)
+                # One rounding, as rms_norm rounds x * g: products in float32 (float64 stays float64)
+                compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
+                fused[out + ".weight"] = (weight.to(compute) * scale.to(compute)).to(weight.dtype)
     return fused
