@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 
 import torch
@@ -51,7 +52,7 @@ def sweep(name: str, T: int) -> None:
     ck = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
     cv = [torch.zeros(1, Hkv, 1024, D, device=dev, dtype=dt) for _ in range(L)]
     x = torch.randn(T, d, device=dev, dtype=dt)
-    sum_sq, norm_w = fp.sum_squares(x), torch.ones(d, device=dev, dtype=dt)  # the fused kernels normalise x
+    sum_sq = fp.sum_squares(x)  # the fused kernels normalise x
     rope = rope_tables(c, c.rope_base, 1.0, 1100, dt, dev)
     positions = torch.arange(300, 300 + T, device=dev)
 
@@ -78,12 +79,12 @@ def sweep(name: str, T: int) -> None:
     gemm = graph_us(each_layer(lambda i: F.linear(x, qkv_w[i])), L)
     print(f"  qkv unfused (compiled): {base:.2f} us/layer; its GEMM alone {gemm:.2f}", flush=True)
     results = []
-    for pairs, bk, warps, stages in itertools.product((8, 16), (128, 256), (2, 4, 8), (2, 3, 4)):
+    for pairs, bk, warps, stages in itertools.product((8, 16), (128, 256), (2, 4), (3, 4)):
         if (D // 2) % pairs:
             continue
         fp.QKV_PAIRS, fp.QKV_BLOCK_K, fp.QKV_LAUNCH = pairs, bk, dict(num_warps=warps, num_stages=stages)
         try:
-            us = graph_us(each_layer(lambda i: fp.qkv_rope(x, sum_sq, norm_w, 1e-6, qkv_w[i], qkv_b[i], rope,
+            us = graph_us(each_layer(lambda i: fp.qkv_rope(x, sum_sq, 1e-6, qkv_w[i], qkv_b[i], rope,
                                                             positions, ck[i], cv[i], H, False)), L)
         except Exception as e:  # a configuration that does not compile (shared memory)
             print(f"  qkv pairs={pairs} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
@@ -97,11 +98,11 @@ def sweep(name: str, T: int) -> None:
     print(f"  gate_up unfused (compiled): {base:.2f} us/layer; its GEMM alone {gemm:.2f}; "
           f"bytes floor at 4.25 TB/s {2 * Fd * d * 2 / 4.25e6:.2f}", flush=True)
     results = []
-    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 3, 4)):
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4)):
         fp.GATE_UP_BLOCK_N, fp.GATE_UP_BLOCK_K = bn, bk
         fp.GATE_UP_LAUNCH = dict(num_warps=warps, num_stages=stages)
         try:
-            us = graph_us(each_layer(lambda i: fp.gate_up_act(x, sum_sq, norm_w, 1e-6, gu_w[i], False)), L)
+            us = graph_us(each_layer(lambda i: fp.gate_up_act(x, sum_sq, 1e-6, gu_w[i], False)), L)
         except Exception as e:
             print(f"  gate_up bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
             continue
@@ -117,7 +118,7 @@ def sweep_split_k(name: str, T: int) -> None:
     c = get_shape(name)
     L, d, Fd, q_width = c.n_layers, c.d_model, c.d_ffn, c.n_heads * c.head_dim
     residual = torch.randn(T, d, device=dev, dtype=dt)
-    arrivals = torch.zeros(d, dtype=torch.int32, device=dev)
+    arrivals = torch.zeros(d, dtype=torch.int32, device=dev)  # enough for any tile width
 
     @torch.compile(dynamic=False)
     def unfused(x, w, residual):
@@ -133,20 +134,27 @@ def sweep_split_k(name: str, T: int) -> None:
 
         base = graph_us(each_layer(lambda x, w: unfused(x, w, residual)), L)
         results = []
-        for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 4)):
-            fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = bn, bk
-            fp.SPLIT_LAUNCH = dict(num_warps=warps, num_stages=stages)
+        for slices, bn, (bk, stages) in itertools.product((3, 4, 6, 8, 12), (32, 64), ((128, 4), (64, 4))):
+            fp.SPLIT_SLICES, fp.SPLIT_MIN_SLICE, fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = slices, 1, bn, bk
+            fp.SPLIT_LAUNCH = dict(num_warps=4, num_stages=stages)
             try:
                 us = graph_us(each_layer(lambda x, w: fp.add_linear_split_k(x, w, residual, arrivals)), L)
             except Exception as e:
-                print(f"  {what} bn={bn} bk={bk} w={warps} s={stages}: {type(e).__name__}", flush=True)
+                print(f"  {what} slices={slices} bn={bn} bk={bk} s={stages}: {type(e).__name__}", flush=True)
                 continue
-            results.append((us, (bn, bk, warps, stages)))
+            results.append((us, (fp.k_slices(k)[0], bn, bk, stages)))
         print(f"  {what} ({d}x{k}) + residual + sums of squares: cuBLAS + compiled {base:.2f} us/layer; "
               f"bytes floor at 4.25 TB/s {d * k * 2 / 4.25e6:.2f}", flush=True)
-        for us, (bn, bk, warps, stages) in sorted(results)[:5]:
-            print(f"  {what} add_linear_split_k bn={bn} bk={bk} warps={warps} stages={stages}: {us:.2f} us/layer "
+        for us, (slices, bn, bk, stages) in sorted(results)[:6]:
+            print(f"  {what} add_linear_split_k slices={slices} bn={bn} bk={bk} stages={stages}: {us:.2f} us/layer "
                   f"({base / us:.2f}x)", flush=True)
+        _, (slices, bn, bk, stages) = min(results)
+        fp.SPLIT_SLICES, fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = slices, bn, bk
+        fp.SPLIT_LAUNCH = dict(num_warps=4, num_stages=stages)
+        os.environ["TANDEM_PDL"] = "0"
+        us = graph_us(each_layer(lambda x, w: fp.add_linear_split_k(x, w, residual, arrivals)), L)
+        print(f"  {what} the best without PDL: {us:.2f} us/layer", flush=True)
+        os.environ.pop("TANDEM_PDL")
 
 
 def main() -> None:

@@ -40,13 +40,16 @@ kernels)
     python3 -m pytest -q -p no:cacheprovider tests/test_fused_projections.py tests/test_decode_attention.py 2>&1 \
         | tail -15 | tee $OUT/kernel_tests.txt
     grep -q " passed" $OUT/kernel_tests.txt && ! grep -q failed $OUT/kernel_tests.txt || touch /root/m/unfused
-    [ "${SWEEP:-0}" = 1 ] && python3 bench/gpu_kernels.py --shapes qwen2.5-1.5b --only outputs 2>&1 \
-        | grep --line-buffered -v Warn | tee $OUT/kernels_split_k.txt
+    # SWEEP=1: bench/gpu_kernels.py's launch configurations (SWEEP_ONLY=inputs or outputs for half of them)
+    [ "${SWEEP:-0}" = 1 ] && python3 bench/gpu_kernels.py --shapes qwen2.5-1.5b ${SWEEP_ONLY:+--only $SWEEP_ONLY} \
+        2>&1 | grep --line-buffered -v Warn | tee $OUT/kernels_sweep.txt
     # STEP="variant,variant": time the step (bench/gpu_step.py) in these variants, e.g. with PDL (last field 1)
-    # and without (0); later phases keep PDL only if it was faster
+    # and without (0); later phases keep PDL only if it was faster. STEP_SET: other launch constants, a second run
     if [ -n "${STEP:-}" ]; then
         python3 bench/gpu_step.py --variants $STEP --contexts 700 --decode ${DECODE:-0} 2>&1 \
             | grep --line-buffered -v Warn | tee $OUT/step.txt
+        [ -n "${STEP_SET:-}" ] && python3 bench/gpu_step.py --variants $STEP --contexts 700 --set $STEP_SET 2>&1 \
+            | grep --line-buffered -v Warn | tee $OUT/step_set.txt
         python3 - $OUT/step.txt <<'PY' || touch /root/m/nopdl
 import re, sys
 ms = {m[0]: float(m[1]) for m in re.findall(r":1:9:1:1:1:(\d) context= 700 .* n=9: ([\d.]+) ms", open(sys.argv[1]).read())}

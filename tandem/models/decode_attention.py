@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from tandem.models.kernel_launch import gdc_launch_dependents, gdc_wait, pdl_options
+from tandem.models.kernel_launch import launch_dependents, pdl_options, wait_for_inputs
 
 try:
     import triton
@@ -46,14 +46,11 @@ if triton is not None:
                         n_rows, n_tokens, kv_len, scale, window,
                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
                         HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # see tandem.models.kernel_launch
-            gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
         head, chunk, n_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
         rows = tl.arange(0, BLOCK_R)
         dims = tl.arange(0, HEAD_DIM)
         keys = chunk * CHUNK + tl.arange(0, CHUNK)
+        wait_for_inputs(PDL)  # see tandem.models.kernel_launch
         row_ok, key_ok = rows < n_rows, keys < kv_len
         q = tl.load(Q + head * stride_qh + rows[:, None] * stride_qr + dims[None, :], mask=row_ok[:, None], other=0.0)
         k = tl.load(K + head * stride_kh + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
@@ -69,8 +66,7 @@ if triton is not None:
         p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
         v = tl.load(V + head * stride_vh + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v)  # [BLOCK_R, HEAD_DIM] float32
-        if PDL == 1:
-            gdc_launch_dependents()
+        launch_dependents(PDL)
         out = (head * n_chunks + chunk) * BLOCK_R + rows
         tl.store(M + out, m)
         tl.store(L + out, tl.sum(p, 1))
@@ -80,10 +76,7 @@ if triton is not None:
     def _combine_kernel(M, L, ACC, OUT, stride_ot, n_rows, n_tokens, group,
                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, n_chunks: tl.constexpr,
                         PDL: tl.constexpr):
-        if PDL:  # see tandem.models.kernel_launch
-            gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
+        wait_for_inputs(PDL)  # see tandem.models.kernel_launch
         head, block = tl.program_id(0), tl.program_id(1)
         rows = block * ROWS + tl.arange(0, ROWS)
         dims = tl.arange(0, HEAD_DIM)
@@ -99,8 +92,7 @@ if triton is not None:
             weight = tl.exp(tl.load(M + at) - m_max)
             total += weight * tl.load(L + at)
             acc += weight[:, None] * tl.load(ACC + at[:, None] * HEAD_DIM + dims[None, :])
-        if PDL == 1:
-            gdc_launch_dependents()
+        launch_dependents(PDL)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # padding rows (past n_rows) see nothing
         # Row r is query head head * group + r // T at token r % T: stored as [T, H * D], the output projection's
         # input, so no transpose kernel runs between the two.

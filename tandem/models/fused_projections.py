@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from tandem.models.kernel_launch import gdc_launch_dependents, gdc_wait, pdl_options
+from tandem.models.kernel_launch import launch_dependents, pdl_options, wait_for_inputs
 
 try:
     import triton
@@ -45,12 +45,14 @@ QKV_LAUNCH = dict(num_warps=2, num_stages=4)
 GATE_UP_BLOCK_N = 32
 GATE_UP_BLOCK_K = 128
 GATE_UP_LAUNCH = dict(num_warps=4, num_stages=3)
-SPLIT_BLOCK_N = 32
-SPLIT_BLOCK_K = 128
-# 32 features a program, 128 of K a step, 4 warps, 4 stages: bench/gpu_kernels.py's best for the 1.5B model's down
-# projection on an H200 (9.8 us a layer against cuBLAS's 12.1), within 2% of the best for its output projection.
-# 8 slices of K: a 1.5B model's projections run 48 x 8 programs.
+SPLIT_BLOCK_N = 64
+SPLIT_BLOCK_K = 64
+# 64 features a program, 64 of K a step, 4 warps, 4 stages; K in up to 8 slices, none narrower than 384: the best
+# of bench/gpu_kernels.py's sweep on an H200 for the 1.5B model's output projection (4 slices: 4.9 us a layer against
+# 8.2 for cuBLAS + the compiler's residual add and sums of squares) and, within its noise, for its down projection
+# (8 slices; bench/results/h200-2026-12-04c). A 1.5B model's projections run 24 x 4 and 24 x 8 programs.
 SPLIT_SLICES = 8
+SPLIT_MIN_SLICE = 384
 SPLIT_LAUNCH = dict(num_warps=4, num_stages=4)
 
 
@@ -84,10 +86,6 @@ if triton is not None:
                          INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
         # Program = (head of q, k or v stacked as W_qkv stacks them, PAIRS rope pairs of it). Tile column i holds
         # half i % 2 of pair i // 2, so one dot yields both halves of every pair this program rotates.
-        if PDL:  # see tandem.models.kernel_launch
-            gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
         HALF: tl.constexpr = HEAD_DIM // 2
         head = tl.program_id(0) // (HALF // PAIRS)
         first = (tl.program_id(0) % (HALF // PAIRS)) * PAIRS
@@ -98,6 +96,7 @@ if triton is not None:
         else:  # NeoX, Qwen: dims (j, j + D/2)
             dims = half * HALF + pair
         w_rows = head * HEAD_DIM + dims
+        wait_for_inputs(PDL)  # see tandem.models.kernel_launch
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         ks = tl.arange(0, BLOCK_K)
@@ -109,8 +108,7 @@ if triton is not None:
                         other=0.0)
             w = tl.load(W + w_rows[:, None] * K + k0 + ks[None, :], mask=k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
-        if PDL == 1:
-            gdc_launch_dependents()
+        launch_dependents(PDL)
         acc *= _inv_rms(sum_sq, eps, K)[:, None]  # the norm's scale is in W (fuse_projections)
         if HAS_BIAS:
             acc += tl.load(B + w_rows).to(tl.float32)[None, :]
@@ -142,11 +140,8 @@ if triton is not None:
                         K: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
         # W stacks gate [F, K] over up [F, K]: this program's gate rows and the up rows of the same features.
-        if PDL:  # see tandem.models.kernel_launch
-            gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        wait_for_inputs(PDL)  # see tandem.models.kernel_launch
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         col_ok, row_ok = cols < F, rows < n_rows
@@ -162,8 +157,7 @@ if triton is not None:
             w_up = tl.load(W + (F + cols[:, None]) * K + k0 + ks[None, :], mask=w_mask, other=0.0)
             gate = tl.dot(x, tl.trans(w_gate), gate)
             up = tl.dot(x, tl.trans(w_up), up)
-        if PDL == 1:
-            gdc_launch_dependents()
+        launch_dependents(PDL)
         inv_rms = _inv_rms(sum_sq, eps, K)[:, None]  # the norm's scale is in W (fuse_projections)
         gate, up = gate * inv_rms, up * inv_rms
         if GELU:  # tanh approximation, Gemma's
@@ -180,18 +174,15 @@ if triton is not None:
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                    PDL: tl.constexpr):
         # Program = (tile of BLOCK_N output features, slice of K): P[slice] = x[:, slice] @ W[tile, slice]^T.
-        if PDL:  # see tandem.models.kernel_launch
-            gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
         tile, piece = tl.program_id(0), tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k_first = piece * K_SLICE
+        wait_for_inputs(PDL)  # see tandem.models.kernel_launch
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         col_ok, row_ok = cols < N, rows < n_rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K_SLICE, BLOCK_K):  # a constant trip count, which Triton pipelines; K_SLICE % BLOCK_K == 0
+        for k0 in range(0, K_SLICE, BLOCK_K):  # a constant trip count, which Triton pipelines (the last slice masks)
             k = k_first + k0 + ks
             k_ok = k < K
             x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -200,8 +191,7 @@ if triton is not None:
         ok = row_ok[:, None] & col_ok[None, :]
         at = rows[:, None] * N + cols[None, :]
         tl.store(P + piece * n_rows * N + at, acc, mask=ok)
-        if PDL == 1:
-            gdc_launch_dependents()
+        launch_dependents(PDL)
         # Every thread's partial is stored before the arrival (a release) publishes them; the last of the tile's
         # SLICES programs to arrive reads them all from L2 (.cg: not from its own L1, which may hold none of them).
         tl.debug_barrier()
@@ -218,11 +208,13 @@ if triton is not None:
             tl.atomic_xchg(ARRIVALS + tile, 0)  # left as found, for the next projection
 
 
-def k_slice_width(k: int) -> int:
-    """Width of each of add_linear_split_k's SPLIT_SLICES slices of K: a whole number of SPLIT_BLOCK_K (slices past
-    K hold zeros)."""
-    width = -(-k // SPLIT_SLICES)
-    return -(-width // SPLIT_BLOCK_K) * SPLIT_BLOCK_K
+def k_slices(k: int) -> tuple[int, int]:
+    """How add_linear_split_k splits K: (slices, width of each), at most SPLIT_SLICES slices of about
+    SPLIT_MIN_SLICE or more, each a whole number of SPLIT_BLOCK_K wide but the last (which may be short; none is
+    empty)."""
+    width = -(-k // max(1, min(SPLIT_SLICES, k // SPLIT_MIN_SLICE)))
+    width = -(-width // SPLIT_BLOCK_K) * SPLIT_BLOCK_K
+    return -(-k // width), width
 
 
 def sum_squares(x: torch.Tensor) -> torch.Tensor:
@@ -319,12 +311,13 @@ def add_linear_split_k(h: torch.Tensor, weight: torch.Tensor, residual: torch.Te
         raise ValueError(f"add_linear_split_k: residual {tuple(residual.shape)} or arrivals "
                          f"{tuple(arrivals.shape)} {arrivals.dtype} do not fit a [{n_rows}, {features}] output")
     h, weight = h.contiguous(), weight.contiguous()
-    partials = h.new_empty(SPLIT_SLICES, n_rows, features, dtype=torch.float32)
+    slices, width = k_slices(d)
+    partials = h.new_empty(slices, n_rows, features, dtype=torch.float32)
     out = residual.new_empty(n_rows, features)
     sum_sq = h.new_empty(tiles, n_rows, dtype=torch.float32)
-    _add_linear_split_k_kernel[(tiles, SPLIT_SLICES)](
+    _add_linear_split_k_kernel[(tiles, slices)](
         h, weight, residual, partials, out, sum_sq, arrivals, n_rows, features, h.stride(0), residual.stride(0),
-        K=d, K_SLICE=k_slice_width(d), SLICES=SPLIT_SLICES, BLOCK_M=MAX_ROWS, BLOCK_N=SPLIT_BLOCK_N,
+        K=d, K_SLICE=width, SLICES=slices, BLOCK_M=MAX_ROWS, BLOCK_N=SPLIT_BLOCK_N,
         BLOCK_K=SPLIT_BLOCK_K, **SPLIT_LAUNCH, **pdl_options(h.device))
     return out, sum_sq
 

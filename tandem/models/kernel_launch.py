@@ -7,6 +7,10 @@ step). With PDL (Hopper and later) a kernel is launched while the one before sti
 overlap the tail. Every kernel of ours calls the wait before touching anything another kernel wrote, and before it
 finishes, so a kernel two back has always finished too. Kernels that are not ours (the compiler's, cuBLAS) launch
 without it and wait as usual. TANDEM_PDL=0 turns it off.
+
+Not done: asking L2 for a kernel's weights before its wait (cp.async.bulk.prefetch.L2, which no kernel's writes
+can make stale), so its stream from memory would start under the tail of the kernel before. On an H200 it made
+the 1.5B step slower, 1.85 ms against 1.45, and every kernel slower alone (bench/results/h200-2026-12-04c).
 """
 
 from __future__ import annotations
@@ -17,8 +21,13 @@ import os
 import torch
 
 try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401 (used in kernels)
-except ImportError:  # Triton without grid dependency control, or none: kernels take PDL=False
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # Triton without grid dependency control, or none: kernels take PDL=0
     gdc_launch_dependents = gdc_wait = None
 
 
@@ -36,3 +45,21 @@ def pdl_options(device: torch.device) -> dict:
             or not _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())):
         return {"PDL": 0}
     return {"PDL": mode, "launch_pdl": True}
+
+
+if triton is not None:  # the helpers below call gdc_* only under a PDL that pdl_options gives where they exist
+
+    @triton.jit
+    def wait_for_inputs(PDL: tl.constexpr):
+        """A kernel's first step before it reads what an earlier kernel wrote (a no-op without PDL)."""
+        if PDL:
+            gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
+
+    @triton.jit
+    def launch_dependents(PDL: tl.constexpr):
+        """Where mode 1 lets the next kernel launch: after the main loop, so its blocks, waiting, take no SM slot a
+        block of this kernel still needs."""
+        if PDL == 1:
+            gdc_launch_dependents()
