@@ -45,13 +45,14 @@ QKV_LAUNCH = dict(num_warps=2, num_stages=4)
 GATE_UP_BLOCK_N = 32
 GATE_UP_BLOCK_K = 128
 GATE_UP_LAUNCH = dict(num_warps=4, num_stages=3)
-SPLIT_BLOCK_N = 64
-SPLIT_BLOCK_K = 64
-# 64 features a program, 64 of K a step, 4 warps, 4 stages; K in up to 8 slices, none narrower than 384: the best
-# of bench/gpu_kernels.py's sweep on an H200 for the 1.5B model's output projection (4 slices: 4.9 us a layer against
-# 8.2 for cuBLAS + the compiler's residual add and sums of squares) and, within its noise, for its down projection
-# (8 slices; bench/results/h200-2026-12-04c). A 1.5B model's projections run 24 x 4 and 24 x 8 programs.
-SPLIT_SLICES = 8
+SPLIT_BLOCK_N = 32
+SPLIT_BLOCK_K = 128
+# 32 features a program, 128 of K a step, 4 warps, 4 stages; K in up to 6 slices, none narrower than 384: among the
+# best of bench/gpu_kernels.py's sweep on an H200 for the 1.5B model's output projection (4 slices: 5.1 us a layer
+# against 8.2 for cuBLAS + the compiler's residual add and sums of squares) and down projection (6 slices: 11.1 us
+# against 15.2); the sweep's top configurations lie within 0.5 us (bench/results/h200-2026-12-04c). A 1.5B model's
+# projections run 48 x 4 and 48 x 6 programs.
+SPLIT_SLICES = 6
 SPLIT_MIN_SLICE = 384
 SPLIT_LAUNCH = dict(num_warps=4, num_stages=4)
 
