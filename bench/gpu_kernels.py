@@ -118,7 +118,6 @@ def sweep_split_k(name: str, T: int) -> None:
     c = get_shape(name)
     L, d, Fd, q_width = c.n_layers, c.d_model, c.d_ffn, c.n_heads * c.head_dim
     residual = torch.randn(T, d, device=dev, dtype=dt)
-    arrivals = torch.zeros(d, dtype=torch.int32, device=dev)  # enough for any tile width
 
     @torch.compile(dynamic=False)
     def unfused(x, w, residual):
@@ -137,8 +136,9 @@ def sweep_split_k(name: str, T: int) -> None:
         for slices, bn, (bk, stages) in itertools.product((3, 4, 6, 8, 12), (32, 64), ((128, 4), (64, 4))):
             fp.SPLIT_SLICES, fp.SPLIT_MIN_SLICE, fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = slices, 1, bn, bk
             fp.SPLIT_LAUNCH = dict(num_warps=4, num_stages=stages)
+            arrivals = torch.zeros(fp.split_k_tiles(d), dtype=torch.int32, device=dev)
             try:
-                us = graph_us(each_layer(lambda x, w: fp.add_linear_split_k(x, w, residual, arrivals)), L)
+                us = graph_us(each_layer(lambda x, w, a=arrivals: fp.add_linear_split_k(x, w, residual, a)), L)
             except Exception as e:
                 print(f"  {what} slices={slices} bn={bn} bk={bk} s={stages}: {type(e).__name__}", flush=True)
                 continue
@@ -152,7 +152,8 @@ def sweep_split_k(name: str, T: int) -> None:
         fp.SPLIT_SLICES, fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = slices, bn, bk
         fp.SPLIT_LAUNCH = dict(num_warps=4, num_stages=stages)
         os.environ["TANDEM_PDL"] = "0"
-        us = graph_us(each_layer(lambda x, w: fp.add_linear_split_k(x, w, residual, arrivals)), L)
+        arrivals = torch.zeros(fp.split_k_tiles(d), dtype=torch.int32, device=dev)
+        us = graph_us(each_layer(lambda x, w, a=arrivals: fp.add_linear_split_k(x, w, residual, a)), L)
         print(f"  {what} the best without PDL: {us:.2f} us/layer", flush=True)
         os.environ.pop("TANDEM_PDL")
 

@@ -3,7 +3,7 @@
     python bench/gpu_step.py [--variants qwen2.5-1.5b:1:9,qwen2.5-0.5b:1:9] [--contexts 16,700] [--decode 256]
     # variant = shape:compile:rows[:decode_kernel[:projections[:split_k[:pdl]]]]; 0 = attention as matmuls
     # (TANDEM_DECODE_KERNEL), projections unfused (TANDEM_FUSED_PROJECTIONS), output projections by cuBLAS
-    # (TANDEM_SPLIT_K), kernels launched without programmatic dependent launch (TANDEM_PDL; or "early")
+    # (TANDEM_SPLIT_K), kernels launched without programmatic dependent launch (TANDEM_PDL)
     python bench/gpu_step.py --set SPLIT_BLOCK_N=32,SPLIT_BLOCK_K=128   # other launch configurations
     # (tandem.models.fused_projections' constants) for every variant
 

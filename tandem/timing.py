@@ -27,8 +27,10 @@ class PhaseClock:
             self.marks.append(time.perf_counter())
 
     def spans_ms(self) -> list[float]:
-        """Milliseconds between consecutive marks; call after a sync. Clears the marks."""
+        """Milliseconds between consecutive marks, once the last has been reached. Clears the marks."""
         if self.cuda:
+            if self.marks:
+                self.marks[-1].synchronize()
             spans = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:], strict=False)]
         else:
             spans = [1000.0 * (b - a) for a, b in zip(self.marks, self.marks[1:], strict=False)]

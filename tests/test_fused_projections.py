@@ -85,12 +85,13 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
             assert out.shape == (T, features) and out.dtype == dtype
             close(out, act * up, ("gate_up", dtype, gelu, T, d, features))
 
-    # The last slice short; 7 slices empty; 6 empty; 3 tiles of features, the last short
-    for T, d, features in [(9, 1000, 40), (1, 64, 16), (16, 200, 72)]:
+    # Five slices of K, the last short; one slice narrower than a step of the loop; two slices and three tiles of
+    # features, the last tile short
+    for T, d, features in [(9, 2404, 40), (1, 64, 16), (16, 1000, 72)]:
         h, weight = rand(T, d, dtype=dtype), rand(features, d, dtype=dtype, scale=0.1)
         residual = rand(T, features, dtype=dtype)
         tiles = fused_projections.split_k_tiles(features)
-        arrivals = torch.zeros(tiles + 3, dtype=torch.int32, device=device)
+        arrivals = torch.zeros(tiles, dtype=torch.int32, device=device)
         out, sum_sq = fused_projections.add_linear_split_k(h, weight, residual, arrivals)
         assert out.shape == (T, features) and out.dtype == dtype and sum_sq.shape == (tiles, T)
         close(out, residual.double() + h.double() @ weight.double().T, ("add_linear_split_k", dtype, T, d, features),
@@ -104,6 +105,13 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
             other[1:], other_residual[1:] = rand(T - 1, d, dtype=dtype), rand(T - 1, features, dtype=dtype)
         out_other, sum_sq_other = fused_projections.add_linear_split_k(other, weight, other_residual, arrivals)
         assert torch.equal(out_other[0], out[0]) and torch.equal(sum_sq_other[:, 0], sum_sq[:, 0])
+        for bad_residual, bad_arrivals in ((residual[:, 1:], arrivals), (residual, torch.zeros_like(arrivals[1:])),
+                                           (residual, arrivals.float())):
+            try:
+                fused_projections.add_linear_split_k(h, weight, bad_residual, bad_arrivals)
+                raise AssertionError("a residual or arrivals that do not fit accepted")
+            except ValueError as e:
+                assert "do not fit" in str(e)
     cache = torch.zeros(1, 1, 32, 16, dtype=dtype, device=device)
     too_many = rand(17, 64, dtype=dtype)
     for call in (lambda: fused_projections.add_linear_split_k(too_many, rand(32, 64, dtype=dtype),

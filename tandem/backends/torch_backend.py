@@ -153,6 +153,7 @@ class TorchSequence(Sequence):
         self.graphs = StepGraph(model, self.cache, rows) if model.use_graphs and graphs else None
         if self.graphs is not None:
             self.graphs.capture_all()
+            model.compile_prompt_forward(self.cache)
 
     @property
     def length(self) -> int:
@@ -189,8 +190,9 @@ class TorchSequence(Sequence):
                 chunk = tokens[start : start + PREFILL_CHUNK]
                 begin, end = self.cache.length, self.cache.length + chunk.shape[0]
                 positions = torch.arange(begin, end, device=self.model.torch_device)
-                rows.append(self.model.transformer(chunk, positions, self.cache.k, self.cache.v, kv_len=end,
-                                                   last_only=logits == "last"))
+                # The compiled step where there is one (dynamic shapes: one compilation serves every prompt length)
+                rows.append(self.model.step(chunk, positions, self.cache.k, self.cache.v, kv_len=end,
+                                            last_only=logits == "last"))
                 self.cache.length = end
         return rows[-1] if logits == "last" else torch.cat(rows) if len(rows) > 1 else rows[0]
 
@@ -221,8 +223,10 @@ class TorchModel(Model):
         on_cuda = self.torch_device.type == "cuda"
         self.use_graphs = graphs if graphs is not None else on_cuda and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
         self.step = self.transformer.forward  # what graphs capture; compiled on CUDA (see _compile_step)
+        self.prompt_forward_compiled = True  # nothing to compile where the step is not compiled
         if on_cuda and self.use_graphs and os.environ.get("TANDEM_COMPILE", "1") != "0":
             self.step = _compile_step(self.transformer)
+            self.prompt_forward_compiled = False
         self._free: dict[int, list[TorchSequence]] = {}  # capacity -> closed sequences ready for reuse
 
     @classmethod
@@ -254,6 +258,19 @@ class TorchModel(Model):
         # Eager, in a cache of its own: a graph's output buffer would be overwritten by the next replay.
         seq = TorchSequence(self, max(len(ids), 1), rows=1, graphs=False)
         return seq.forward(list(ids), logits="all")
+
+    def compile_prompt_forward(self, cache: KVCache) -> None:
+        """Compile the step for prompts longer than the graphs replay (one forward of GRAPH_CHUNKS_MAX + 1 tokens
+        into a cache that holds nothing yet), once a model, with its first sequence: else the first long prompt
+        waits for it (46 s on an H200). Dynamic shapes: every longer prompt reuses it (H200, 1.5B: 9-11 ms for
+        65-448 tokens, against 26-31 ms eager and 69 ms of graph replays at 448; bench/gpu_prefill.py)."""
+        n = GRAPH_CHUNKS_MAX + 1
+        if self.prompt_forward_compiled or cache.k[0].shape[2] < n:
+            return
+        self.prompt_forward_compiled = True
+        with torch.inference_mode():
+            self.step(torch.zeros(n, dtype=torch.long, device=self.torch_device),
+                      torch.arange(n, device=self.torch_device), cache.k, cache.v, kv_len=n, last_only=True)
 
     def release(self, seq: TorchSequence) -> None:
         """Keep a closed sequence for reuse when it holds a captured graph (capturing costs ~10 ms a size)."""

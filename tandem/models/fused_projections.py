@@ -302,13 +302,13 @@ def add_linear_split_k(h: torch.Tensor, weight: torch.Tensor, residual: torch.Te
                        arrivals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """residual + h @ weight^T, and the float32 sums of squares of each of its tiles of features, [tiles, T]
     (qkv_rope's and gate_up_act's sum_sq). h: [T, K], T <= MAX_ROWS; weight: [N, K]; residual: [T, N];
-    arrivals: int32 zeros, at least split_k_tiles(N) of them, used by one projection at a time."""
+    arrivals: int32 zeros, split_k_tiles(N) of them, used by one projection at a time."""
     n_rows, d = h.shape
     features = weight.shape[0]
     tiles = split_k_tiles(features)
     if n_rows > MAX_ROWS:
         raise ValueError(f"add_linear_split_k takes at most {MAX_ROWS} tokens, got {n_rows}")
-    if residual.shape != (n_rows, features) or arrivals.dtype != torch.int32 or arrivals.numel() < tiles:
+    if residual.shape != (n_rows, features) or arrivals.dtype != torch.int32 or arrivals.shape != (tiles,):
         raise ValueError(f"add_linear_split_k: residual {tuple(residual.shape)} or arrivals "
                          f"{tuple(arrivals.shape)} {arrivals.dtype} do not fit a [{n_rows}, {features}] output")
     h, weight = h.contiguous(), weight.contiguous()
@@ -323,7 +323,9 @@ def add_linear_split_k(h: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     return out, sum_sq
 
 
+# Shapes from the inputs alone (arrivals: one a tile), not from the module's constants, which Inductor's on-disk
+# caches do not key on: a graph cached under other constants would fail with "incorrect fake kernel".
 @add_linear_split_k.register_fake
 def _(h, weight, residual, arrivals):
-    tiles = split_k_tiles(weight.shape[0])
-    return residual.new_empty(h.shape[0], weight.shape[0]), h.new_empty(tiles, h.shape[0], dtype=torch.float32)
+    return residual.new_empty(h.shape[0], weight.shape[0]), h.new_empty(arrivals.shape[0], h.shape[0],
+                                                                        dtype=torch.float32)

@@ -8,6 +8,10 @@ overlap the tail. Every kernel of ours calls the wait before touching anything a
 finishes, so a kernel two back has always finished too. Kernels that are not ours (the compiler's, cuBLAS) launch
 without it and wait as usual. TANDEM_PDL=0 turns it off.
 
+A kernel lets the next one launch after its main loop: at its start instead, the next kernel's blocks sat waiting
+in SM slots this kernel's blocks still needed (1.5B step on an H200: 1.61-1.66 ms against 1.46, and 1.85 against
+1.45 in another lease).
+
 Not done: asking L2 for a kernel's weights before its wait (cp.async.bulk.prefetch.L2, which no kernel's writes
 can make stale), so its stream from memory would start under the tail of the kernel before. On an H200 it made
 the 1.5B step slower, 1.85 ms against 1.45, and every kernel slower alone (bench/results/h200-2026-12-04c).
@@ -37,14 +41,14 @@ def _hopper_or_later(device_index: int) -> bool:
 
 
 def pdl_options(device: torch.device) -> dict:
-    """Keyword arguments for a kernel launch on `device`: the kernel's PDL mode (0 off; 1 dependents launched after
-    the kernel's main loop; 2 at its start) and Triton's launch option. Read at every launch (in graphs only at
-    capture), so TANDEM_PDL (0, 1, early) applies to graphs captured after it is set."""
-    mode = {"0": 0, "early": 2}.get(os.environ.get("TANDEM_PDL", "1"), 1)
-    if (mode == 0 or device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Keyword arguments for a kernel launch on `device`: whether the kernel takes part in PDL, and Triton's launch
+    option. Read at every launch (in graphs only at capture), so TANDEM_PDL=0 applies to graphs captured after it
+    is set."""
+    if (os.environ.get("TANDEM_PDL", "1") == "0" or device.type != "cuda" or gdc_wait is None
+            or os.environ.get("TRITON_INTERPRET", "0") == "1"
             or not _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())):
-        return {"PDL": 0}
-    return {"PDL": mode, "launch_pdl": True}
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
 
 
 if triton is not None:  # the helpers below call gdc_* only under a PDL that pdl_options gives where they exist
@@ -54,12 +58,10 @@ if triton is not None:  # the helpers below call gdc_* only under a PDL that pdl
         """A kernel's first step before it reads what an earlier kernel wrote (a no-op without PDL)."""
         if PDL:
             gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
 
     @triton.jit
     def launch_dependents(PDL: tl.constexpr):
-        """Where mode 1 lets the next kernel launch: after the main loop, so its blocks, waiting, take no SM slot a
-        block of this kernel still needs."""
-        if PDL == 1:
+        """Let the next kernel launch: after the main loop, so its blocks, waiting, take no SM slot a block of this
+        kernel still needs."""
+        if PDL:
             gdc_launch_dependents()
