@@ -2,7 +2,8 @@
 # The H200 session that produced bench/results/h200-2026-12-03b/: one phase per device call, in this order.
 #   setup     wheels (.whl), Vulkan loader (.gl debs), llama-cpp-python built for Vulkan here (.vk), and llama.cpp's
 #             CUDA llama-server built in the background from llama-cpp-python's vendored tree (.xfer/llama-src.tar.xz)
-#   (then one call per chunk: cat .xfer/cNNN >> /root/m/pair.bin)
+#   (then one call per chunk: cat .xfer/pNNN >> /root/m/pair.bin, carrying only that chunk; made here with
+#   cat T.gguf D.gguf | split -b 58M -d -a 3 - .xfer/p: a carry holds the whole tree too, 64 MiB in all)
 #   kernels   the fused kernels' tests on the GPU (if they fail, later phases run with the kernels off); with
 #             STEP=variants, graphed decode steps (random weights of the real shapes) and a profile; with SWEEP=1
 #             bench/gpu_kernels.py times the output projections alone

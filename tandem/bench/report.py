@@ -23,14 +23,15 @@ def print_table(result: dict, console=None) -> None:
            else "")
     table = Table(title=f"tandem bench{label}: {meta['backend']} on {meta['device_name']} ({meta['device']}), "
                         f"{meta['max_tokens']} tokens{shapes}{acc}")
-    for col in ("prompt", "config", "tok/s", "speedup", "accept", "a/pos", "mean len", "draft ms/tok",
+    for col in ("prompt", "config", "tok/s", "decode tok/s", "speedup", "accept", "a/pos", "mean len", "draft ms/tok",
                 "verify ms/it", "pred.", "k counts", "lossless"):
         table.add_column(col, justify="left" if col in ("prompt", "config", "k counts") else "right")
     for p in result["prompts"]:
         for i, (name, c) in enumerate(p["configs"].items()):
             plain = name == "plain"
             table.add_row(
-                p["name"] if i == 0 else "", name, _fmt(c["tps"]), _fmt(c["speedup"], ".2f") + "x",
+                p["name"] if i == 0 else "", name, _fmt(c["tps"]), _fmt(c.get("decode_tps")),
+                _fmt(c["speedup"], ".2f") + "x",
                 "" if plain else _fmt(c["acceptance_rate"], ".2f"),
                 "" if plain else _fmt(c["first_position_acceptance"], ".2f"),
                 _fmt(c["mean_accepted_len"], ".2f"), "" if plain else _fmt(c["draft_ms_per_token"], ".2f"),
@@ -39,15 +40,16 @@ def print_table(result: dict, console=None) -> None:
                 "" if plain else _fmt(c["lossless"]),
             )
         for peer, r in p.get("peers", {}).items():
-            table.add_row("", f"peer {peer} plain", _fmt(r.get("plain_tps")), "", "", "", "", "", "", "", "", "")
+            table.add_row("", f"peer {peer} plain", _fmt(r.get("plain_tps")), "", "", "", "", "", "", "", "", "", "")
             if "assisted_tps" in r:
-                table.add_row("", f"peer {peer} assisted", _fmt(r["assisted_tps"]), _fmt(r["speedup"], ".2f") + "x",
+                table.add_row("", f"peer {peer} assisted", _fmt(r["assisted_tps"]), "", _fmt(r["speedup"], ".2f") + "x",
                               "", "", "", "", "", "", "", _fmt(r.get("lossless")))
         table.add_section()
     console.print(table)
     s = result["summary"]
     console.print(f"summary{label}: plain {s['baseline_tps']:.1f} tok/s, {s['primary']} {s['spec_tps']:.1f} tok/s, "
-                  f"geomean speedup {s['speedup']:.2f}x  (tok/s = generated / (prefill + decode); a/pos = "
+                  f"geomean speedup {s['speedup']:.2f}x  (tok/s = generated / (prefill + decode), decode tok/s = "
+                  f"generated / decode; a/pos = "
                   f"per-position acceptance; pred. = E(k)/(k c_d + V(k+1)) from measured costs)")
 
 
