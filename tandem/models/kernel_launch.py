@@ -31,7 +31,7 @@ except ImportError:
     triton = None
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # Triton without grid dependency control, or none: kernels take PDL=0
+except ImportError:  # Triton without grid dependency control, or none: kernels take PDL=False
     gdc_launch_dependents = gdc_wait = None
 
 
