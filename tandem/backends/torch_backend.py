@@ -185,14 +185,16 @@ class TorchSequence(Sequence):
                         rows.append(out if last else out.clone())
                 return rows[-1] if logits == "last" or len(rows) == 1 else torch.cat(rows)
             tokens = torch.as_tensor(tokens, dtype=torch.long).to(self.model.torch_device, non_blocking=True)
+            # A graphed sequence's long prompt: the compiled step (dynamic shapes, compiled with the model's first
+            # sequence: compile_prompt_forward). Without graphs (model.logits, an eager reference): eager.
+            forward = self.model.step if self.graphs is not None else self.model.transformer
             rows = []
             for start in range(0, n, PREFILL_CHUNK):
                 chunk = tokens[start : start + PREFILL_CHUNK]
                 begin, end = self.cache.length, self.cache.length + chunk.shape[0]
                 positions = torch.arange(begin, end, device=self.model.torch_device)
-                # The compiled step where there is one (dynamic shapes: one compilation serves every prompt length)
-                rows.append(self.model.step(chunk, positions, self.cache.k, self.cache.v, kv_len=end,
-                                            last_only=logits == "last"))
+                rows.append(forward(chunk, positions, self.cache.k, self.cache.v, kv_len=end,
+                                    last_only=logits == "last"))
                 self.cache.length = end
         return rows[-1] if logits == "last" else torch.cat(rows) if len(rows) > 1 else rows[0]
 
