@@ -132,13 +132,17 @@ def sweep_split_k(name: str, T: int) -> None:
             return lambda: [fn(x, ws[i]) for i in range(L)]
 
         base = graph_us(each_layer(lambda x, w: unfused(x, w, residual)), L)
+
+        def split_k_us(each_layer=each_layer) -> float:  # under fp's constants as they stand
+            arrivals = torch.zeros(fp.split_k_tiles(d), dtype=torch.int32, device=dev)
+            return graph_us(each_layer(lambda h, w: fp.add_linear_split_k(h, w, residual, arrivals)), L)
+
         results = []
         for slices, bn, (bk, stages) in itertools.product((3, 4, 6, 8, 12), (32, 64), ((128, 4), (64, 4))):
             fp.SPLIT_SLICES, fp.SPLIT_MIN_SLICE, fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = slices, 1, bn, bk
             fp.SPLIT_LAUNCH = dict(num_warps=4, num_stages=stages)
-            arrivals = torch.zeros(fp.split_k_tiles(d), dtype=torch.int32, device=dev)
             try:
-                us = graph_us(each_layer(lambda x, w, a=arrivals: fp.add_linear_split_k(x, w, residual, a)), L)
+                us = split_k_us()
             except Exception as e:
                 print(f"  {what} slices={slices} bn={bn} bk={bk} s={stages}: {type(e).__name__}", flush=True)
                 continue
@@ -152,9 +156,7 @@ def sweep_split_k(name: str, T: int) -> None:
         fp.SPLIT_SLICES, fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = slices, bn, bk
         fp.SPLIT_LAUNCH = dict(num_warps=4, num_stages=stages)
         os.environ["TANDEM_PDL"] = "0"
-        arrivals = torch.zeros(fp.split_k_tiles(d), dtype=torch.int32, device=dev)
-        us = graph_us(each_layer(lambda x, w, a=arrivals: fp.add_linear_split_k(x, w, residual, a)), L)
-        print(f"  {what} the best without PDL: {us:.2f} us/layer", flush=True)
+        print(f"  {what} the best without PDL: {split_k_us():.2f} us/layer", flush=True)
         os.environ.pop("TANDEM_PDL")
 
 

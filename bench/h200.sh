@@ -6,7 +6,7 @@
 #   cat T.gguf D.gguf | split -b 58M -d -a 3 - .xfer/p: a carry holds the whole tree too, 64 MiB in all)
 #   kernels   the fused kernels' tests on the GPU (if they fail, later phases run with the kernels off); with
 #             STEP=variants, graphed decode steps (random weights of the real shapes) and a profile; with SWEEP=1
-#             bench/gpu_kernels.py times the output projections alone
+#             bench/gpu_kernels.py's launch configurations (SWEEP_ONLY=inputs or outputs for half of them)
 #   pair      split the real pair out of /root/m/pair.bin, check SHA-256
 #   torch     split the real pair, tandem bench (torch, bf16)
 #   doctor    tandem doctor (torch, bf16)
