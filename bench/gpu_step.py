@@ -4,8 +4,8 @@
     # variant = shape:compile:rows[:decode_kernel[:projections[:split_k[:pdl]]]]; 0 = attention as matmuls
     # (TANDEM_DECODE_KERNEL), projections unfused (TANDEM_FUSED_PROJECTIONS), output projections by cuBLAS
     # (TANDEM_SPLIT_K), kernels launched without programmatic dependent launch (TANDEM_PDL)
-    python bench/gpu_step.py --set SPLIT_BLOCK_N=32,SPLIT_BLOCK_K=128   # other launch configurations
-    # (tandem.models.fused_projections' constants) for every variant
+    python bench/gpu_step.py --set SPLIT_BLOCK_N=32,decode_attention.CHUNK=64   # other launch configurations
+    # (tandem.models.fused_projections' constants, or another module's named) for every variant
 
 For each shape: weight bytes, the byte floor (bytes / measured copy bandwidth), and the median time of one forward
 of n tokens replayed as a CUDA graph of `rows` rows, eager and compiled. Synthetic weights: systems numbers only.
@@ -81,15 +81,19 @@ def main() -> None:
     p.add_argument("--contexts", default="16,700", help="tokens in the cache before the timed step")
     p.add_argument("--decode", type=int, default=0, help="also time plain decoding of this many tokens, "
                    "one step per sync and RUN_AHEAD steps per sync")
-    p.add_argument("--set", default="", help="NAME=INT,...: fused_projections launch constants to use instead")
+    p.add_argument("--set", default="", help="[MODULE.]NAME=INT,...: launch constants of tandem.models' "
+                   "fused_projections (the default module) or decode_attention to use instead")
     args = p.parse_args()
-    from tandem.models import fused_projections
+    from tandem.models import decode_attention, fused_projections
 
+    modules = {"fused_projections": fused_projections, "decode_attention": decode_attention}
     for name, value in (item.split("=") for item in args.set.split(",") if item):
-        if not hasattr(fused_projections, name):
-            raise SystemExit(f"fused_projections has no {name}")
-        setattr(fused_projections, name, int(value))
-        print(f"fused_projections.{name} = {value}", flush=True)
+        module_name, _, name = name.rpartition(".")
+        module = modules.get(module_name or "fused_projections")
+        if module is None or not hasattr(module, name):
+            raise SystemExit(f"no launch constant {module_name or 'fused_projections'}.{name}")
+        setattr(module, name, int(value))
+        print(f"{module.__name__}.{name} = {value}", flush=True)
     from tandem.models.shapes import random_model, weight_bytes
 
     bandwidth = copy_bandwidth_gb_s("cuda")

@@ -5,7 +5,8 @@
 #   (then one call per chunk: cat .xfer/pNNN >> /root/m/pair.bin, carrying only that chunk; made here with
 #   cat T.gguf D.gguf | split -b 58M -d -a 3 - .xfer/p: a carry holds the whole tree too, 64 MiB in all)
 #   kernels   the fused kernels' tests on the GPU (if they fail, later phases run with the kernels off); with
-#             STEP=variants, graphed decode steps (random weights of the real shapes) and a profile; with SWEEP=1
+#             STEP=variants, graphed decode steps (random weights of the real shapes; CONTEXTS, STEP_SET: space-
+#             separated gpu_step --set lists) and a profile (PROFILE_SPAN cache slots); with SWEEP=1
 #             bench/gpu_kernels.py's launch configurations (SWEEP_ONLY=inputs or outputs for half of them)
 #   pair      split the real pair out of /root/m/pair.bin, check SHA-256
 #   torch     split the real pair, tandem bench (torch, bf16)
@@ -47,17 +48,19 @@ kernels)
     # STEP="variant,variant": time the step (bench/gpu_step.py) in these variants, e.g. with PDL (last field 1)
     # and without (0); later phases keep PDL only if it was faster. STEP_SET: other launch constants, a second run
     if [ -n "${STEP:-}" ]; then
-        python3 bench/gpu_step.py --variants $STEP --contexts 700 --decode ${DECODE:-0} 2>&1 \
+        python3 bench/gpu_step.py --variants $STEP --contexts ${CONTEXTS:-700} --decode ${DECODE:-0} 2>&1 \
             | grep --line-buffered -v Warn | tee $OUT/step.txt
-        [ -n "${STEP_SET:-}" ] && python3 bench/gpu_step.py --variants $STEP --contexts 700 --set $STEP_SET 2>&1 \
-            | grep --line-buffered -v Warn | tee $OUT/step_set.txt
+        for set in ${STEP_SET:-}; do  # space-separated --set lists, one run each
+            python3 bench/gpu_step.py --variants $STEP --contexts ${CONTEXTS:-700} --set $set 2>&1 \
+                | grep --line-buffered -v Warn | tee -a $OUT/step_set.txt
+        done
         python3 - $OUT/step.txt <<'PY' || touch /root/m/nopdl
 import re, sys
 ms = {m[0]: float(m[1]) for m in re.findall(r":1:9:1:1:1:(\d) context= 700 .* n=9: ([\d.]+) ms", open(sys.argv[1]).read())}
 print("step ms, without / with PDL:", ms)
 sys.exit(0 if ms.get("1", 1e9) <= ms.get("0", 1e9) else 1)
 PY
-        python3 bench/gpu_profile.py qwen2.5-1.5b 9 1 > $OUT/profile_1.5b_9rows.txt 2>&1
+        python3 bench/gpu_profile.py qwen2.5-1.5b 9 1 ${PROFILE_SPAN:-256} > $OUT/profile_1.5b_9rows.txt 2>&1
     fi
     ;;
 pair)

@@ -27,7 +27,8 @@ except ImportError:  # CPU-only installs: the matmul path in Transformer.attend 
     triton = None
 
 CHUNK = 128  # cache slots per program: 2..32 programs per KV head over spans of 256..4096
-COMBINE_ROWS = 16  # query rows per program of the combining kernel
+COMBINE_ROWS = 16  # query rows per program of the combining kernel ...
+COMBINE_DIMS = 32  # ... and head dimensions: registers for every chunk's partial at once (see _combine_kernel)
 MAX_ROWS = 64  # query rows (G heads x T tokens) per KV head that one program holds
 
 
@@ -54,9 +55,11 @@ if triton is not None:
         row_ok, key_ok = rows < n_rows, keys < kv_len
         q = tl.load(Q + head * stride_qh + rows[:, None] * stride_qr + dims[None, :], mask=row_ok[:, None], other=0.0)
         k = tl.load(K + head * stride_kh + keys[:, None] * stride_ks + dims[None, :], mask=key_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_R, CHUNK] float32
+        # Issued before the first dot: its round trip to memory overlaps k's instead of following the softmax.
+        v = tl.load(V + head * stride_vh + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
         # Row r is query head (r // T) of this group at token r % T (see Transformer.attend's reshape).
         pos = tl.load(POS + rows % n_tokens, mask=row_ok, other=-1)
+        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_R, CHUNK] float32
         visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
         if HAS_WINDOW:
             visible &= keys[None, :] > pos[:, None] - window
@@ -64,7 +67,6 @@ if triton is not None:
         m = tl.max(scores, 1)
         # A row that sees no key in this chunk: exp(-inf - 0) = 0 rather than exp(-inf + inf) = nan.
         p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
-        v = tl.load(V + head * stride_vh + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v)  # [BLOCK_R, HEAD_DIM] float32
         launch_dependents(PDL)
         out = (head * n_chunks + chunk) * BLOCK_R + rows
@@ -74,20 +76,22 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(M, L, ACC, OUT, stride_ot, n_rows, n_tokens, group,
-                        HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, n_chunks: tl.constexpr,
-                        PDL: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, DIMS: tl.constexpr,
+                        n_chunks: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)  # see tandem.models.kernel_launch
-        head, block = tl.program_id(0), tl.program_id(1)
+        head, block, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = block * ROWS + tl.arange(0, ROWS)
-        dims = tl.arange(0, HEAD_DIM)
+        dims = part * DIMS + tl.arange(0, DIMS)
+        # Unrolled (static_range): every chunk's loads are independent of the sums, so they all go out at once, one
+        # round trip to L2 instead of one a chunk (a loop of loads is not pipelined; it waited n_chunks times).
         m_max = tl.full([ROWS], float("-inf"), tl.float32)
-        for c in range(n_chunks):
+        for c in tl.static_range(n_chunks):
             m_max = tl.maximum(m_max, tl.load(M + (head * n_chunks + c) * BLOCK_R + rows))
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         total = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        acc = tl.zeros([ROWS, DIMS], tl.float32)
         # In slot order, one chunk at a time: a chunk no row sees adds 0 * 0, leaving every sum bit-identical.
-        for c in range(n_chunks):
+        for c in tl.static_range(n_chunks):
             at = (head * n_chunks + c) * BLOCK_R + rows
             weight = tl.exp(tl.load(M + at) - m_max)
             total += weight * tl.load(L + at)
@@ -126,9 +130,10 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         **pdl_options(q.device))
     group = n_rows // n_tokens
     out = q.new_empty(n_tokens, n_kv * group * head_dim)
-    _combine_kernel[(n_kv, block_r // COMBINE_ROWS)](
+    dims = min(COMBINE_DIMS, head_dim)
+    _combine_kernel[(n_kv, block_r // COMBINE_ROWS, head_dim // dims)](
         m, total, acc, out, out.stride(0), n_rows, n_tokens, group,
-        HEAD_DIM=head_dim, BLOCK_R=block_r, ROWS=COMBINE_ROWS, n_chunks=n_chunks, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_R=block_r, ROWS=COMBINE_ROWS, DIMS=dims, n_chunks=n_chunks, num_warps=4,
         **pdl_options(q.device))
     return out
 
