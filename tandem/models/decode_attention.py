@@ -26,7 +26,7 @@ try:
 except ImportError:  # CPU-only installs: the matmul path in Transformer.attend serves every device there
     triton = None
 
-CHUNK = 128  # cache slots per program: 2..32 programs per KV head over spans of 256..4096
+CHUNK = 64  # cache slots per program: 4..64 programs per KV head over spans of 256..4096 (H200: 128 cost 1.5-3% of a step)
 COMBINE_ROWS = 16  # query rows per program of the combining kernel ...
 COMBINE_DIMS = 32  # ... and head dimensions: registers for every chunk's partial at once (see _combine_kernel)
 MAX_ROWS = 64  # query rows (G heads x T tokens) per KV head that one program holds
