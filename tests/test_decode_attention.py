@@ -37,7 +37,7 @@ CHECKS = textwrap.dedent("""
     for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.float16,):
         for n_kv, group, T, D, start, window in [(2, 6, 9, 128, 200, 0), (1, 7, 9, 64, 3, 0), (2, 4, 1, 32, 700, 0),
                                                   (2, 2, 9, 128, 300, 50), (1, 1, 16, 16, 0, 0)]:
-            S = 1024
+            S = 1600  # the longer span below: 25 chunks, more than the combining kernel unrolls at once
             q = rand(1, n_kv, group * T, D, dtype=dtype)
             k, v = rand(1, n_kv, S, D, dtype=dtype), rand(1, n_kv, S, D, dtype=dtype)
             positions = torch.arange(start, start + T, device=device)

@@ -29,6 +29,7 @@ except ImportError:  # CPU-only installs: the matmul path in Transformer.attend 
 CHUNK = 64  # cache slots per program: 4..64 programs per KV head over spans of 256..4096 (H200: 128 cost 1.5-3% of a step)
 COMBINE_ROWS = 16  # query rows per program of the combining kernel ...
 COMBINE_DIMS = 32  # ... and head dimensions: registers for every chunk's partial at once (see _combine_kernel)
+COMBINE_UNROLL = 16  # chunks the combining kernel reads at once: spans up to 1024 slots in one round trip
 MAX_ROWS = 64  # query rows (G heads x T tokens) per KV head that one program holds
 
 
@@ -77,21 +78,22 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(M, L, ACC, OUT, stride_ot, n_rows, n_tokens, group,
                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, DIMS: tl.constexpr,
-                        n_chunks: tl.constexpr, PDL: tl.constexpr):
+                        n_chunks: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)  # see tandem.models.kernel_launch
         head, block, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = block * ROWS + tl.arange(0, ROWS)
         dims = part * DIMS + tl.arange(0, DIMS)
-        # Unrolled (static_range): every chunk's loads are independent of the sums, so they all go out at once, one
-        # round trip to L2 instead of one a chunk (a loop of loads is not pipelined; it waited n_chunks times).
+        # Unrolled by COMBINE_UNROLL: the chunks' loads are independent of the sums, so an unrolled body's go out at
+        # once, one round trip to L2 where a plain loop of loads (not pipelined) waited once a chunk. Not unrolled
+        # whole: at 32k slots (513 chunks) that compiled for over 20 minutes.
         m_max = tl.full([ROWS], float("-inf"), tl.float32)
-        for c in tl.static_range(n_chunks):
+        for c in tl.range(n_chunks, loop_unroll_factor=UNROLL):
             m_max = tl.maximum(m_max, tl.load(M + (head * n_chunks + c) * BLOCK_R + rows))
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         total = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, DIMS], tl.float32)
         # In slot order, one chunk at a time: a chunk no row sees adds 0 * 0, leaving every sum bit-identical.
-        for c in tl.static_range(n_chunks):
+        for c in tl.range(n_chunks, loop_unroll_factor=UNROLL):
             at = (head * n_chunks + c) * BLOCK_R + rows
             weight = tl.exp(tl.load(M + at) - m_max)
             total += weight * tl.load(L + at)
@@ -133,7 +135,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     dims = min(COMBINE_DIMS, head_dim)
     _combine_kernel[(n_kv, block_r // COMBINE_ROWS, head_dim // dims)](
         m, total, acc, out, out.stride(0), n_rows, n_tokens, group,
-        HEAD_DIM=head_dim, BLOCK_R=block_r, ROWS=COMBINE_ROWS, DIMS=dims, n_chunks=n_chunks, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_R=block_r, ROWS=COMBINE_ROWS, DIMS=dims, n_chunks=n_chunks, UNROLL=COMBINE_UNROLL,
+        num_warps=4,
         **pdl_options(q.device))
     return out
 
