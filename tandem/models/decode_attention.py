@@ -26,7 +26,7 @@ try:
 except ImportError:  # CPU-only installs: the matmul path in Transformer.attend serves every device there
     triton = None
 
-CHUNK = 64  # cache slots per program: 4..64 programs per KV head over spans of 256..4096 (H200: 128 cost 1.5-3% of a step)
+CHUNK = 64  # cache slots per program: 4..64 programs per KV head over spans of 256..4096 (128: a step 1.5-3% slower)
 COMBINE_ROWS = 16  # query rows per program of the combining kernel ...
 COMBINE_DIMS = 32  # ... and head dimensions: registers for every chunk's partial at once (see _combine_kernel)
 COMBINE_UNROLL = 16  # chunks the combining kernel reads at once: spans up to 1024 slots in one round trip
