@@ -28,7 +28,7 @@ except ImportError:  # CPU-only installs: the matmul path in Transformer.attend 
 
 CHUNK = 64  # cache slots per program: 4..64 programs per KV head over spans of 256..4096 (128: a step 1.5-3% slower)
 COMBINE_ROWS = 16  # query rows per program of the combining kernel ...
-COMBINE_DIMS = 32  # ... and head dimensions: registers for every chunk's partial at once (see _combine_kernel)
+COMBINE_DIMS = 32  # ... and head dimensions: registers for COMBINE_UNROLL chunks' partials at once
 COMBINE_UNROLL = 16  # chunks the combining kernel reads at once: spans up to 1024 slots in one round trip
 MAX_ROWS = 64  # query rows (G heads x T tokens) per KV head that one program holds
 
