@@ -14,7 +14,9 @@
 #   vulkan    tandem bench and doctor on llama.cpp's Vulkan backend (NVIDIA's Vulkan driver)
 #   llamacpp  llama.cpp's own llama-server (CUDA): plain and with the draft
 #   hf        tandem plain beside Hugging Face transformers: eager plain and assisted, static-cache compiled plain
-#   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8
+#   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8 (or one of them:
+#             synthdoctor, synthbench; as two device calls each fits the 10-minute limit, the second one compiling
+#             from the first one's cache)
 # Carried paths (.whl .gl .vk .xfer/...) are listed in .git/info/exclude; see the results README for how to make them.
 set -u
 phase=$1
@@ -102,11 +104,13 @@ hf)
         --prompts code,summary \
         --json $OUT/bench_hf.json 2>&1 | grep --line-buffered -v Warn | tail -25
     ;;
-synthetic)
+synthetic|synthdoctor)
     tandem doctor --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --device cuda --json > $OUT/doctor_synth_32b.json \
         2>$OUT/doctor_synth.err
     python3 -c "import json; d = json.load(open('$OUT/doctor_synth_32b.json')); print({k: d[k] for k in \
         ('paired_over_standalone', 'target_step_ms', 'draft_step_ms_paired', 'best_draft_len', 'verdict')})"
+    ;;&
+synthetic|synthbench)
     # stderr kept whole: a run of 2026-12-03f died with a C++ exception whose message a `tail` had cut off.
     tandem bench --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --synthetic-acceptance 0.8 --device cuda \
         --max-tokens 256 --configs plain,adaptive,fixed8 --json $OUT/bench_synth_32b.json >$OUT/bench_synth.txt \

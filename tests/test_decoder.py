@@ -278,6 +278,33 @@ def test_run_ahead_plain_steps_change_no_token(pair64, run_ahead):
         SpeculativeDecoder(target, SamplingParams(), run_ahead=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's read-back path needs a GPU")
+def test_run_ahead_on_the_gpu_changes_no_token(tiny_model_path):
+    # On a GPU, queued plain steps land their tokens in pinned host slots reused from run to run of steps.
+    target = tandem.load(tiny_model_path(seed=5), dtype="float32", device="cuda", graphs=True)
+    ids = target.tokenizer.encode(PROMPTS[1])
+    reference = [t for chunk in SpeculativeDecoder(target, SamplingParams(), max_tokens=40, run_ahead=1).run(ids)
+                 for t in chunk]
+    stop_at = next(i for i in range(10, 40) if reference[i] not in reference[:i])
+    for max_tokens, stop, expect in ((40, [], reference), (13, [], reference[:13]),
+                                     (40, [reference[stop_at]], reference[:stop_at])):
+        dec = SpeculativeDecoder(target, SamplingParams(), max_tokens=max_tokens, stop_token_ids=stop, run_ahead=8)
+        assert [t for chunk in dec.run(ids) for t in chunk] == expect, (max_tokens, stop)
+
+
+def test_a_target_id_beyond_the_drafts_vocabulary_is_lossless(tiny_model_path):
+    # Qwen2.5-32B pads its vocabulary to 152064, its small drafts to 151936: a target's id the draft cannot embed
+    # (ids past the draft's rows) once crashed the draft's forward (an H200 run, random weights, 256 tokens).
+    target = tandem.load(tiny_model_path(seed=3, vocab_size=400), dtype="float64")
+    draft = tandem.load(tiny_model_path(seed=3), dtype="float64")
+    assert draft.vocab_size < target.vocab_size
+    ids = target.tokenizer.encode(PROMPTS[0])
+    reference = run(target, ids, max_tokens=40).tokens
+    assert max(reference) >= draft.vocab_size  # the case under test happens
+    for k in (1, 4):
+        assert run(target, ids, draft=draft, k=k, max_tokens=40).tokens == reference
+
+
 def test_stop_string(pair64):
     target, draft = pair64
     full = run(target, PROMPTS[2], max_tokens=30)

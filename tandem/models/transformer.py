@@ -114,7 +114,8 @@ class Transformer(torch.nn.Module):
             out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.attn_scale)
-        return out.view(1, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(1, T, self.q_width)
+        # reshape: CUDA SDPA may return its output laid out [B, T, H, D] (strided), which no view regroups.
+        return out.reshape(1, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(1, T, self.q_width)
 
     def project_qkv(self, h: torch.Tensor, p: str, rope: torch.Tensor, positions: torch.Tensor,
                     cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:

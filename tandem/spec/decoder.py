@@ -58,6 +58,11 @@ class SpeculativeDecoder:
         self.run_ahead = run_ahead if run_ahead is not None else RUN_AHEAD if self.device.type == "cuda" else 1
         if self.run_ahead < 1:
             raise ValueError(f"run_ahead must be >= 1, got {run_ahead}")
+        # Where plain steps' tokens land on the host (see _plain_steps): made once, not a pinned tensor and an event
+        # a step. Reusing a slot is safe: its next copy is queued on the same stream, after the last one was read.
+        if self.device.type == "cuda":
+            self._landing = torch.empty(self.run_ahead, dtype=torch.long, pin_memory=True)
+            self._landed_events = [torch.cuda.Event() for _ in range(self.run_ahead)]
         self.finish_reason: str | None = None
         self.stats = GenerationStats(
             proposer=proposer.name if proposer else "none", policy=self.policy.name if proposer else "none"
@@ -121,8 +126,9 @@ class SpeculativeDecoder:
         def queue(pending: torch.Tensor) -> torch.Tensor:
             pending = next_token(target_seq.forward(pending, logits="last"), self.sampling, generator)
             if pending.is_cuda:  # into pinned memory, or the copy would wait for the queue to drain
-                host, event = torch.empty(pending.shape, dtype=pending.dtype, pin_memory=True), torch.cuda.Event()
-                host.copy_(pending, non_blocking=True)
+                slot = len(landed)
+                host, event = self._landing[slot : slot + 1], self._landed_events[slot]
+                host.copy_(pending.view(1), non_blocking=True)
                 event.record()
                 landed.append((host, event))
             else:

@@ -82,6 +82,11 @@ class DraftModelProposer(Proposer):
         k = min(k, self.seq.capacity - self.seq.length - len(catch_up) + 1)
         if k <= 0:
             return Proposal(torch.empty(0, dtype=torch.long, device=self.target_device), None)
+        if any(t >= self.draft.vocab_size for t in catch_up):
+            # A target with a wider (padded) vocabulary emitted an id the draft has no embedding for (Qwen2.5-32B
+            # has 152064 rows, its 0.5B-3B drafts 151936; a random 32B emits one every ~1200 tokens): feed the draft
+            # a stand-in. Its proposals after it may be worse; the target still verifies every one.
+            catch_up = [t if t < self.draft.vocab_size else 0 for t in catch_up]
         logits = self.seq.forward(catch_up, logits="last")
         drawn, dists = [], []
         for i in range(k):
