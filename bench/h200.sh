@@ -113,7 +113,8 @@ synthetic|synthdoctor)
 synthetic|synthbench)
     # stderr kept whole: a run of 2026-12-03f died with a C++ exception whose message a `tail` had cut off.
     tandem bench --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --synthetic-acceptance 0.8 --device cuda \
-        --max-tokens 256 --configs plain,adaptive,fixed8 --json $OUT/bench_synth_32b.json >$OUT/bench_synth.txt \
+        --max-tokens 256 --configs plain,adaptive,fixed8 --json $OUT/bench_synth_32b.json \
+        --plot $OUT/bench_synth_32b.png >$OUT/bench_synth.txt \
         2>$OUT/bench_synth.err
     tail -15 $OUT/bench_synth.txt; grep -v Warn $OUT/bench_synth.err | grep -m 5 -i -B 2 -A 3 "error\|exception"
     ;;
