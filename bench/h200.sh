@@ -111,7 +111,8 @@ synthetic|synthdoctor)
         ('paired_over_standalone', 'target_step_ms', 'draft_step_ms_paired', 'best_draft_len', 'verdict')})"
     ;;&
 synthetic|synthbench)
-    # stderr kept whole: a run of 2026-12-03f died with a C++ exception whose message a `tail` had cut off.
+    # stderr kept whole: runs of 2026-12-03f and 04e died with a device-side assert (the draft embedding a target id
+    # past its rows, fixed since: h200-2026-12-04e) whose message a `tail` had cut off.
     tandem bench --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --synthetic-acceptance 0.8 --device cuda \
         --max-tokens 256 --configs plain,adaptive,fixed8 --json $OUT/bench_synth_32b.json \
         --plot $OUT/bench_synth_32b.png >$OUT/bench_synth.txt \
