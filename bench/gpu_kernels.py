@@ -12,6 +12,7 @@ import argparse
 import itertools
 import os
 import statistics
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -155,12 +156,8 @@ def sweep_split_k(name: str, T: int) -> None:
         _, (slices, bn, bk, stages) = min(results)
         fp.SPLIT_SLICES, fp.SPLIT_BLOCK_N, fp.SPLIT_BLOCK_K = slices, bn, bk
         fp.SPLIT_LAUNCH = dict(num_warps=4, num_stages=stages)
-        pdl, os.environ["TANDEM_PDL"] = os.environ.get("TANDEM_PDL"), "0"
-        print(f"  {what} the best without PDL: {split_k_us():.2f} us/layer", flush=True)
-        if pdl is None:  # as the caller set it, for the sweeps after this one
-            os.environ.pop("TANDEM_PDL")
-        else:
-            os.environ["TANDEM_PDL"] = pdl
+        with mock.patch.dict(os.environ, {"TANDEM_PDL": "0"}):  # then as the caller set it, for later sweeps
+            print(f"  {what} the best without PDL: {split_k_us():.2f} us/layer", flush=True)
 
 
 def main() -> None:
