@@ -59,6 +59,81 @@ class Sequence(ABC):
             raise ValueError(f"cannot rewind to {length}: the cache holds {self.length} tokens")
 
 
+class BatchedCache(ABC):
+    """KV memory for up to `slots` sequences of one model, one per slot; one forward serves any subset of them.
+
+    The batched engine owns one per model (target, draft). Each slot is a sequence as `Sequence` describes it:
+    positions 0..length(slot)-1 hold its tokens, rewinding is O(1). Backends that cannot put several sequences in
+    one forward yet run them one after another (`SequentialCache`); the engine's results are the same.
+    """
+
+    slots: int  # sequences it holds at most
+    capacity: int  # tokens a sequence may hold
+    can_copy: bool = False  # whether copy_prefix can copy KV between slots
+
+    @abstractmethod
+    def length(self, slot: int) -> int: ...
+
+    @abstractmethod
+    def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
+        """Feed each (slot, tokens) of batch at that slot's next positions, every slot at most once, in one forward
+        where the backend can. Returns per entry its logits: [T, vocab], or [1, vocab] where last_only[i].
+        Raises ContextOverflowError (and changes nothing) when a slot would pass its capacity."""
+
+    @abstractmethod
+    def rewind(self, slot: int, length: int) -> None:
+        """Forget every position >= length of that slot."""
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> bool:
+        """Make dst hold src's first `length` positions (dst's length becomes `length`); False where the backend
+        cannot copy KV between sequences (the caller then recomputes them)."""
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        """KV memory this cache holds, in bytes (0 where unknown)."""
+        return 0
+
+    def close(self) -> None:
+        """Free the memory."""
+
+    def _check(self, batch: Seq[tuple[int, Seq[int]]]) -> None:
+        slots = [slot for slot, _ in batch]
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
+            raise ValueError(f"a batch names each slot in [0, {self.slots}) at most once, got {slots}")
+        for slot, tokens in batch:
+            if not len(tokens):
+                raise ValueError(f"slot {slot}: a forward needs at least one token")
+            if self.length(slot) + len(tokens) > self.capacity:
+                raise ContextOverflowError(
+                    f"slot {slot}: {self.length(slot)} tokens in the cache + {len(tokens)} new exceeds the context "
+                    f"of {self.capacity} tokens by {self.length(slot) + len(tokens) - self.capacity}")
+
+
+class SequentialCache(BatchedCache):
+    """A slot per `Sequence` of the model, run one after another: the batched engine on any backend."""
+
+    def __init__(self, model: Model, slots: int, capacity: int, drafting: bool = False) -> None:
+        self.slots, self.capacity = slots, capacity
+        self.sequences = [model.new_sequence(capacity, drafting=drafting) for _ in range(slots)]
+
+    def length(self, slot: int) -> int:
+        return self.sequences[slot].length
+
+    def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
+        self._check(batch)
+        return [self.sequences[slot].forward(tokens, logits="last" if last else "all")
+                for (slot, tokens), last in zip(batch, last_only, strict=True)]
+
+    def rewind(self, slot: int, length: int) -> None:
+        self.sequences[slot].rewind(length)
+
+    def close(self) -> None:
+        for seq in self.sequences:
+            seq.close()
+        self.sequences = []
+
+
 class Model(ABC):
     """Loaded weights, their tokenizer and the means to open KV caches over them."""
 
@@ -76,6 +151,15 @@ class Model(ABC):
         drafting=True sizes it for a draft model: one-token steps and short catch-ups, whose numerics need match
         nothing (a target's forwards must give a token the same logits however many tokens share the forward).
         """
+
+    def new_batched_cache(self, slots: int, n_ctx: int | None = None, drafting: bool = False) -> BatchedCache:
+        """KV memory for `slots` sequences of up to n_ctx tokens each (default self.n_ctx), for the batched engine."""
+        return SequentialCache(self, slots, n_ctx or self.n_ctx, drafting)
+
+    def kv_bytes_per_token(self) -> int:
+        """KV memory one token of one sequence takes (keys and values of every layer); sizes the engine's pool."""
+        c = self.config
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
 
     def logits(self, ids: Seq[int]) -> torch.Tensor:
         """Logits [len(ids), vocab] for ids from position 0, in a fresh cache: no side effects on any other."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from tandem.backends.base import Model, Sequence
+from tandem.backends.base import BatchedCache, Model, Sequence
 from tandem.cache import KVCache
 from tandem.config import ModelConfig
 from tandem.loading.gguf import open_gguf
@@ -142,14 +142,20 @@ class StepGraph:
         return logits[n - 1 : n] if last_only else logits[:n]
 
 
+def cache_slots(capacity: int, rows: int = GRAPH_ROWS) -> int:
+    """Cache slots a sequence of `capacity` tokens takes: room for a padded forward's rows past its last real
+    position, rounded for aligned attention matmuls."""
+    return -(-(capacity + rows) // SLOT_ALIGN) * SLOT_ALIGN
+
+
 class TorchSequence(Sequence):
-    def __init__(self, model: TorchModel, capacity: int, rows: int, graphs: bool = True) -> None:
+    def __init__(self, model: TorchModel, capacity: int, rows: int, graphs: bool = True,
+                 cache: KVCache | None = None) -> None:
+        """cache: a row of a pool (TorchBatchedCache) to use instead of a cache of its own."""
         self.model = model
         self.capacity = capacity
         self.rows = rows
-        # Room for a padded forward's rows past the last real position, rounded for aligned attention matmuls.
-        slots = -(-(capacity + rows) // SLOT_ALIGN) * SLOT_ALIGN
-        self.cache: KVCache = model.transformer.new_cache(slots)
+        self.cache: KVCache = cache if cache is not None else model.transformer.new_cache(cache_slots(capacity, rows))
         self.graphs = StepGraph(model, self.cache, rows) if model.use_graphs and graphs else None
         if self.graphs is not None:
             self.graphs.capture_all()
@@ -205,6 +211,71 @@ class TorchSequence(Sequence):
         self.model.release(self)
 
 
+class TorchBatchedCache(BatchedCache):
+    """One pool of KV memory, [slots, H_kv, S, D] a layer, each slot a sequence with a static cache of its own.
+
+    A batch of one sequence runs that slot's TorchSequence (graphed on CUDA, the fused kernels); several run as one
+    ragged forward (Transformer.forward_ragged): the weights are read once for every sequence in the batch.
+    Per-slot static caches rather than paged blocks: positions stay absolute (rewind moves a length, graphs keep
+    their shapes), at the price of reserving a whole context a slot (docs/batching.md).
+    """
+
+    can_copy = True
+
+    def __init__(self, model: TorchModel, slots: int, capacity: int) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.model, self.slots, self.capacity = model, slots, capacity
+        self.pool = model.transformer.new_cache(cache_slots(capacity), sequences=slots)
+        self.sequences = [TorchSequence(model, capacity, GRAPH_ROWS, graphs=model.use_graphs, cache=self.pool.row(b))
+                          for b in range(slots)]
+
+    def length(self, slot: int) -> int:
+        return self.sequences[slot].cache.length
+
+    def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
+        self._check(batch)
+        if len(batch) == 1:
+            (slot, tokens), last = batch[0], last_only[0]
+            return [self.sequences[slot].forward(tokens, logits="last" if last else "all")]
+        device = self.model.torch_device
+        tokens, positions, rows, spans, out_rows, counts = [], [], [], [], [], []
+        for (slot, ids), last in zip(batch, last_only, strict=True):
+            begin, start, n = len(tokens), self.length(slot), len(ids)
+            tokens.extend(int(t) for t in ids)
+            positions.extend(range(start, start + n))
+            rows.extend([slot] * n)
+            spans.append((begin, begin + n, slot, start + n))
+            out_rows.extend([begin + n - 1] if last else range(begin, begin + n))
+            counts.append(1 if last else n)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)
+        with torch.inference_mode():
+            logits = self.model.transformer.forward_ragged(as_tensor(tokens), as_tensor(positions), as_tensor(rows),
+                                                           spans, self.pool.k, self.pool.v, as_tensor(out_rows))
+        for (slot, ids) in batch:
+            self.sequences[slot].cache.length += len(ids)
+        return list(logits.split(counts))
+
+    def rewind(self, slot: int, length: int) -> None:
+        self.sequences[slot].rewind(length)
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> bool:
+        if not 0 <= length <= self.length(src):
+            raise ValueError(f"cannot copy {length} positions: slot {src} holds {self.length(src)}")
+        if src != dst:
+            for t in self.pool.k + self.pool.v:  # [B, H_kv, S, D]
+                t[dst, :, :length].copy_(t[src, :, :length])
+        self.sequences[dst].cache.length = length
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    def close(self) -> None:
+        self.sequences, self.pool = [], None
+
+
 class TorchModel(Model):
     backend = "torch"
 
@@ -255,6 +326,16 @@ class TorchModel(Model):
             seq.cache.length = 0
             return seq
         return TorchSequence(self, capacity, GRAPH_ROWS)
+
+    def new_batched_cache(self, slots: int, n_ctx: int | None = None, drafting: bool = False) -> TorchBatchedCache:
+        capacity = n_ctx or self.n_ctx
+        if capacity > self.n_ctx:
+            raise ValueError(f"sequences of {capacity} tokens exceed this model's n_ctx={self.n_ctx}")
+        return TorchBatchedCache(self, slots, capacity)
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.dtype.itemsize
 
     def logits(self, ids: Seq[int]) -> torch.Tensor:
         # Eager, in a cache of its own: a graph's output buffer would be overwritten by the next replay.

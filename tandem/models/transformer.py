@@ -79,9 +79,9 @@ class Transformer(torch.nn.Module):
         self.arrivals = torch.zeros(fused_projections.split_k_tiles(c.d_model), dtype=torch.int32,
                                     device=self.device)
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, sequences: int = 1) -> KVCache:
         c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device, sequences)
 
     def attention_bias(self, positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
         """[G*T, kv_len] additive mask, 0 where query at positions[t] may see key j (causal, within the window if
@@ -118,9 +118,10 @@ class Transformer(torch.nn.Module):
         return out.reshape(1, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(1, T, self.q_width)
 
     def project_qkv(self, h: torch.Tensor, p: str, rope: torch.Tensor, positions: torch.Tensor,
-                    cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
-        """q, k, v of h [1, T, d]; k and v rotated and written into the layer's cache at positions. Returns q
-        rotated, [1, H, T, D]. (tandem.models.fused_projections does all of it in one kernel on the GPU.)"""
+                    cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """q, k, v of h [1, T, d]; k and v rotated and written into the layer's cache at positions (of cache row
+        slots[t] where given: a pool of sequences). Returns q rotated, [1, H, T, D]. (tandem.models.fused_projections
+        does all of it in one kernel on the GPU.)"""
         c, w, T = self.config, self.w, h.shape[1]
         qkv = F.linear(h, w[p + "attn_qkv.weight"])  # one matmul for q, k and v
         if p + "attn_qkv.bias" in w:
@@ -137,9 +138,13 @@ class Transformer(torch.nn.Module):
         cos, sin = rope  # [T, D/2] each
         q = apply_rope(q, cos, sin, c.rope_interleaved)
         k = apply_rope(k, cos, sin, c.rope_interleaved)
-        # index_copy_: one kernel, and capturable (no host-side indexing).
-        cache_k.index_copy_(2, positions, k)
-        cache_v.index_copy_(2, positions, v)
+        if slots is None:
+            # index_copy_: one kernel, and capturable (no host-side indexing).
+            cache_k.index_copy_(2, positions, k)
+            cache_v.index_copy_(2, positions, v)
+        else:  # [B, S, H_kv, D] views take a row [H_kv, D] per (slot, position)
+            cache_k.transpose(1, 2).index_put_((slots, positions), k[0].transpose(0, 1))
+            cache_v.transpose(1, 2).index_put_((slots, positions), v[0].transpose(0, 1))
         return q
 
     def add_projection(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, post_norm: str,
@@ -212,6 +217,50 @@ class Transformer(torch.nn.Module):
 
         x = x[0, -1:] if last_only else x[0]  # [T, d]
         x = rms_norm(x, w["output_norm.weight"], c.rms_eps)
+        logits = F.linear(x, self.output)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+
+    def forward_ragged(
+        self,
+        tokens: torch.Tensor,  # [N] int64: every sequence's rows, one sequence after another
+        positions: torch.Tensor,  # [N] int64, each row's position in its own sequence
+        slots: torch.Tensor,  # [N] int64, the cache row (sequence) each token belongs to
+        spans: list[tuple[int, int, int, int]],  # per sequence: (first row, end row, slot, keys it attends over)
+        cache_k: list[torch.Tensor],  # per layer [B_pool, H_kv, S, D], one row a sequence
+        cache_v: list[torch.Tensor],
+        out_rows: torch.Tensor,  # [M] int64, the rows to project to logits
+    ) -> torch.Tensor:  # [M, V] float32 (float64 for float64 models)
+        """Several sequences in one forward, each at its own position with its own number of rows: the
+        projections and the MLP run over all N rows at once (one read of the weights for every sequence), the
+        attention sequence by sequence over its own cache row. The eager path of `forward`, generalised; a batch of
+        one sequence runs `forward` itself (the backends' choice), whose GPU kernels this does not use yet."""
+        c, w = self.config, self.w
+        x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [1, N, d]
+        masks = []  # per span: (global bias, local bias), each [G*T, kv_len]
+        for begin, end, _, kv_len in spans:
+            pos = positions[begin:end]
+            full = self.attention_bias(pos, kv_len, None)
+            masks.append((full, self.attention_bias(pos, kv_len, c.sliding_window) if c.sliding_window else full))
+        for i in range(c.n_layers):
+            p = f"blk.{i}."
+            local = c.is_local_layer(i)
+            rope = self.rope_local if local else self.rope_global
+            h = rms_norm(x, None, c.rms_eps)  # attn_norm's scale is in attn_qkv
+            q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i], slots)  # [1, H, N, D]
+            attn = torch.cat([
+                self.attend(q[:, :, begin:end], cache_k[i][slot : slot + 1, :, :kv_len],
+                            cache_v[i][slot : slot + 1, :, :kv_len], mask[local], positions[begin:end],
+                            c.sliding_window if local else 0)
+                for (begin, end, slot, kv_len), mask in zip(spans, masks, strict=True)
+            ], dim=1)  # [1, N, H*D]
+            x, _ = self.add_projection(x, attn, w[p + "attn_output.weight"], p + "post_attention_norm.weight",
+                                       False, False)
+            h = rms_norm(x, None, c.rms_eps)  # ffn_norm's scale is in ffn_gate_up
+            gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)
+            x, _ = self.add_projection(x, self.act(gate) * up, w[p + "ffn_down.weight"], p + "post_ffw_norm.weight",
+                                       False, False)
+        x = rms_norm(x[0, out_rows], w["output_norm.weight"], c.rms_eps)  # [M, d]
         logits = F.linear(x, self.output)
         return logits if logits.dtype == torch.float64 else logits.float()
 

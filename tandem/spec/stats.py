@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class GenerationStats:
-    prompt_tokens: int = 0  # tokens of the prompt fed to the target
+    prompt_tokens: int = 0  # tokens of the prompt (those reused from an earlier request's KV included)
+    cached_tokens: int = 0  # of those, tokens whose KV an earlier request left (prefix reuse), not recomputed
     generated_tokens: int = 0  # tokens returned to the caller
     draft_tokens: int = 0  # draft tokens proposed to the verifier, over the whole generation
     accepted_tokens: int = 0  # of those, kept by the verifier

@@ -1,0 +1,351 @@
+"""The batched engine: every running request advances in one step, one target forward for all of them.
+
+A step: admit waiting requests into free KV slots (reusing any prompt prefix a slot holds), let the planner pick
+each decoding sequence's draft length from the measured batched costs, draft for all drafting sequences together
+(one draft forward a draft position), then one target forward over every sequence's pending token and drafts plus
+a chunk of the prompts still prefilling, verify each sequence on its own rows with its own generator, and roll each
+slot back past what its verifier rejected. One host synchronisation a step reads every sequence's result. Plain
+decoding is the same step with k = 0; the batch, the drafts and the prompts all share it.
+
+Requests never see each other: each has its own slot, positions, sampling generator and acceptance estimate, so a
+request's output is the one it gets alone (exactly, greedy, where the backend's forward is batch-invariant: see
+docs/batching.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from tandem.backends.base import ContextOverflowError, Model
+from tandem.engine import planner
+from tandem.engine.kv_pool import SlotTable, common_prefix
+from tandem.engine.sequence import Generation, GenerationChunk, GenerationResult, Request
+from tandem.sampling import next_token, probs_from_logits, sample
+from tandem.spec.compat import check_compatible
+from tandem.spec.verify import verify_greedy, verify_sampled, verify_synthetic
+
+log = logging.getLogger("tandem.engine")
+
+DEFAULT_SLOTS = 4
+DEFAULT_DRAFT_MAX = 8
+PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
+KV_MEMORY_FRACTION = 0.5  # default KV budget: this fraction of the device's free memory at start-up
+STEADY_CATCH_UP = 2  # a draft taking in at most this many tokens before drafting is drafting steadily
+
+
+class Engine:
+    """Continuous batching with speculation per sequence. `add` requests, call `step` until `busy` is False, or
+    call `generate` for a list of prompts.
+
+    Args:
+        target: the model whose output this is.
+        draft: None, a Model of the same tokenizer, or "ngram" (prompt lookup).
+        slots: sequences decoded together at most (the KV pool holds this many contexts).
+        n_ctx: tokens a sequence may hold (default the target's n_ctx).
+        kv_budget_bytes: KV memory for target and draft together; slots shrink to fit (default: a fraction of
+            the free memory). A budget that holds no whole context is an error.
+        draft_max: the most drafts a sequence proposes an iteration.
+        measure_costs: time the batched forwards now, for the adaptive planner (else every drafting request
+            drafts draft_max, as draft_policy "fixed").
+    """
+
+    def __init__(self, target: Model, draft: Model | str | None = None, slots: int = DEFAULT_SLOTS,
+                 n_ctx: int | None = None, kv_budget_bytes: int | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
+                 prefill_chunk: int = PREFILL_CHUNK, synthetic_acceptance: float | None = None,
+                 measure_costs: bool = True) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if draft_max < 0:
+            raise ValueError(f"draft_max must be >= 0, got {draft_max}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.target = target
+        self.n_ctx = n_ctx or target.n_ctx
+        self.draft_model = draft if isinstance(draft, Model) else None
+        if isinstance(draft, str) and draft != "ngram":
+            raise ValueError(f"draft must be a loaded Model, 'ngram' or None, got {draft!r}")
+        if self.draft_model is not None:
+            check_compatible(target, self.draft_model)
+        self.proposer = "draft-model" if self.draft_model else "ngram" if draft == "ngram" else None
+        models = [target] + ([self.draft_model] if self.draft_model else [])
+        self.slots = fit_slots(models, slots, self.n_ctx, kv_budget_bytes)
+        self.target_kv = target.new_batched_cache(self.slots, self.n_ctx)
+        self.draft_kv = self.draft_model.new_batched_cache(self.slots, self.n_ctx, drafting=True) \
+            if self.draft_model else None
+        self.table = SlotTable(self.slots)
+        self.device = torch.device(getattr(target, "torch_device", "cpu"))
+        self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
+        self.synthetic_acceptance = synthetic_acceptance
+        self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
+        self.costs = None
+        if self.proposer and draft_max > 0 and measure_costs:
+            self.costs = planner.measure(self.target_kv, self.draft_kv, draft_max, self._synchronize)
+        self.waiting: deque[Generation] = deque()
+        self.running: list[Generation] = []
+
+    def _synchronize(self) -> None:
+        for model in (self.target, self.draft_model):
+            if model is not None:
+                model.synchronize()
+
+    # --- the caller's side -----------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> Generation:
+        """Queue a request; it joins the running batch at the next step with a free slot."""
+        n, vocab = len(request.prompt), self.target.vocab_size
+        if n >= self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {n} tokens but the context holds {self.n_ctx}, with room for at least one "
+                f"generated token: {n - self.n_ctx + 1} tokens too many")
+        bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of range [0, {vocab})")
+        gen = Generation(request, self.target.tokenizer, self.device, self.draft_max, self.stop_token_ids,
+                         self.proposer)
+        gen.stats.prompt_tokens = n
+        self.waiting.append(gen)
+        return gen
+
+    def cancel(self, gen: Generation) -> None:
+        """Stop a generation: a waiting one leaves the queue now, a running one frees its slot at the next step."""
+        gen.cancelled = True
+        if gen in self.waiting:
+            self.waiting.remove(gen)
+
+    def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
+        """Run requests batched to the end; results in the order given."""
+        gens = [self.add(r) for r in requests]
+        pieces: dict[int, list[str]] = {g.id: [] for g in gens}
+        tokens: dict[int, list[int]] = {g.id: [] for g in gens}
+        while any(g.finish_reason is None for g in gens):
+            for gen, chunk in self.step():
+                if gen.id in pieces:
+                    pieces[gen.id].append(chunk.text)
+                    tokens[gen.id].extend(chunk.tokens)
+        return [GenerationResult("".join(pieces[g.id]), tokens[g.id], g.finish_reason, g.stats) for g in gens]
+
+    # --- one step ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Generation, GenerationChunk]]:
+        """Advance every running sequence by one iteration; returns the chunks produced, in no set order."""
+        for gen in [g for g in self.running if g.cancelled]:
+            self._retire(gen)
+        self._admit()
+        if not self.running:
+            return []
+        started = time.perf_counter()
+        decoding = [g for g in self.running if not g.prefilling]
+        prefills, budget = [], self.prefill_chunk
+        for gen in self.running:
+            if gen.prefilling and budget > 0:
+                rows = gen.tokens[gen.fed : gen.fed + min(gen.prompt_len - gen.fed, budget)]
+                prefills.append((gen, rows))
+                budget -= len(rows)
+        prefill_rows = sum(len(rows) for _, rows in prefills)
+        ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows)
+        self._drafted = None  # (sequences, steps) of a steady batched draft, set by _propose
+        proposals = self._propose(decoding, ks)
+        drafted = time.perf_counter()
+        if self.costs is not None and self._drafted is not None:
+            self.costs.observe_draft(*self._drafted, 1000.0 * (drafted - started))
+
+        batch = [(g.slot, [g.tokens[-1]] + proposals[g.id][0]) for g in decoding]
+        batch += [(g.slot, rows) for g, rows in prefills]
+        last_only = [False] * len(decoding) + [g.fed + len(rows) == g.prompt_len for g, rows in prefills]
+        logits = self.target_kv.forward(batch, last_only)
+        results = []  # device tensors, read back in one transfer: per decoding sequence [n, drafts..., next]
+        for gen, rows in zip(decoding, logits, strict=False):
+            draft_tokens, draft_probs = proposals[gen.id]
+            draft_tokens = torch.tensor(draft_tokens, dtype=torch.long, device=self.device)
+            n_accepted, token = self._verify(gen, draft_tokens, draft_probs, rows)
+            results += [n_accepted.view(1), draft_tokens, token.view(1)]
+        for (gen, _), rows, last in zip(prefills, logits[len(decoding) :], last_only[len(decoding) :], strict=True):
+            if last:  # the prompt is in: its first token
+                results.append(next_token(rows, gen.sampling, gen.generator).view(1))
+        values = torch.cat(results).tolist() if results else []
+        finished = time.perf_counter()
+        draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
+        step_ms = 1000.0 * (finished - started)
+        if self.costs is not None and not prefills:
+            self.costs.observe_target(len(decoding), sum(len(rows) for _, rows in batch), verify_ms)
+
+        events, at = [], 0
+        for gen in decoding:
+            k = len(proposals[gen.id][0])
+            n = values[at]
+            new_tokens = values[at + 1 : at + 1 + n] + [values[at + 1 + k]]
+            at += k + 2
+            self.target_kv.rewind(gen.slot, len(gen.tokens) + n)  # all but the new pending token
+            gen.tokens += new_tokens
+            if self.draft_kv is not None and self.draft_kv.length(gen.slot) > len(gen.tokens) - 1:
+                self.draft_kv.rewind(gen.slot, len(gen.tokens) - 1)
+            gen.stats.record_iteration(k, n)
+            gen.stats.draft_ms += draft_ms if k else 0.0
+            gen.stats.verify_ms += verify_ms
+            gen.stats.decode_ms += step_ms
+            if gen.proposer is not None:
+                gen.observe(k, n)
+            self._deliver(gen, gen.emit(new_tokens), events)
+        for gen, rows in prefills:
+            gen.fed += len(rows)
+            gen.stats.prefill_ms += step_ms
+            if not gen.prefilling:
+                gen.tokens.append(values[at])
+                at += 1
+                if gen.ngram is not None:
+                    gen.ngram.start(gen.request.prompt)
+                self._deliver(gen, gen.emit(gen.tokens[-1:]), events)
+        return events
+
+    def _deliver(self, gen: Generation, tokens: list[int], events: list) -> None:
+        if gen.finish_reason is None and self.target_kv.length(gen.slot) >= self.target_kv.capacity:
+            gen.finish_reason = "length"  # no room left for the pending token
+        chunk = gen.chunk(tokens)
+        if chunk is not None:
+            events.append((gen, chunk))
+        if gen.finish_reason is not None:
+            self._retire(gen)
+
+    # --- admission -------------------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self.waiting and self.table.free:
+            gen = self.waiting.popleft()
+            prompt = gen.request.prompt
+            placement = self.table.place(prompt, self.target_kv.can_copy)
+            slot, limit = placement.slot, len(prompt) - 1
+            own = min(common_prefix(self.table.contents(slot), prompt), limit, self.target_kv.length(slot))
+            reuse = own
+            if placement.copy_from is not None:
+                source = placement.copy_from
+                copied = min(placement.reuse, self.target_kv.length(source))
+                if copied > own:
+                    self.target_kv.copy_prefix(source, slot, copied)
+                    reuse = copied
+                    if self.draft_kv is not None and self.draft_kv.can_copy:
+                        self.draft_kv.copy_prefix(source, slot, min(copied, self.draft_kv.length(source)))
+            self.target_kv.rewind(slot, min(reuse, self.target_kv.length(slot)))
+            if self.draft_kv is not None and self.draft_kv.length(slot) > reuse:
+                self.draft_kv.rewind(slot, reuse if reuse > own else min(own, self.draft_kv.length(slot)))
+            gen.slot, gen.fed = slot, reuse
+            gen.stats.cached_tokens = reuse
+            self.table.occupy(slot, gen.tokens)
+            self.running.append(gen)
+
+    def _retire(self, gen: Generation) -> None:
+        """The sequence leaves the batch; its slot keeps the KV of its tokens for a later prompt to reuse."""
+        self.running.remove(gen)
+        self.table.release(gen.slot, self.target_kv.length(gen.slot))
+
+    # --- drafting and verification -----------------------------------------------------------------------
+
+    def _candidate(self, gen: Generation) -> planner.Candidate | None:
+        if gen.proposer is None:
+            return None
+        room = self.target_kv.capacity - self.target_kv.length(gen.slot)
+        k_max = min(gen.draft_max, gen.request.max_tokens - gen.emitted - 1, room - 1)
+        if k_max <= 0 or (gen.ngram is not None and not gen.ngram.ready(gen.tokens)):
+            return None
+        lag = len(gen.tokens) - self.draft_kv.length(gen.slot) if self.draft_kv is not None else 0
+        return planner.Candidate(gen.acceptance, k_max, max(0, lag - STEADY_CATCH_UP),
+                                 fixed=gen.request.draft_policy == "fixed")
+
+    def _propose(self, decoding: list[Generation], ks: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+        """Draft tokens per sequence (and, sampling, the distributions they were drawn from): prompt lookup on the
+        host; a draft model batched, one forward a draft position over every sequence still drafting."""
+        proposals = {g.id: ([], None) for g in decoding}
+        drafting = {}
+        for gen, k in zip(decoding, ks, strict=True):
+            if k and gen.ngram is not None:
+                proposals[gen.id] = (gen.ngram.propose(gen.tokens, k).tokens.tolist(), None)
+            elif k:
+                drafting[gen.id] = (gen, k)
+        if not drafting:
+            return proposals
+        draft_vocab, target_vocab = self.draft_model.vocab_size, self.target.vocab_size
+        drawn: dict[int, list] = {i: [] for i in drafting}
+        dists: dict[int, list] = {i: [] for i in drafting}
+        # The draft first takes in what it has not seen (1-2 tokens when drafting steadily). An id past its
+        # vocabulary (a target with padded rows) gets a stand-in; the target verifies every proposal anyway.
+        batch = [(g.slot, [t if t < draft_vocab else 0 for t in g.tokens[self.draft_kv.length(g.slot) :]])
+                 for g, _ in drafting.values()]
+        active = list(drafting)
+        logits = self.draft_kv.forward(batch, [True] * len(batch))
+        steps, catching_up = 0, max(len(rows) for _, rows in batch) > STEADY_CATCH_UP
+        while True:
+            steps += 1
+            tokens = []
+            for i, rows in zip(active, logits, strict=True):
+                gen = drafting[i][0]
+                rows = rows[-1:, :target_vocab]  # a wider draft vocabulary must not propose unknown ids
+                if gen.sampling.greedy:
+                    tokens.append(rows.argmax(dim=-1))
+                else:
+                    probs = probs_from_logits(rows, gen.sampling)
+                    tokens.append(sample(probs, gen.draft_generator))
+                    dists[i].append(probs)
+            for i, token in zip(active, torch.cat(tokens).tolist(), strict=True):
+                drawn[i].append(token)
+            active = [i for i in active if len(drawn[i]) < drafting[i][1]]
+            if not active:
+                break
+            logits = self.draft_kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in active], [True] * len(active))
+        self._drafted = None if catching_up else (len(drafting), steps)
+        for i, (gen, _) in drafting.items():
+            probs = None
+            if dists[i]:
+                probs = torch.cat(dists[i])
+                if probs.shape[-1] < target_vocab:  # a narrower draft vocabulary gives q = 0 to the ids it lacks
+                    probs = torch.nn.functional.pad(probs, (0, target_vocab - probs.shape[-1]))
+                probs = probs.to(self.device)
+            proposals[i] = (drawn[i], probs)
+        return proposals
+
+    def _verify(self, gen: Generation, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.synthetic_acceptance is not None and draft_tokens.shape[0]:
+            return verify_synthetic(draft_tokens, logits, self.synthetic_acceptance, gen.generator)
+        if gen.sampling.greedy:
+            return verify_greedy(draft_tokens, logits)
+        return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, gen.sampling), gen.generator)
+
+
+def fit_slots(models: Seq[Model], slots: int, n_ctx: int, budget_bytes: int | None) -> int:
+    """Slots whose KV (every model's, n_ctx tokens each) fits the budget: at most `slots`, at least one, or an
+    error saying what one context needs."""
+    per_slot = sum(m.kv_bytes_per_token() for m in models) * n_ctx
+    explicit = budget_bytes is not None
+    budget = budget_bytes if explicit else default_kv_budget(models[0])
+    if budget is None:
+        return slots
+    fit = budget // per_slot
+    if fit < 1:
+        raise ValueError(f"a KV budget of {budget / 2**20:.0f} MiB holds no context of {n_ctx} tokens: one sequence "
+                         f"needs {per_slot / 2**20:.0f} MiB; raise the budget or lower n_ctx")
+    if fit < slots:
+        log.warning("KV budget %.0f MiB holds %d contexts of %d tokens: %d slots, not %d", budget / 2**20, fit,
+                    n_ctx, fit, slots)
+    return min(slots, fit)
+
+
+def default_kv_budget(model: Model) -> int | None:
+    """KV_MEMORY_FRACTION of the free memory of the model's device (None where unknown)."""
+    device = torch.device(getattr(model, "torch_device", "cpu"))
+    if device.type == "cuda":
+        return int(KV_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return int(KV_MEMORY_FRACTION * available)

@@ -1,0 +1,157 @@
+"""What each running sequence does next: how many tokens it drafts (0 = a plain step in the same forward).
+
+One iteration of a batch of B decoding sequences, of which the set S drafts K tokens each, costs
+    K * c_d(|S|)  +  V(B, R),   R = B + K|S| (+ prompt rows prefilled in the same forward)
+(c_d(n): one batched draft step over n sequences; V(B, R): the target's forward over R rows of B sequences) and
+yields sum_{i in S} E(a_i, K) + (B - |S|) tokens, E(a, k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023). For
+each K the best S of a given size is the sequences of highest acceptance, so the planner tries every K and every
+such prefix and keeps the most tokens per ms; K = 0 (everyone plain) is always a candidate, so by the measured costs
+the batch is never slower than plain decoding. As the batch grows V(B, R) turns compute-bound, extra rows stop being
+free, and drafting turns itself off; it turns back on as the batch drains. Costs are measured per batch size at
+start-up (`measure`) and refined from every step the engine runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from tandem.backends.base import BatchedCache
+from tandem.spec.policy import CostModel, expected_tokens
+
+EWMA_WEIGHT = 0.2  # weight of a new timing in the running estimates
+CONTEXT = 16  # tokens each timed sequence attends over
+REPEATS = 3
+NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
+# A draft that missed tokens (it was off, or the request just started) first takes them in. That cost is charged
+# spread over this many iterations: drafting that pays off afterwards may start, where charging it all to one
+# iteration would keep a draft off for good after a long prompt.
+CATCH_UP_ITERATIONS = 16
+
+
+@dataclass
+class Candidate:
+    """A decoding sequence as the planner sees it."""
+
+    acceptance: float  # its running estimate
+    k_max: int  # most it may draft now (draft_max, max_tokens and context room applied)
+    lag: int = 0  # tokens its draft must take in before drafting (0 for prompt lookup)
+    fixed: bool = False  # drafts k_max whatever the costs say (draft_policy "fixed")
+
+
+@dataclass
+class BatchCosts:
+    """Measured costs in ms. verify[B] holds V(B, R) over total rows R for a batch of B sequences; draft_step[n]
+    one draft step over n sequences; the figures between measured points are interpolated (CostModel.verify)."""
+
+    verify: dict[int, CostModel] = field(default_factory=dict)
+    draft_step: dict[int, float] = field(default_factory=dict)
+    catch_up_ms_per_token: float = 0.0
+
+    @staticmethod
+    def _bucket(table: dict, n: int) -> int:
+        above = [b for b in table if b >= n]
+        return min(above) if above else max(table)
+
+    def target_ms(self, batch: int, rows: int) -> float:
+        return self.verify[self._bucket(self.verify, batch)].verify(rows)
+
+    def draft_ms(self, sequences: int) -> float:
+        if not self.draft_step or sequences == 0:
+            return NGRAM_STEP_MS if sequences else 0.0
+        return self.draft_step[self._bucket(self.draft_step, sequences)]
+
+    def observe_target(self, batch: int, rows: int, ms: float) -> None:
+        if batch not in self.verify:
+            return  # refine measured batch sizes only; others interpolate between them
+        table = self.verify[batch].verify_ms
+        table[rows] = ms if rows not in table else table[rows] + EWMA_WEIGHT * (ms - table[rows])
+
+    def observe_draft(self, sequences: int, steps: int, ms: float) -> None:
+        if sequences in self.draft_step and steps > 0:
+            old = self.draft_step[sequences]
+            self.draft_step[sequences] = old + EWMA_WEIGHT * (ms / steps - old)
+
+
+def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_rows: int = 0) -> list[int]:
+    """Draft length per decoding sequence (None: it cannot draft). extra_rows: prompt rows in the same forward."""
+    ks = [0] * len(candidates)
+    adaptive = []
+    for i, c in enumerate(candidates):
+        if c is None or c.k_max <= 0:
+            continue
+        if c.fixed or costs is None:
+            ks[i] = c.k_max
+        else:
+            adaptive.append(i)
+    if not adaptive:
+        return ks
+    batch = len(candidates)
+    fixed_rows = sum(ks) + batch + extra_rows
+    fixed_drafters = sum(1 for k in ks if k)
+    fixed_tokens = sum(expected_tokens(candidates[i].acceptance, k) if k else 1.0 for i, k in enumerate(ks))
+    order = sorted(adaptive, key=lambda i: -candidates[i].acceptance)
+    steps_fixed = max(ks)
+
+    def ms(steps: int, drafters: int, lag: int, rows: int) -> float:
+        catch_up = lag * costs.catch_up_ms_per_token / CATCH_UP_ITERATIONS
+        return steps * costs.draft_ms(drafters) + catch_up + costs.target_ms(batch, rows)
+
+    best_rate = fixed_tokens / ms(steps_fixed, fixed_drafters, 0, fixed_rows)
+    best = (0, 0)
+    # Every K, and for each the n most accepting candidates drafting min(K, their k_max), sums kept as n grows.
+    for K in range(1, max(candidates[i].k_max for i in adaptive) + 1):
+        tokens, drafts, lag = fixed_tokens, 0, 0
+        for n, i in enumerate(order, 1):
+            k = min(K, candidates[i].k_max)
+            tokens += expected_tokens(candidates[i].acceptance, k) - 1.0
+            drafts, lag = drafts + k, lag + candidates[i].lag
+            rate = tokens / ms(max(K, steps_fixed), fixed_drafters + n, lag, fixed_rows + drafts)
+            if rate > best_rate:
+                best_rate, best = rate, (K, n)
+    K, n = best
+    for i in order[:n]:
+        ks[i] = min(K, candidates[i].k_max)
+    return ks
+
+
+def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchronize) -> BatchCosts:
+    """Time the target's forward over B sequences of 1, 2 and k_max + 1 rows each, and the draft's one-row step
+    over B sequences, for B = 1, 2, 4, ... up to the slots (the caches must be empty: slots are scratch here)."""
+    batches = [1]
+    while batches[-1] * 2 <= target.slots:
+        batches.append(batches[-1] * 2)
+    if batches[-1] != target.slots:
+        batches.append(target.slots)
+    k_max = max(0, min(k_max, target.capacity - CONTEXT - 1))
+    costs = BatchCosts()
+    for b in batches:
+        rows = sorted({1, 2, k_max + 1})
+        costs.verify[b] = CostModel(draft_step_ms=0.0, verify_ms={b * n: _time(target, b, n, synchronize)
+                                                                  for n in rows})
+        if draft is not None:
+            costs.draft_step[b] = _time(draft, b, 1, synchronize)
+    if draft is not None:
+        costs.catch_up_ms_per_token = _time(draft, 1, 8, synchronize) / 8
+    return costs
+
+
+def _time(cache: BatchedCache, batch: int, rows: int, synchronize) -> float:
+    """Median ms of one forward of `rows` tokens in each of `batch` slots, after CONTEXT tokens (the first run is
+    a warm-up); every slot is rewound to empty after."""
+    token = 0
+    slots = list(range(batch))
+    cache.forward([(s, [token] * CONTEXT) for s in slots], [True] * batch)
+    times = []
+    for _ in range(REPEATS + 1):
+        synchronize()
+        started = time.perf_counter()
+        cache.forward([(s, [token] * rows) for s in slots], [False] * batch)
+        synchronize()
+        times.append(1000.0 * (time.perf_counter() - started))
+        for s in slots:
+            cache.rewind(s, CONTEXT)
+    for s in slots:
+        cache.rewind(s, 0)
+    return statistics.median(times[1:])

@@ -1,0 +1,181 @@
+"""One request's state in the batched engine, and what the engine hands back for it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.loading.tokenizer import StreamDecoder, Tokenizer
+from tandem.sampling import SamplingParams, make_generator
+from tandem.spec.proposer import NgramProposer
+from tandem.spec.stats import GenerationStats
+
+# Pseudo-counts (accepted, drafted) a sequence's acceptance estimate starts from and decays back to while it does
+# not draft (the values tandem.spec.policy uses for one request).
+DRAFT_MODEL_PRIOR = (1.4, 2.0)
+NGRAM_PRIOR = (0.5, 2.0)
+ACCEPTANCE_DECAY = 0.9  # per drafting iteration
+IDLE_DECAY = 0.97  # per plain iteration
+
+
+@dataclass
+class GenerationChunk:
+    text: str  # new text since the previous chunk
+    tokens: list[int]  # new token ids since the previous chunk
+    finish_reason: str | None = None  # set on the last chunk: "stop" | "length"
+    stats: GenerationStats | None = None  # set on the last chunk
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]  # generated ids (without the prompt, without a stop token)
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context is full)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass
+class Request:
+    """What a caller asks of the engine: a tokenized prompt and how to continue it."""
+
+    prompt: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    stop: Seq[str] = ()  # strings that end the text (not included)
+    ignore_eos: bool = False
+    speculate: bool = True  # use the engine's proposer, if it has one
+    draft_max: int | None = None  # at most this many drafts an iteration (None: the engine's draft_max)
+    draft_policy: str = "adaptive"  # "adaptive": draft lengths from measured costs; "fixed": always draft_max
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.draft_max is not None and self.draft_max < 0:
+            raise ValueError(f"draft_max must be >= 0, got {self.draft_max}")
+        if self.draft_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"unknown draft policy {self.draft_policy!r}; choose adaptive or fixed")
+
+
+class TextStream:
+    """Token ids -> text, holding back any tail that could still begin a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Seq[str]) -> None:
+        self.detok = StreamDecoder(tokenizer)
+        self.stops = [s for s in stops if s]
+        self.held = ""  # decoded, not yet returned
+        self.stopped = False  # a stop string was found; `held` is the text before it
+
+    def push(self, tokens: Seq[int]) -> str:
+        """Text now safe to return; sets `stopped` (and returns "") when a stop string ended the text."""
+        self.held += "".join(self.detok.push(t) for t in tokens)
+        if self._cut():
+            return ""
+        safe = len(self.held) - _longest_stop_prefix(self.held, self.stops)
+        out, self.held = self.held[:safe], self.held[safe:]
+        return out
+
+    def finish(self) -> str:
+        """The rest of the text once generation ends (cut at a stop string if one is found)."""
+        if not self.stopped:
+            self.held += self.detok.flush()
+            self._cut()
+        out, self.held = self.held, ""
+        return out
+
+    def _cut(self) -> bool:
+        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held, self.stopped = self.held[: min(hits)], True
+        return self.stopped
+
+
+def _longest_stop_prefix(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+_ids = itertools.count()
+
+
+class Generation:
+    """A request inside the engine. Invariant while decoding: the target's slot holds every token of `tokens`
+    but the last (the pending token, which the next forward feeds first); the draft's slot holds a prefix of them."""
+
+    def __init__(self, request: Request, tokenizer: Tokenizer, device: torch.device, draft_max: int,
+                 stop_token_ids: frozenset[int], proposer: str | None) -> None:
+        self.id = next(_ids)
+        self.request = request
+        self.sampling = request.sampling
+        self.tokens = list(request.prompt)  # prompt + generated (every accepted token, past a stop too)
+        self.prompt_len = len(request.prompt)
+        self.fed = 0  # prompt tokens in the target's slot (prefill progress)
+        self.slot: int | None = None
+        self.emitted = 0  # tokens handed to the caller
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.stop_token_ids = frozenset() if request.ignore_eos else stop_token_ids
+        self.text = TextStream(tokenizer, request.stop)
+        self.stats = GenerationStats(proposer=proposer or "none",
+                                     policy=request.draft_policy if proposer else "none")
+        self.proposer = proposer if request.speculate else None  # "draft-model" | "ngram" | None
+        self.draft_max = draft_max if request.draft_max is None else min(request.draft_max, draft_max)
+        self.ngram = NgramProposer(device) if self.proposer == "ngram" else None
+        random = not self.sampling.greedy
+        self.generator = make_generator(self.sampling.seed, device) if random else None
+        seed = None if self.sampling.seed is None else self.sampling.seed + 1
+        self.draft_generator = make_generator(seed, device) if random else None
+        self.prior = NGRAM_PRIOR if self.proposer == "ngram" else DRAFT_MODEL_PRIOR
+        self.accepted, self.drafted = self.prior  # decayed counts of accepted and reached draft positions
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < self.prompt_len
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted
+
+    def observe(self, k: int, n_accepted: int) -> None:
+        """Acceptance evidence from one iteration (k = 0: none; the estimate fades back to the prior)."""
+        if k == 0:
+            self.accepted = self.prior[0] + IDLE_DECAY * (self.accepted - self.prior[0])
+            self.drafted = self.prior[1] + IDLE_DECAY * (self.drafted - self.prior[1])
+            return
+        reached = n_accepted + (1 if n_accepted < k else 0)
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + n_accepted
+        self.drafted = ACCEPTANCE_DECAY * self.drafted + reached
+
+    def emit(self, new_tokens: list[int]) -> list[int]:
+        """New tokens cut at a stop token (not returned) or at max_tokens; sets finish_reason when cut."""
+        out = []
+        for token in new_tokens:
+            if token in self.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+            out.append(token)
+            if self.emitted + len(out) >= self.request.max_tokens:
+                self.finish_reason = "length"
+                break
+        self.emitted += len(out)
+        self.stats.generated_tokens = self.emitted
+        return out
+
+    def chunk(self, tokens: list[int]) -> GenerationChunk | None:
+        """What the caller gets for this iteration's tokens, or None when there is nothing to say yet."""
+        text = self.text.push(tokens)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        if self.finish_reason is not None:
+            return GenerationChunk(text + self.text.finish(), tokens, self.finish_reason, self.stats)
+        return GenerationChunk(text, tokens) if tokens or text else None
