@@ -5,16 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 from tandem.backends.base import Model
-from tandem.loading.tokenizer import StreamDecoder
+from tandem.engine.sequence import GenerationChunk, GenerationResult, TextStream
 from tandem.sampling import SamplingParams
 from tandem.spec.compat import check_compatible
 from tandem.spec.decoder import SpeculativeDecoder
 from tandem.spec.policy import DraftPolicy, FixedPolicy
 from tandem.spec.proposer import DraftModelProposer, NgramProposer, Proposer
-from tandem.spec.stats import GenerationStats
 
 BACKENDS = ("torch", "llama.cpp", "auto")
 DEFAULT_DRAFT_MAX = 8
@@ -68,22 +66,6 @@ def pick_backend(path: str, device: str) -> str:
             raise ValueError(f"device {device!r} needs the llama.cpp backend: pip install 'tandem[llamacpp]'")
         return "torch"
     return "llama.cpp"
-
-
-@dataclass
-class GenerationChunk:
-    text: str  # new text since the previous chunk
-    tokens: list[int]  # new token ids since the previous chunk
-    finish_reason: str | None = None  # set on the last chunk: "stop" | "length"
-    stats: GenerationStats | None = None  # set on the last chunk
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]  # generated ids (without the prompt, without a stop token)
-    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context is full)
-    stats: GenerationStats = field(default_factory=GenerationStats)
 
 
 def _as_model(model: Model | str, **load_options) -> Model:
@@ -152,63 +134,44 @@ def stream_generate(
     decoder = SpeculativeDecoder(target, sampling, proposer, policy, max_tokens=max_tokens,
                                  stop_token_ids=() if ignore_eos else target.tokenizer.eos_token_ids, n_ctx=n_ctx,
                                  synthetic_acceptance=synthetic_acceptance)
-    detok = StreamDecoder(target.tokenizer)
-    text = ""  # decoded text not yet returned, held back while it could still begin a stop string
-    finish, stopped_tokens = None, []
+    text = TextStream(target.tokenizer, stops)
+    stopped_tokens = []
     run = decoder.run(ids)
     try:
         for new_tokens in run:
-            text += "".join(detok.push(t) for t in new_tokens)
-            cut = _find_stop(text, stops)
-            if cut is not None:
-                text, finish, stopped_tokens = text[:cut], "stop", new_tokens
+            piece = text.push(new_tokens)
+            if text.stopped:
+                stopped_tokens = new_tokens
                 break
-            safe = len(text) - _longest_stop_prefix(text, stops)
-            if new_tokens or safe:
-                yield GenerationChunk(text[:safe], new_tokens)
-            text = text[safe:]
-        else:
-            text += detok.flush()
-            cut = _find_stop(text, stops)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
+            if new_tokens or piece:
+                yield GenerationChunk(piece, new_tokens)
     finally:
         run.close()
-    yield GenerationChunk(text, stopped_tokens, finish_reason=finish or decoder.finish_reason or "length",
-                          stats=decoder.stats)
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _longest_stop_prefix(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of text that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
+    rest = text.finish()
+    finish = "stop" if text.stopped else decoder.finish_reason or "length"
+    yield GenerationChunk(rest, stopped_tokens, finish_reason=finish, stats=decoder.stats)
 
 
 def generate(target: Model | str, prompt: str | Seq[int] | None = None, messages: list[dict] | None = None,
-             **options) -> GenerationResult:
+             prompts: Seq[str | Seq[int] | list[dict]] | None = None, **options):
     """Generate text from target, speculatively when a draft is given; the output is the target's own.
 
     Args:
         target: a loaded Model, or a path / registry name to load with defaults.
-        prompt: raw text (no chat template) or token ids; or messages: [{"role": ..., "content": ...}, ...].
+        prompt: raw text (no chat template) or token ids; or messages: [{"role": ..., "content": ...}, ...];
+            or prompts: a list of those, run batched (see `generate_batch`), returning a list of results.
         draft: None (plain decoding), a Model of the same tokenizer, a path/name, or "ngram" (prompt lookup).
         max_tokens, temperature (0 = greedy), top_p, top_k, min_p, seed: as in OpenAI's API; top_k = 0 is off.
         draft_max: the most draft tokens per iteration; draft_policy: "adaptive" (cost model) or "fixed".
         stop: strings that end the generation (not included in the text).
     Returns:
-        GenerationResult with .text, .tokens, .finish_reason and .stats.
+        GenerationResult with .text, .tokens, .finish_reason and .stats (a list of them for prompts=).
     """
     target = _as_model(target)
+    if prompts is not None:
+        if prompt is not None or messages is not None:
+            raise ValueError("give prompts= alone, or one of prompt= and messages=")
+        return generate_batch(target, prompts, **options)
     pieces, tokens = [], []
     final = None
     for chunk in stream_generate(target, prompt=prompt, messages=messages, **options):
@@ -216,3 +179,31 @@ def generate(target: Model | str, prompt: str | Seq[int] | None = None, messages
         tokens.extend(chunk.tokens)
         final = chunk
     return GenerationResult("".join(pieces), tokens, final.finish_reason, final.stats)
+
+
+def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]], draft: Model | str | None = None,
+                   slots: int | None = None, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                   top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                   draft_max: int = DEFAULT_DRAFT_MAX, draft_policy: str = "adaptive",
+                   stop: str | Seq[str] | None = None, n_ctx: int | None = None, ignore_eos: bool = False,
+                   synthetic_acceptance: float | None = None) -> list[GenerationResult]:
+    """Run many prompts together on the batched engine (continuous batching, speculation per sequence), like
+    vLLM's `LLM.generate(prompts)`. Each prompt is text, token ids, or a chat (a list of messages); each result is
+    what `generate` gives for that prompt alone. With a seed, prompt i samples with seed + i."""
+    from tandem.engine import Engine, Request
+
+    target = _as_model(target)
+    if draft is not None and not isinstance(draft, Model) and draft != "ngram":
+        draft = _as_model(draft, device=target.device, backend=target.backend)
+    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    requests = []
+    for i, p in enumerate(prompts):
+        chat = isinstance(p, list) and p and isinstance(p[0], dict)
+        ids = prompt_ids(target, None if chat else p, p if chat else None)
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                  seed=None if seed is None else seed + i)
+        requests.append(Request(ids, sampling, max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
+                                draft_policy=draft_policy))
+    engine = Engine(target, draft, slots=slots or max(1, len(requests)), n_ctx=n_ctx, draft_max=draft_max,
+                    synthetic_acceptance=synthetic_acceptance, measure_costs=draft_policy == "adaptive")
+    return engine.generate(requests)

@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--api-key", default=None)
     s.add_argument("--max-queue", type=int, default=64)
-    s.add_argument("--slots", type=int, default=1, help="requests decoded at once")
+    s.add_argument("--slots", type=int, default=4, help="requests decoded together at most (continuous batching)")
+    s.add_argument("--kv-budget-mib", type=float, default=None,
+                   help="KV memory for all slots' contexts, MiB (default: half the free memory); fewer slots fit less")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get a 413 [4 MiB]")
     s.add_argument("--served-model-name", default=None, help="the model id clients see [--model]")
     s.set_defaults(func=cmd_serve)

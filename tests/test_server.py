@@ -384,15 +384,14 @@ def test_metrics_after_requests(spec_server):
 
 
 def test_unexpected_errors_are_generic_500s_and_the_server_survives(paths, monkeypatch):
-    import tandem.server.app as app_module
+    from tandem.engine import Engine
 
     def broken(*args, **kwargs):
         raise RuntimeError("secret internal detail")
-        yield  # a generator, like stream_generate
 
     app = create_app(load(paths[0]), None)
     with LiveServer(app) as server:
-        monkeypatch.setattr(app_module, "stream_generate", broken)
+        monkeypatch.setattr(Engine, "step", broken)  # a step fails: the batch's requests fail, the server lives
         for stream in (False, True):
             r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream})
             text = r.text

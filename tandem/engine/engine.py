@@ -299,9 +299,10 @@ class Engine:
             active = [i for i in active if len(drawn[i]) < drafting[i][1]]
             if not active:
                 break
-            logits = self.draft_kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in active], [True] * len(active))
+            logits = self.draft_kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in active],
+                                           [True] * len(active))
         self._drafted = None if catching_up else (len(drafting), steps)
-        for i, (gen, _) in drafting.items():
+        for i in drafting:
             probs = None
             if dists[i]:
                 probs = torch.cat(dists[i])

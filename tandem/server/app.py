@@ -30,8 +30,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tandem.api import DEFAULT_DRAFT_MAX, stream_generate
+from tandem.api import DEFAULT_DRAFT_MAX
 from tandem.backends.base import Model
+from tandem.engine import Engine
+from tandem.engine import Request as EngineRequest
+from tandem.sampling import SamplingParams
 from tandem.server import protocol
 from tandem.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -137,14 +140,17 @@ class Server:
     """The endpoints' state: the models, the scheduler, the metrics, the settings."""
 
     def __init__(self, target: Model, draft: Model | str | None, model_name: str, aliases: Seq[str],
-                 draft_max: int, draft_policy: str, api_key: str | None, slots: int, max_queue: int) -> None:
+                 draft_max: int, draft_policy: str, api_key: str | None, slots: int, max_queue: int,
+                 kv_budget_bytes: int | None = None) -> None:
         self.target, self.draft = target, draft
         self.model_name = model_name
         self.model_names = {model_name, *aliases}
         self.draft_max, self.draft_policy = draft_max, draft_policy
         self.api_key = api_key
         self.created = int(time.time())
-        self.scheduler = Scheduler(slots=slots, max_queue=max_queue)
+        self.engine = Engine(target, draft, slots=slots, draft_max=draft_max, kv_budget_bytes=kv_budget_bytes,
+                             measure_costs=draft is not None and draft_policy == "adaptive")
+        self.scheduler = Scheduler(self.engine, max_queue=max_queue)
         self.metrics = ServerMetrics(lambda: self.scheduler.queue_depth, lambda: self.scheduler.active_count)
         self.scheduler.on_finish = self.metrics.observe_generation
         self.scheduler.on_cancel = self.metrics.cancelled.inc
@@ -185,16 +191,19 @@ class Server:
         room = self.target.n_ctx - len(ids)
         requested = req.requested_max_tokens
         enabled, draft_max = req.draft_override()
-        options = dict(
-            prompt=ids, draft=self.draft if enabled else None,
-            max_tokens=min(requested, room) if requested is not None else room,
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-            # The server's draft_max is a ceiling: requests may lower k, not raise it past what the operator chose.
-            stop=req.stop, draft_max=self.draft_max if draft_max is None else min(draft_max, self.draft_max),
-            draft_policy=self.draft_policy,
-        )
-        target = self.target
-        return Job(start=lambda: stream_generate(target, **options), loop=asyncio.get_running_loop())
+        try:
+            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                                      seed=req.seed)
+            request = EngineRequest(
+                ids, sampling, max_tokens=min(requested, room) if requested is not None else room,
+                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []), speculate=enabled,
+                # The server's draft_max is a ceiling: requests may lower k, not raise it past what the operator chose.
+                draft_max=self.draft_max if draft_max is None else min(draft_max, self.draft_max),
+                draft_policy=self.draft_policy,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return Job(request=request, loop=asyncio.get_running_loop())
 
     def submit(self, job: Job) -> None:
         try:
@@ -315,6 +324,7 @@ def create_app(
     max_queue: int = 64,
     slots: int = 1,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    kv_budget_bytes: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `target` (speculatively with `draft`: a Model, "ngram" or None).
 
@@ -324,13 +334,15 @@ def create_app(
         draft_max, draft_policy: the default drafting; requests may lower it or turn it off ("speculative").
         api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health and /metrics stay open).
         max_queue: requests that may wait for a slot; one more gets a 503 with Retry-After.
-        slots: generations decoded at once, round-robin one iteration each (1 = strictly serial).
+        slots: generations decoded together at most, in one batched forward a step (1 = strictly serial).
         max_body_bytes: larger request bodies get a 413 without being read.
+        kv_budget_bytes: KV memory for every slot's context (default: half the free memory); fewer slots fit a
+            smaller budget, and one that holds no whole context is a start-up error.
     The worker thread starts and stops with the app's lifespan.
     """
     file_name = os.path.basename(str(target.path)).removesuffix(".gguf")
     server = Server(target, draft, model_name or file_name, [*aliases, file_name, str(target.path)], draft_max,
-                    draft_policy, api_key, slots, max_queue)
+                    draft_policy, api_key, slots, max_queue, kv_budget_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -436,6 +448,7 @@ def serve(args) -> int:
         target, draft, model_name=getattr(args, "served_model_name", None) or args.model, aliases=[args.model],
         draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,
         slots=args.slots, max_body_bytes=getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
+        kv_budget_bytes=int(args.kv_budget_mib * 2**20) if getattr(args, "kv_budget_mib", None) else None,
     )
     # One short generation first: kernels warm up and the adaptive policy measures its costs before any client waits.
     first = target.tokenizer.bos_token_id or 0

@@ -1,13 +1,13 @@
-"""One worker thread that owns every model call, a bounded FIFO queue in front of it, and N decode slots.
+"""One worker thread that owns every model call: a bounded FIFO queue in front of the batched engine.
 
-The models are not thread-safe, so all model work happens on this one thread. Each request is a `Job` whose
-generation is a `tandem.stream_generate` iterator: it owns its own SpeculativeDecoder and KV sequences, so requests
-share no cache state, and closing the iterator frees its sequences. The worker keeps up to `slots` generations
-active and advances them round-robin, one decode iteration each, so concurrent streams all progress (slots=1 is
-strictly serial). Admission is first come, first served.
+The models are not thread-safe, so all model work happens on this one thread. It hands waiting jobs to the engine
+(tandem.engine.Engine) while the engine has a free slot, then runs engine steps: every admitted request advances in
+the same batched forward, new requests join at step boundaries, finished and cancelled ones leave at once (their
+slot keeps its KV for a later prompt with the same prefix). Admission is first come, first served; `max_queue`
+jobs may wait for a slot, one more is refused (the server answers 503).
 
 Chunks go back to the event loop with `loop.call_soon_threadsafe` into the job's asyncio.Queue; a client that goes
-away marks its job cancelled, and the worker closes that generation at its next turn.
+away marks its job cancelled, and the worker drops it from the batch at its next step.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.api import GenerationChunk
+from tandem.engine import Engine, GenerationChunk, Request
+from tandem.engine.sequence import Generation
 from tandem.spec.stats import GenerationStats
 
 log = logging.getLogger("tandem.server")
@@ -46,13 +47,13 @@ class Event:
 
 @dataclass
 class Job:
-    """A request's generation. `start` is called on the worker thread and returns the chunk iterator."""
+    """A request's generation: what to run (`request`) and where its events go (`loop`, `events`)."""
 
-    start: Callable[[], Iterator[GenerationChunk]]
+    request: Request
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     enqueued_at: float = field(default_factory=time.perf_counter)
-    queue_ms: float = 0.0  # time from submit to admission into a slot
+    queue_ms: float = 0.0  # time from submit to admission into the engine
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def send(self, event: Event) -> None:
@@ -63,26 +64,20 @@ class Job:
             self.cancelled.set()
 
 
-@dataclass
-class _Active:
-    job: Job
-    generation: Iterator[GenerationChunk]
-
-
 class Scheduler:
-    """FIFO queue + worker thread. `submit` from the event loop; `cancel` from anywhere."""
+    """FIFO queue + worker thread driving an Engine. `submit` from the event loop; `cancel` from anywhere."""
 
-    def __init__(self, slots: int = 1, max_queue: int = 64,
+    def __init__(self, engine: Engine, max_queue: int = 64,
                  on_finish: Callable[[GenerationStats, float], None] | None = None,
-                 on_cancel: Callable[[], None] | None = None) -> None:
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
+                 on_cancel: Callable[[], None] | None = None,
+                 on_step: Callable[[int], None] | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.slots, self.max_queue = slots, max_queue
-        self.on_finish, self.on_cancel = on_finish, on_cancel
+        self.engine, self.max_queue = engine, max_queue
+        self.slots = engine.slots
+        self.on_finish, self.on_cancel, self.on_step = on_finish, on_cancel, on_step
         self._waiting: deque[Job] = deque()
-        self._active: list[_Active] = []  # touched only by the worker; others read its length
+        self._active: dict[int, tuple[Job, Generation]] = {}  # touched only by the worker; others read its length
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -119,7 +114,7 @@ class Scheduler:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: drop the job if it still waits, else the worker closes it at its next turn."""
+        """The client is gone: drop the job if it still waits, else the worker drops it at its next step."""
         if job.cancelled.is_set():
             return
         job.cancelled.set()
@@ -128,6 +123,7 @@ class Scheduler:
                 self._waiting.remove(job)
             except ValueError:
                 pass
+            self._cond.notify()
 
     # --- the worker thread ----------------------------------------------------------------------------------
 
@@ -138,10 +134,12 @@ class Scheduler:
                     self._cond.wait(IDLE_WAIT_S)
                 if self._stopping:
                     break
-                while self._waiting and len(self._active) < self.slots:
-                    self._admit(self._waiting.popleft())
-            for active in list(self._active):
-                self._step(active)
+                admitted = []
+                while self._waiting and len(self._active) + len(admitted) < self.slots:
+                    admitted.append(self._waiting.popleft())
+            for job in admitted:
+                self._admit(job)
+            self._step()
         self._shutdown()
 
     def _admit(self, job: Job) -> None:
@@ -149,51 +147,53 @@ class Scheduler:
             return
         job.queue_ms = 1000.0 * (time.perf_counter() - job.enqueued_at)
         try:
-            self._active.append(_Active(job, job.start()))
+            gen = self.engine.add(job.request)
         except Exception as e:  # noqa: BLE001  (a bad job must not stop the worker)
             job.send(Event(error=e))
+            return
+        self._active[gen.id] = (job, gen)
 
-    def _step(self, active: _Active) -> None:
-        """Advance one generation by one decode iteration and hand its chunk over."""
-        job = active.job
-        if job.cancelled.is_set():
-            self._retire(active)
-            if self.on_cancel:
-                self.on_cancel()
+    def _step(self) -> None:
+        """One engine step for every active job; hand each its chunk."""
+        for job, gen in list(self._active.values()):
+            if job.cancelled.is_set():
+                self._retire(gen)
+                if self.on_cancel:
+                    self.on_cancel()
+        if not self._active:
             return
         try:
-            chunk = next(active.generation)
-        except StopIteration:  # stream_generate always ends with a final chunk; be safe anyway
-            self._retire(active)
-            job.send(Event(error=RuntimeError("the generation ended without a final chunk")))
+            if self.on_step:
+                self.on_step(len(self._active))
+            events = self.engine.step()
+        except Exception as e:  # noqa: BLE001  (a failed step fails the batch's requests, never the worker)
+            log.exception("an engine step failed")
+            for job, gen in list(self._active.values()):
+                self._retire(gen)
+                job.send(Event(error=e))
             return
-        except Exception as e:  # noqa: BLE001  (reported to this request only; the worker serves the rest)
-            self._retire(active)
-            if not isinstance(e, ValueError):
-                log.exception("generation failed")
-            job.send(Event(error=e))
-            return
-        job.send(Event(chunk=chunk))
-        if chunk.finish_reason is not None:
-            self._retire(active)
-            if self.on_finish and chunk.stats is not None:
-                try:
-                    self.on_finish(chunk.stats, job.queue_ms)
-                except Exception:  # noqa: BLE001  (metrics must never take the worker down)
-                    log.exception("recording metrics failed")
+        for gen, chunk in events:
+            job, _ = self._active.get(gen.id, (None, None))
+            if job is None:
+                continue
+            job.send(Event(chunk=chunk))
+            if chunk.finish_reason is not None:
+                del self._active[gen.id]
+                if self.on_finish and chunk.stats is not None:
+                    try:
+                        self.on_finish(chunk.stats, job.queue_ms)
+                    except Exception:  # noqa: BLE001  (metrics must never take the worker down)
+                        log.exception("recording metrics failed")
 
-    def _retire(self, active: _Active) -> None:
-        """Close the generation (which frees its KV sequences) and free its slot."""
-        self._active.remove(active)
-        try:
-            active.generation.close()
-        except Exception:  # noqa: BLE001
-            log.exception("closing a generation failed")
+    def _retire(self, gen: Generation) -> None:
+        """Drop the generation from the batch (its slot frees at the engine's next step)."""
+        self._active.pop(gen.id, None)
+        self.engine.cancel(gen)
 
     def _shutdown(self) -> None:
-        for active in list(self._active):
-            self._retire(active)
-            active.job.send(Event(error=ShuttingDownError("the server is shutting down")))
+        for job, gen in list(self._active.values()):
+            self._retire(gen)
+            job.send(Event(error=ShuttingDownError("the server is shutting down")))
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
         for job in waiting:
