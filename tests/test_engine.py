@@ -1,0 +1,287 @@
+"""The batched engine on tiny random models: batched == alone, the exact distribution with batch mates, chunked
+prefill beside decoding, cancellation, prefix reuse, the planner, start-up errors."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import tandem
+from tandem.backends.base import ContextOverflowError
+from tandem.engine import Engine, Request, planner
+from tandem.engine.kv_pool import SlotTable
+from tandem.sampling import SamplingParams, probs_from_logits
+from tandem.spec.policy import CostModel
+
+PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,", "hi",
+           "Once upon a time there was a long prompt that takes several prefill chunks to read in full"]
+
+
+@pytest.fixture(scope="module")
+def pair64(tiny_model_path):
+    """float64 target and a draft that mostly agrees with it (same weights, quantized to Q4_0)."""
+    target = tandem.load(tiny_model_path(seed=0), dtype="float64")
+    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64")
+    return target, draft
+
+
+def alone(target, prompt, max_tokens=24, **sampling):
+    return tandem.generate(target, prompt=prompt, max_tokens=max_tokens, **sampling)
+
+
+def requests(target, prompts, max_tokens=24, **kw):
+    return [Request(target.tokenizer.encode(p), max_tokens=max_tokens, **kw) for p in prompts]
+
+
+def assert_drafted_and_accepted(results):
+    drafted = sum(r.stats.draft_tokens for r in results)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    assert accepted < drafted  # rejections happened too: rollback was exercised
+
+
+@pytest.mark.parametrize("draft_kind,k", [("model", 1), ("model", 3), ("model", 6), ("ngram", 4)])
+def test_batched_greedy_equals_alone(pair64, draft_kind, k):
+    target, draft = pair64
+    expected = [alone(target, p).tokens for p in PROMPTS]
+    # Fewer slots than requests: some wait and join the batch as others finish.
+    engine = Engine(target, draft if draft_kind == "model" else "ngram", slots=3, draft_max=k, prefill_chunk=16)
+    results = engine.generate(requests(target, PROMPTS, draft_policy="fixed"))
+    assert [r.tokens for r in results] == expected
+    assert [r.text for r in results] == [alone(target, p).text for p in PROMPTS]
+    if draft_kind == "model":
+        assert_drafted_and_accepted(results)
+    else:
+        assert sum(r.stats.draft_tokens for r in results) > 0
+
+
+def test_batched_plain_equals_alone_and_generate_takes_prompts(pair64):
+    target, _ = pair64
+    results = tandem.generate(target, prompts=PROMPTS, max_tokens=16, slots=2)
+    assert [r.tokens for r in results] == [alone(target, p, max_tokens=16).tokens for p in PROMPTS]
+    assert all(r.stats.draft_tokens == 0 and r.finish_reason == "length" for r in results)
+
+
+def test_mixed_batch_speculating_and_plain_requests(pair64):
+    """Batch mates that draft, that do not, that sample: the greedy ones still equal their outputs alone."""
+    target, draft = pair64
+    engine = Engine(target, draft, slots=4, draft_max=4)
+    reqs = requests(target, PROMPTS[:2], draft_policy="fixed")
+    reqs += requests(target, PROMPTS[2:3], speculate=False)
+    reqs += requests(target, PROMPTS[3:4], sampling=SamplingParams(temperature=0.8, seed=3), draft_policy="fixed")
+    results = engine.generate(reqs)
+    for prompt, result in zip(PROMPTS[:3], results[:3], strict=True):
+        assert result.tokens == alone(target, prompt).tokens
+    assert results[2].stats.draft_tokens == 0
+    assert_drafted_and_accepted(results[:2])
+
+
+def test_stop_strings_and_stop_tokens_in_a_batch(pair64):
+    target, draft = pair64
+    ref = alone(target, PROMPTS[0])
+    stop = ref.text[5:8]
+    assert stop and stop in ref.text
+    expected = alone(target, PROMPTS[0], stop=[stop])
+    engine = Engine(target, draft, slots=2, draft_max=3)
+    results = engine.generate([Request(target.tokenizer.encode(PROMPTS[0]), max_tokens=24, stop=[stop],
+                                       draft_policy="fixed"),
+                               Request(target.tokenizer.encode(PROMPTS[1]), max_tokens=24, draft_policy="fixed")])
+    assert results[0].text == expected.text and results[0].finish_reason == "stop"
+    assert results[1].tokens == alone(target, PROMPTS[1]).tokens
+    eos = ref.tokens[4]  # treat a token it emits as the end of the text
+    engine.stop_token_ids = frozenset([eos])
+    gen = engine.add(Request(target.tokenizer.encode(PROMPTS[0]), max_tokens=24))
+    out = []
+    while engine.busy:
+        out += [c for g, c in engine.step() if g is gen]
+    assert out[-1].finish_reason == "stop"
+    assert [t for c in out for t in c.tokens] == ref.tokens[: ref.tokens.index(eos)]
+
+
+def test_chunked_prefill_interleaves_with_decoding(pair64):
+    """A long prompt arriving mid-stream is read in chunks while the running stream keeps getting tokens."""
+    target, _ = pair64
+    engine = Engine(target, None, slots=2, prefill_chunk=4)
+    first = engine.add(Request(target.tokenizer.encode(PROMPTS[1]), max_tokens=40))
+    chunks = {first.id: []}
+    while first.prefilling:
+        chunks[first.id] += [t for _, c in engine.step() for t in c.tokens]
+    long = engine.add(Request(target.tokenizer.encode(PROMPTS[4]), max_tokens=8))
+    steps_while_prefilling, tokens_meanwhile = 0, 0
+    chunks[long.id] = []
+    while engine.busy:
+        prefilling = long.prefilling
+        events = engine.step()
+        for gen, chunk in events:
+            chunks[gen.id] += chunk.tokens
+        if prefilling:
+            steps_while_prefilling += 1
+            tokens_meanwhile += sum(len(c.tokens) for g, c in events if g is first)
+    assert steps_while_prefilling >= len(target.tokenizer.encode(PROMPTS[4])) // 4
+    assert tokens_meanwhile >= steps_while_prefilling - 1  # the stream advanced on (nearly) every chunk's step
+    assert chunks[long.id] == alone(target, PROMPTS[4], max_tokens=8).tokens
+    assert len(chunks[first.id]) == 40
+
+
+def test_cancel_mid_batch_frees_the_slot(pair64):
+    target, draft = pair64
+    engine = Engine(target, draft, slots=2, draft_max=3)
+    keep = engine.add(Request(target.tokenizer.encode(PROMPTS[0]), max_tokens=24, draft_policy="fixed"))
+    drop = engine.add(Request(target.tokenizer.encode(PROMPTS[1]), max_tokens=24, draft_policy="fixed"))
+    waiting = engine.add(Request(target.tokenizer.encode(PROMPTS[2]), max_tokens=24, draft_policy="fixed"))
+    out = {keep.id: [], waiting.id: []}
+    for _ in range(3):
+        for gen, chunk in engine.step():
+            out.setdefault(gen.id, []).extend(chunk.tokens)
+    assert drop in engine.running and waiting in engine.waiting
+    engine.cancel(drop)
+    while engine.busy:
+        for gen, chunk in engine.step():
+            assert gen is not drop
+            out[gen.id].extend(chunk.tokens)
+    assert out[keep.id] == alone(target, PROMPTS[0]).tokens
+    assert out[waiting.id] == alone(target, PROMPTS[2]).tokens  # it took the cancelled request's slot
+
+
+def test_reused_prefix_equals_recomputed(pair64):
+    """A second turn that extends the first's prompt and reply feeds only the new tokens, with the same output as
+    a fresh engine that recomputes everything; a shared prefix is copied from a busy slot as well."""
+    target, draft = pair64
+    engine = Engine(target, draft, slots=2, draft_max=3)
+    turn1 = target.tokenizer.encode(PROMPTS[1])
+    first = engine.generate([Request(turn1, max_tokens=12, draft_policy="fixed")])[0]
+    assert first.stats.cached_tokens == 0
+    turn2 = turn1 + first.tokens + target.tokenizer.encode(" and then")
+    second = engine.generate([Request(turn2, max_tokens=12, draft_policy="fixed")])[0]
+    assert second.stats.cached_tokens >= len(turn1) + len(first.tokens) - 1
+    fresh = Engine(target, draft, slots=2, draft_max=3).generate([Request(turn2, max_tokens=12,
+                                                                          draft_policy="fixed")])[0]
+    assert fresh.stats.cached_tokens == 0
+    assert second.tokens == fresh.tokens == alone(target, turn2, max_tokens=12).tokens
+    # Logits, not just argmaxes: the reused positions' KV gives what recomputing gives.
+    reused = engine.target_kv
+    slot = next(s for s in range(engine.slots) if reused.length(s) >= len(turn1))
+    reused.rewind(slot, len(turn1) - 1)
+    got = reused.forward([(slot, turn1[-1:])], [False])[0]
+    assert torch.allclose(got, target.logits(turn1)[-1:], atol=1e-9)
+    # A busy slot's prefix, copied: two requests sharing a long system prompt.
+    engine = Engine(target, None, slots=2)
+    system = target.tokenizer.encode(PROMPTS[4])
+    a = engine.add(Request(system + target.tokenizer.encode(" one"), max_tokens=30))
+    while a.prefilling:
+        engine.step()
+    b = engine.add(Request(system + target.tokenizer.encode(" two"), max_tokens=6))
+    out = []
+    while b.finish_reason is None:
+        out += [t for g, c in engine.step() if g is b for t in c.tokens]
+    assert b.stats.cached_tokens >= len(system) - 1
+    assert out == alone(target, system + target.tokenizer.encode(" two"), max_tokens=6).tokens
+
+
+def test_startup_and_input_errors(pair64):
+    target, draft = pair64
+    with pytest.raises(ValueError, match="slots must be >= 1"):
+        Engine(target, slots=0)
+    with pytest.raises(ValueError, match="holds no context"):
+        Engine(target, draft, slots=2, kv_budget_bytes=1024)
+    per_token = target.kv_bytes_per_token()
+    assert Engine(target, slots=8, n_ctx=64, kv_budget_bytes=3 * 64 * per_token).slots == 3
+    engine = Engine(target, slots=1, n_ctx=32)
+    with pytest.raises(ContextOverflowError, match="tokens too many"):
+        engine.add(Request(list(range(1, 40))))
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add(Request([target.vocab_size]))
+    # A request runs to the end of its context when max_tokens allows more.
+    result = engine.generate([Request([1, 2, 3], max_tokens=100)])[0]
+    assert result.finish_reason == "length" and len(result.tokens) == 32 - 3 + 1  # the last is never fed
+    assert result.tokens == tandem.generate(target, prompt=[1, 2, 3], max_tokens=100, n_ctx=32).tokens
+
+
+# --- the sampled distribution, exactly, with batch mates ---------------------------------------------------------
+
+SAMPLING = dict(temperature=0.06, top_k=3)  # near-flat random logits: a low temperature gives an uneven p
+N_GENERATED = 4  # the first token, then a draft of 2 whose verify reaches rows 0, 1 and the bonus row 2
+N_SAMPLES = 1200
+
+
+def test_sampled_batched_speculation_matches_target_distribution(tiny_model_path):
+    target = tandem.load(tiny_model_path(seed=11), dtype="float32")
+    # The same weights in Q4_0: q near p, but far enough at this temperature that drafts are also rejected
+    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=11), dtype="float32")
+    prompt = target.tokenizer.encode("Once upon")
+    params = SamplingParams(**SAMPLING)
+    dist = {(): 1.0}
+    for _ in range(N_GENERATED):
+        grown = {}
+        for prefix, mass in dist.items():
+            probs = probs_from_logits(target.logits(prompt + list(prefix))[-1:], params)[0]
+            for token in torch.nonzero(probs > 0).flatten().tolist():
+                grown[prefix + (token,)] = mass * float(probs[token])
+        dist = grown
+    engine = Engine(target, draft, slots=4, draft_max=2)
+    counts, stats = {}, []
+    mate = target.tokenizer.encode("The quick brown fox")
+    for batch in range(N_SAMPLES // 3):
+        reqs = [Request(prompt, SamplingParams(seed=3 * batch + i, **SAMPLING), max_tokens=N_GENERATED,
+                        ignore_eos=True, draft_policy="fixed") for i in range(3)]
+        reqs.append(Request(mate, SamplingParams(temperature=1.0, seed=batch), max_tokens=N_GENERATED + batch % 3,
+                            draft_policy="fixed"))
+        results = engine.generate(reqs)
+        for r in results[:3]:
+            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+            stats.append(r.stats)
+    drafted = sum(s.draft_tokens for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    assert drafted >= 2 * N_SAMPLES and 0 < accepted < drafted  # drafts of 2, some accepted, some rejected
+    assert sum(s.draft_len_counts.get(2, 0) for s in stats) > 0
+    assert set(counts) <= set(dist), "sampled a sequence the target gives probability 0"
+    cells = sorted(dist)
+    total = sum(dist.values())
+    observed = [counts.get(c, 0) for c in cells]
+    expected = [dist[c] / total * N_SAMPLES for c in cells]
+    p = chisquare(observed, expected).pvalue
+    assert p > 1e-3, f"batched speculative sampling departs from the target's distribution (p={p:.3g})"
+
+
+# --- the planner -------------------------------------------------------------------------------------------------
+
+def costs(verify_by_batch, draft_ms):
+    return planner.BatchCosts(verify={b: CostModel(0.0, dict(v)) for b, v in verify_by_batch.items()},
+                              draft_step={b: draft_ms for b in verify_by_batch})
+
+
+def test_planner_drafts_when_rows_are_cheap_and_stops_when_compute_bound():
+    cands = [planner.Candidate(0.8, 8) for _ in range(4)]
+    flat = costs({4: {4: 10.0, 36: 10.5}}, draft_ms=1.0)  # memory-bound: extra rows nearly free
+    ks = planner.plan(cands, flat)
+    assert all(k > 0 for k in ks)
+    linear = costs({4: {4: 10.0, 36: 90.0}}, draft_ms=1.0)  # compute-bound: a row costs as much as a step
+    assert planner.plan(cands, linear) == [0, 0, 0, 0]
+    # The most accepting sequences draft first; a poor one stays plain in the same forward.
+    mixed = [planner.Candidate(0.9, 8), planner.Candidate(0.05, 8)]
+    ks = planner.plan(mixed, costs({2: {2: 10.0, 18: 11.0}}, draft_ms=1.0))
+    assert ks[0] > 0 and ks[1] == 0
+    # None (cannot draft), fixed and k_max caps are respected.
+    ks = planner.plan([None, planner.Candidate(0.1, 3, fixed=True), planner.Candidate(0.9, 2)],
+                      costs({4: {3: 10.0, 27: 10.2}}, draft_ms=0.5))
+    assert ks[0] == 0 and ks[1] == 3 and ks[2] == 2
+
+
+def test_planner_prices_the_draft_catch_up():
+    flat = costs({1: {1: 10.0, 9: 10.1}}, draft_ms=1.0)
+    flat.catch_up_ms_per_token = 1.0
+    assert planner.plan([planner.Candidate(0.8, 8, lag=0)], flat)[0] > 0
+    assert planner.plan([planner.Candidate(0.8, 8, lag=10_000)], flat) == [0]
+
+
+def test_slot_table_prefers_the_longest_prefix_then_the_least_recent():
+    table = SlotTable(3)
+    for slot, tokens in enumerate([[1, 2, 3, 4], [1, 2, 9], [5]]):
+        table.occupy(slot, tokens)
+        table.release(slot, len(tokens))
+    placement = table.place([1, 2, 3, 4, 5], can_copy=False)
+    assert (placement.slot, placement.reuse) == (0, 4)
+    assert table.place([1, 2, 3, 4], can_copy=False).reuse == 3  # one prompt token is always fed
+    assert table.place([7, 7], can_copy=False).slot == 0  # nothing shared: the least recently used
+    table.occupy(0, [1, 2, 3, 4])
+    placement = table.place([1, 2, 3, 4, 8], can_copy=True)
+    assert placement.copy_from == 0 and placement.reuse == 4 and placement.slot != 0
