@@ -285,3 +285,51 @@ def test_slot_table_prefers_the_longest_prefix_then_the_least_recent():
     table.occupy(0, [1, 2, 3, 4])
     placement = table.place([1, 2, 3, 4, 8], can_copy=True)
     assert placement.copy_from == 0 and placement.reuse == 4 and placement.slot != 0
+
+
+# --- the llama.cpp backend: one context, a KV stream a sequence ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_pair(tiny_model_path):
+    pytest.importorskip("llama_cpp")
+    from conftest import K_QUANT_SHAPES
+
+    # Q8_0 and Q4_0 quantize the same random weights (the K-quant writer draws its blocks directly): the draft
+    # mostly agrees with the target
+    target = tandem.load(tiny_model_path(qtype="Q8_0", seed=5, **K_QUANT_SHAPES), backend="llama.cpp", n_ctx=256)
+    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=5, **K_QUANT_SHAPES), backend="llama.cpp", n_ctx=256)
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+def test_llamacpp_batched_rows_equal_alone_bit_for_bit(llama_pair):
+    target, _ = llama_pair
+    ids = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [9, 8, 7], list(range(20, 60))]
+    reference = [target.logits(x) for x in ids]
+    cache = target.new_batched_cache(4, 128)
+    first = cache.forward([(0, ids[0][:4]), (2, ids[1]), (3, ids[2][:30])], [False, False, False])
+    rest = cache.forward([(0, ids[0][4:]), (3, ids[2][30:])], [False, True])
+    assert torch.equal(first[0], reference[0][:4]) and torch.equal(first[1], reference[1])
+    assert torch.equal(first[2], reference[2][:30]) and torch.equal(rest[0], reference[0][4:])
+    assert torch.equal(rest[1], reference[2][-1:])
+    cache.rewind(0, 2)
+    cache.copy_prefix(3, 1, 6)  # another sequence's prefix, copied: it continues as if computed there
+    again = cache.forward([(1, ids[2][6:]), (0, ids[0][2:])], [False, False])
+    assert torch.equal(again[0], reference[2][6:]) and torch.equal(again[1], reference[0][2:])
+    assert [cache.length(s) for s in range(4)] == [10, 40, 3, 40]
+    cache.close()
+
+
+def test_llamacpp_engine_batched_equals_alone(llama_pair):
+    target, draft = llama_pair
+    prompts = PROMPTS[:4]
+    expected = [alone(target, p, max_tokens=30).tokens for p in prompts]
+    engine = Engine(target, draft, slots=3, draft_max=3)
+    results = engine.generate(requests(target, prompts, max_tokens=30, draft_policy="fixed"))
+    assert [r.tokens for r in results] == expected
+    assert_drafted_and_accepted(results)
+    turn2 = target.tokenizer.encode(prompts[0]) + results[0].tokens + target.tokenizer.encode(" again")
+    second = engine.generate([Request(turn2, max_tokens=10, draft_policy="fixed")])[0]
+    assert second.stats.cached_tokens >= len(turn2) - len(target.tokenizer.encode(" again")) - 1
+    assert second.tokens == alone(target, turn2, max_tokens=10).tokens

@@ -114,7 +114,7 @@ def test_chat_usage_and_timings(spec_server, paths):
                 "draft_n", "draft_n_accepted", "draft_ms", "verify_ms", "acceptance_rate", "iterations"):
         assert key in timings, key
     assert timings["predicted_n"] == response.usage.completion_tokens
-    assert timings["prompt_n"] == response.usage.prompt_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == response.usage.prompt_tokens
 
 
 def test_completion_prompt_forms(spec_server):

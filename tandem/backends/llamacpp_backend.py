@@ -44,7 +44,7 @@ import llama_cpp.llama_cpp as llc
 import numpy as np
 import torch
 
-from tandem.backends.base import Model, Sequence
+from tandem.backends.base import BatchedCache, Model, Sequence
 from tandem.backends.devices import DeviceInfo, device_info, no_device_hint
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
@@ -127,12 +127,16 @@ def _gpu_layers_for(device: str, n_gpu_layers: int, info: DeviceInfo | None) -> 
 class _Context:
     """One llama_context with its batch and numpy views onto the batch's arrays."""
 
-    def __init__(self, model: LlamaCppModel, n_ctx: int, n_batch: int, n_threads: int) -> None:
+    def __init__(self, model: LlamaCppModel, n_ctx: int, n_batch: int, n_threads: int, n_seq: int = 1) -> None:
+        """n_seq > 1: that many sequences of n_ctx tokens each, each in a KV stream of its own (not unified: a
+        sequence's keys then sit in position order as in a context of its own, and attention reads only its
+        stream; see LlamaCppBatchedCache)."""
         params = llc.llama_context_default_params()
-        params.n_ctx = n_ctx
+        params.n_ctx = n_ctx * n_seq
         params.n_batch = n_batch
         params.n_ubatch = n_batch  # one graph per llama_decode: a verify batch is never split
-        params.n_seq_max = 1
+        params.n_seq_max = n_seq
+        params.kv_unified = n_seq == 1
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.no_perf = True
@@ -258,6 +262,90 @@ class LlamaCppSequence(Sequence):
         return self._context
 
 
+class LlamaCppBatchedCache(BatchedCache):
+    """`slots` sequences in one llama_context (n_seq_max = slots, one KV stream each): one llama_decode a step
+    feeds every sequence's rows, each token tagged with its sequence id (= its slot). Rewinding is
+    llama_memory_seq_rm on that sequence; a prefix is copied between sequences with llama_memory_seq_cp.
+    Batches larger than n_batch go in several decodes, whole rows in order: on the CPU a row's logits do not depend
+    on its batch (see NUMERICS), so the split changes nothing."""
+
+    can_copy = True
+
+    def __init__(self, model: LlamaCppModel, slots: int, capacity: int, n_batch: int) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.model, self.slots, self.capacity = model, slots, capacity
+        self._context = _Context(model, capacity, n_batch, model.n_threads, n_seq=slots)
+        self._lengths = [0] * slots
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
+        self._check(batch)
+        context, vocab = self._context, self.model.vocab_size
+        rows = []  # (slot, token, position, wants logits) in batch order
+        for (slot, tokens), last in zip(batch, last_only, strict=True):
+            start, n = self._lengths[slot], len(tokens)
+            rows += [(slot, int(t), start + i, not last or i == n - 1) for i, t in enumerate(tokens)]
+        outputs = np.empty((sum(r[3] for r in rows), vocab), dtype=np.float32)
+        written = 0
+        for begin in range(0, len(rows), context.n_batch):
+            chunk = rows[begin : begin + context.n_batch]
+            n = len(chunk)
+            slots, tokens, positions, wanted = (np.array(column) for column in zip(*chunk, strict=True))
+            context.tokens[:n] = tokens
+            context.positions[:n] = positions
+            context.wants_logits[:n] = wanted
+            for i, slot in enumerate(slots.tolist()):
+                context.batch.seq_id[i][0] = slot
+            context.batch.n_tokens = n
+            rc = llc.llama_decode(context.ctx, context.batch)
+            if rc != 0:
+                for slot, _ in batch:  # forget whatever part of this forward went in
+                    llc.llama_memory_seq_rm(context.memory, slot, self._lengths[slot], -1)
+                raise RuntimeError(f"llama_decode failed with {rc} for a batch of {n} tokens "
+                                   f"({self.model.path!r}): " + " | ".join(_recent_errors))
+            n_out = int(wanted.sum())
+            if n_out:
+                logits = llc.llama_get_logits(context.ctx)  # [n_out, vocab]: the flagged rows, in batch order
+                outputs[written : written + n_out] = np.ctypeslib.as_array(logits, shape=(n_out, vocab))
+                written += n_out
+        for slot, tokens in batch:
+            self._lengths[slot] += len(tokens)
+        out, at = [], 0
+        for (_, tokens), last in zip(batch, last_only, strict=True):
+            count = 1 if last else len(tokens)
+            out.append(torch.from_numpy(outputs[at : at + count]))
+            at += count
+        return out
+
+    def rewind(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self._lengths[slot]:
+            raise ValueError(f"cannot rewind slot {slot} to {length}: it holds {self._lengths[slot]} tokens")
+        if length < self._lengths[slot]:
+            if not llc.llama_memory_seq_rm(self._context.memory, slot, length, -1):
+                raise RuntimeError(f"llama.cpp refused to remove positions >= {length} of sequence {slot}")
+            self._lengths[slot] = length
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> bool:
+        if not 0 <= length <= self._lengths[src]:
+            raise ValueError(f"cannot copy {length} positions: slot {src} holds {self._lengths[src]}")
+        if src != dst:
+            memory = self._context.memory
+            # Between KV streams llama.cpp copies only a whole sequence; then the tail goes.
+            llc.llama_memory_seq_rm(memory, dst, -1, -1)
+            llc.llama_memory_seq_cp(memory, src, dst, -1, -1)
+            llc.llama_memory_seq_rm(memory, dst, length, -1)
+        self._lengths[dst] = length
+        return True
+
+    def close(self) -> None:
+        if self._context is not None:
+            self._context.free()
+            self._context = None
+
+
 class LlamaCppModel(Model):
     """A GGUF file loaded by llama.cpp: weights once, one context per sequence."""
 
@@ -343,6 +431,17 @@ class LlamaCppModel(Model):
                 del self._free_contexts[i]
                 return LlamaCppSequence(self, context, capacity)
         return LlamaCppSequence(self, _Context(self, capacity, n_batch, self.n_threads), capacity)
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        values = 2 * c.n_layers * c.n_kv_heads * c.head_dim
+        return values * 34 // 32 if self.kv_q8 else values * 2  # Q8_0: 34 bytes a block of 32; else F16
+
+    def new_batched_cache(self, slots: int, n_ctx: int | None = None, drafting: bool = False) -> LlamaCppBatchedCache:
+        if self._model is None:
+            raise RuntimeError(f"model {self.path!r} is closed")
+        capacity = n_ctx or self.n_ctx
+        return LlamaCppBatchedCache(self, slots, capacity, self.n_batch)
 
     def _release_context(self, context: _Context) -> None:
         if self._model is None or len(self._free_contexts) >= MAX_FREE_CONTEXTS:

@@ -257,7 +257,7 @@ class Server:
         self.summarize(request, chunk.stats, job)
         return JSONResponse(protocol.completion_response(
             kind, request_id, self.model_name, "".join(pieces), chunk.finish_reason,
-            protocol.usage(len(ids), n_tokens), protocol.timings(chunk.stats, job.queue_ms)))
+            protocol.usage(len(ids), n_tokens, chunk.stats.cached_tokens), protocol.timings(chunk.stats, job.queue_ms)))
 
     async def stream(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest, job: Job,
                      request_id: str, prompt_tokens: int) -> AsyncIterator[str]:
@@ -283,7 +283,7 @@ class Server:
                 yield _sse(chunk_obj(chunk.text))
             if chunk.finish_reason is not None:
                 timings = protocol.timings(chunk.stats, job.queue_ms)
-                usage = protocol.usage(prompt_tokens, n_tokens)
+                usage = protocol.usage(prompt_tokens, n_tokens, chunk.stats.cached_tokens)
                 last = chunk_obj(None if kind == "chat" else "", chunk.finish_reason)
                 last["timings"] = timings
                 yield _sse(last)

@@ -199,7 +199,8 @@ def timings(stats: GenerationStats, queue_ms: float = 0.0) -> dict[str, Any]:
     """llama-server's `timings` object for one request, plus tandem's own fields.
 
     Every figure covers this request only (never a server-lifetime total); durations are milliseconds.
-    prompt_*: the prefill (target and draft prompt processing, up to the first token). predicted_*: tokens
+    prompt_*: the prefill (target and draft prompt processing, up to the first token) of the prompt tokens not
+    reused; cache_n: prompt tokens whose KV an earlier request left in the slot (prefix reuse). predicted_*: tokens
     returned and the decode time after the first token (as llama-server counts them). draft_n / draft_n_accepted:
     draft tokens proposed to the verifier / accepted by it. draft_ms / verify_ms: total time drafting / in the
     target's verify (or plain) forwards; iterations: target forwards after the prefill; queue_ms: time waiting
@@ -209,9 +210,10 @@ def timings(stats: GenerationStats, queue_ms: float = 0.0) -> dict[str, Any]:
         return 1000.0 * n / ms if ms > 0 else 0.0
 
     return {
-        "prompt_n": stats.prompt_tokens,
+        "cache_n": stats.cached_tokens,
+        "prompt_n": stats.prompt_tokens - stats.cached_tokens,
         "prompt_ms": stats.prefill_ms,
-        "prompt_per_second": per_second(stats.prompt_tokens, stats.prefill_ms),
+        "prompt_per_second": per_second(stats.prompt_tokens - stats.cached_tokens, stats.prefill_ms),
         "predicted_n": stats.generated_tokens,
         "predicted_ms": stats.decode_ms,
         "predicted_per_second": per_second(stats.generated_tokens, stats.decode_ms),
@@ -225,9 +227,11 @@ def timings(stats: GenerationStats, queue_ms: float = 0.0) -> dict[str, Any]:
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens whose KV an earlier request left (not recomputed)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 Kind = Literal["chat", "text"]
