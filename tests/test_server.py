@@ -402,3 +402,25 @@ def test_unexpected_errors_are_generic_500s_and_the_server_survives(paths, monke
                 assert assert_openai_error(r, 500)["message"] == "internal server error"
         monkeypatch.undo()
         assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_second_turn_reports_reused_prompt_tokens_and_batched_streams_match(paths):
+    """A conversation's next turn reuses the KV of the first (OpenAI's cached_tokens, llama-server's cache_n), with
+    the text a fresh computation gives; concurrent requests share the batch and each gets its text alone."""
+    target = load(paths[0])
+    app = create_app(target, load(paths[1]), model_name="tiny", slots=4, draft_policy="fixed", draft_max=3)
+    with LiveServer(app) as server:
+        client = server.client()
+        first = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        turn2 = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "Now in one line."}]
+        second = client.chat.completions.create(model="tiny", messages=turn2, max_tokens=12, temperature=0)
+        first_prompt = len(target.tokenizer.encode_chat(CHAT))
+        assert second.usage.prompt_tokens_details.cached_tokens >= first_prompt
+        assert second.model_extra["timings"]["cache_n"] == second.usage.prompt_tokens_details.cached_tokens
+        assert second.choices[0].message.content == tandem.generate(target, messages=turn2, max_tokens=12).text
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=16,
+                                                                      temperature=0).choices[0].text, PROMPTS))
+        assert texts == [tandem.generate(target, prompt=p, max_tokens=16).text for p in PROMPTS]
