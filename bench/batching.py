@@ -62,8 +62,8 @@ def main() -> None:
             continue
         engine = Engine(target, model, slots=args.requests, draft_max=args.draft_max,
                         measure_costs=policy == "adaptive")
-        reqs = lambda: [Request(target.tokenizer.encode(p), max_tokens=args.max_tokens, ignore_eos=True,  # noqa: E731
-                                draft_policy=policy) for p in prompts]
+        reqs = lambda policy=policy: [Request(target.tokenizer.encode(p), max_tokens=args.max_tokens,  # noqa: E731
+                                              ignore_eos=True, draft_policy=policy) for p in prompts]
         rates = {False: [], True: []}
         outputs = {}
         for _ in range(args.repeats):

@@ -424,3 +424,8 @@ def test_second_turn_reports_reused_prompt_tokens_and_batched_streams_match(path
             texts = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=16,
                                                                       temperature=0).choices[0].text, PROMPTS))
         assert texts == [tandem.generate(target, prompt=p, max_tokens=16).text for p in PROMPTS]
+        metrics = {line.split()[0]: float(line.split()[1]) for line in httpx.get(f"{server.url}/metrics").text
+                   .splitlines() if line and not line.startswith("#")}
+        assert metrics["vllm:prefix_cache_hits_total"] >= first_prompt
+        assert metrics["tandem_batch_size_count"] > 0 and metrics["tandem_batch_size_sum"] > metrics[
+            "tandem_batch_size_count"]  # some steps ran more than one sequence

@@ -100,6 +100,11 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def kv_usage(self) -> float:
+        """The fraction of KV memory running sequences hold: slots are reserved whole (a context each), so this is
+        the fraction of slots in use, what admission waits on."""
+        return len(self.running) / self.slots
+
     def add(self, request: Request) -> Generation:
         """Queue a request; it joins the running batch at the next step with a free slot."""
         n, vocab = len(request.prompt), self.target.vocab_size

@@ -154,6 +154,7 @@ class Server:
         self.metrics = ServerMetrics(lambda: self.scheduler.queue_depth, lambda: self.scheduler.active_count)
         self.scheduler.on_finish = self.metrics.observe_generation
         self.scheduler.on_cancel = self.metrics.cancelled.inc
+        self.scheduler.on_step = self.metrics.batch_size.observe
 
     # --- checks before queueing ----------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Prometheus metrics of one server, in a registry of its own (so two apps in one process never share counters).
 
 Counters are cumulative over the server's life (Prometheus computes rates); every histogram observes one value per
-request, and its name says the unit. prometheus-client's metrics are thread-safe, so the worker thread records
-generation figures while the event loop records HTTP statuses.
+request (the batch size: one per engine step), and its name says the unit. prometheus-client's metrics are
+thread-safe, so the worker thread records generation figures while the event loop records HTTP statuses.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from prometheus_client import (
 from tandem.spec.stats import GenerationStats
 
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
 
 
@@ -48,12 +49,21 @@ class ServerMetrics:
                                    buckets=MS_BUCKETS, registry=r)
         self.queue_ms = Histogram("tandem_request_queue_ms", "time waiting for a slot per request, ms",
                                   buckets=MS_BUCKETS, registry=r)
+        self.batch_size = Histogram("tandem_batch_size", "sequences in each engine step (one target forward)",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        # vLLM's names: prompt tokens looked up in, and found in, KV that earlier requests left (prefix reuse)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "prompt tokens whose KV was reused, not recomputed",
+                                   registry=r)
         Gauge("tandem_queue_depth", "requests waiting for a slot", registry=r).set_function(queue_depth)
         Gauge("tandem_active_requests", "requests being decoded", registry=r).set_function(active)
 
     def observe_generation(self, stats: GenerationStats, queue_ms: float) -> None:
         """Record one finished generation's figures."""
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.prefix_queries.inc(stats.prompt_tokens)
+        self.prefix_hits.inc(stats.cached_tokens)
         self.generated_tokens.inc(stats.generated_tokens)
         self.draft_tokens.inc(stats.draft_tokens)
         self.accepted_tokens.inc(stats.accepted_tokens)
