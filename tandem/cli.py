@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--synthetic-shape", default=None, metavar="TARGET[,DRAFT]",
                    help="random-weight models of named shapes instead of files, e.g. qwen2.5-32b,qwen2.5-1.5b")
     d.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement; medians reported [5]")
+    d.add_argument("--slots", type=int, default=4,
+                   help="also time batched forwards of 1, 2, 4, ... up to this many sequences (0: skip) [4]")
     d.set_defaults(func=cmd_doctor)
     return parser
 

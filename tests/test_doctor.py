@@ -33,6 +33,13 @@ def check_contract(d: dict) -> None:
     assert d["paired_over_standalone"] == pytest.approx(d["draft_step_ms_paired"] / d["draft_step_ms_standalone"])
     assert isinstance(d["flags"], list) and all(isinstance(f, str) for f in d["flags"])
     assert isinstance(d["verdict"], str) and d["verdict"]
+    # The batched engine's costs (--slots, default 4): B = 1, 2, 4 sequences, 1 / 2 / k+1 rows each
+    assert set(d["batched"]) == {"1", "2", "4"}
+    for b, row in d["batched"].items():
+        assert {int(n) for n in row["verify_ms"]} >= {int(b), 2 * int(b)}
+        assert all(ms > 0 for ms in row["verify_ms"].values()) and row["draft_step_ms"] > 0
+        assert set(row["draft_len"]) == set(row["predicted_speedup"]) == {"0.5", "0.7", "0.9"}
+        assert all(s > 0 for s in row["predicted_speedup"].values())
 
 
 @pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
@@ -52,7 +59,7 @@ def test_doctor_synthetic_and_text(capsys):
     assert d["synthetic"] is True and d["shapes"] == {"target": "tiny", "draft": "tiny-draft"}
     assert main(["doctor", "--repeats", "1", "--synthetic-shape", "tiny,tiny-draft"]) == 0
     text = capsys.readouterr().out
-    assert "SYNTHETIC" in text and "target step" in text
+    assert "SYNTHETIC" in text and "target step" in text and "batched" in text and "B=4" in text
 
 
 def test_flags_on_pathological_numbers():

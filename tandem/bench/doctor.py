@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from tandem.backends.base import Model
 from tandem.spec.calibrate import NGRAM_STEP_MS, time_forwards_ms, warm_up
-from tandem.spec.policy import CostModel
+from tandem.spec.policy import CostModel, expected_tokens
 
 DEFAULT_REPEATS = 5
 WARMUP_S = 1.0  # one-token forwards before the first timing of each model (see tandem.spec.calibrate.warm_up)
@@ -65,6 +65,7 @@ class DoctorReport:
     verdict: str = ""
     synthetic: bool = False
     shapes: dict[str, str] | None = None
+    batched: dict[int, dict] | None = None  # --slots: B -> the batched engine's costs and plan (batched_costs)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -208,6 +209,48 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
     )
 
 
+def batched_costs(target: Model, draft: Model | None, slots: int, k: int,
+                  acceptances: tuple[float, ...] = ACCEPTANCES) -> dict[int, dict]:
+    """The costs the batched engine plans with (tandem.engine.planner), per batch size B = 1, 2, 4, ... slots:
+    the target's forward over B sequences of 1, 2 and k + 1 rows, the draft's one-row step over B sequences, and
+    what the planner would do with them: the draft length for B sequences all at acceptance a, and the predicted
+    tokens/s over B plain sequences."""
+    from tandem.engine import planner
+
+    target_kv = target.new_batched_cache(slots, min(target.n_ctx, 256))
+    draft_kv = draft.new_batched_cache(slots, min(draft.n_ctx, 256), drafting=True) if draft is not None else None
+    try:
+        costs = planner.measure(target_kv, draft_kv, k, lambda: (target.synchronize(), draft and draft.synchronize()))
+    finally:
+        target_kv.close()
+        if draft_kv is not None:
+            draft_kv.close()
+    if draft is None:
+        costs.draft_step = {}
+    out = {}
+    for b, model in costs.verify.items():
+        plain = b / costs.target_ms(b, b)
+        row = {"verify_ms": dict(sorted(model.verify_ms.items())), "draft_step_ms": costs.draft_step.get(b),
+               "draft_len": {}, "predicted_speedup": {}}
+        for a in acceptances:
+            ks = planner.plan([planner.Candidate(a, k) for _ in range(b)], costs)
+            tokens = sum(expected_tokens(a, ki) for ki in ks)
+            ms = max(ks) * costs.draft_ms(sum(1 for ki in ks if ki)) + costs.target_ms(b, b + sum(ks))
+            row["draft_len"][a], row["predicted_speedup"][a] = ks[0], tokens / ms / plain
+        out[b] = row
+    return out
+
+
+def format_batched(batched: dict[int, dict]) -> list[str]:
+    lines = ["  batched (per call; the planner's draft length and predicted speed-up over plain at acceptance a):"]
+    for b, row in batched.items():
+        verify = ", ".join(f"{n} rows {ms:.2f}" for n, ms in row["verify_ms"].items())
+        draft = "" if row["draft_step_ms"] is None else f"; draft step {row['draft_step_ms']:.2f}"
+        plan = ", ".join(f"a={a}: k={row['draft_len'][a]} {row['predicted_speedup'][a]:.2f}x" for a in row["draft_len"])
+        lines.append(f"    B={b}: target {verify} ms{draft} ms; {plan}")
+    return lines
+
+
 def format_report(r: DoctorReport, device_name: str = "") -> str:
     def ms(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.3f} ms"
@@ -230,6 +273,8 @@ def format_report(r: DoctorReport, device_name: str = "") -> str:
                                     for a in r.predicted_speedup),
         f"  break-even acceptance: {'none' if r.break_even_acceptance is None else f'{r.break_even_acceptance:.2f}'}",
     ]
+    if r.batched:
+        lines += format_batched(r.batched)
     lines += [f"  ! {flag}" for flag in r.flags] or ["  no pathologies found"]
     lines += ["", r.verdict]
     return "\n".join(lines)
@@ -262,6 +307,10 @@ def run_doctor(args: argparse.Namespace) -> int:
     target = load_target(args)
     shapes = synthetic_shapes(args)
     report = measure(target, draft, standalone, k, repeats, synthetic=shapes is not None, shapes=shapes, log=log)
+    slots = getattr(args, "slots", 0) or 0
+    if slots > 1:
+        log(f"timing batched forwards (B = 1 .. {slots})")
+        report.batched = batched_costs(target, draft, slots, k)
     log("done")
     env = environment(target)
     if args.json:
