@@ -237,23 +237,14 @@ class Transformer(torch.nn.Module):
         one sequence runs `forward` itself (the backends' choice), whose GPU kernels this does not use yet."""
         c, w = self.config, self.w
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [1, N, d]
-        masks = []  # per span: (global bias, local bias), each [G*T, kv_len]
-        for begin, end, _, kv_len in spans:
-            pos = positions[begin:end]
-            full = self.attention_bias(pos, kv_len, None)
-            masks.append((full, self.attention_bias(pos, kv_len, c.sliding_window) if c.sliding_window else full))
+        attention = RaggedAttention(self, positions, spans)
         for i in range(c.n_layers):
             p = f"blk.{i}."
             local = c.is_local_layer(i)
             rope = self.rope_local if local else self.rope_global
             h = rms_norm(x, None, c.rms_eps)  # attn_norm's scale is in attn_qkv
             q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i], slots)  # [1, H, N, D]
-            attn = torch.cat([
-                self.attend(q[:, :, begin:end], cache_k[i][slot : slot + 1, :, :kv_len],
-                            cache_v[i][slot : slot + 1, :, :kv_len], mask[local], positions[begin:end],
-                            c.sliding_window if local else 0)
-                for (begin, end, slot, kv_len), mask in zip(spans, masks, strict=True)
-            ], dim=1)  # [1, N, H*D]
+            attn = attention(q, cache_k[i], cache_v[i], local)  # [1, N, H*D]
             x, _ = self.add_projection(x, attn, w[p + "attn_output.weight"], p + "post_attention_norm.weight",
                                        False, False)
             h = rms_norm(x, None, c.rms_eps)  # ffn_norm's scale is in ffn_gate_up
@@ -263,6 +254,72 @@ class Transformer(torch.nn.Module):
         x = rms_norm(x[0, out_rows], w["output_norm.weight"], c.rms_eps)  # [M, d]
         logits = F.linear(x, self.output)
         return logits if logits.dtype == torch.float64 else logits.float()
+
+
+class RaggedAttention:
+    """Attention of a ragged batch (Transformer.forward_ragged), its masks built once for every layer.
+
+    Sequences of few rows (decode, verify: G x rows <= decode_attention.MAX_ROWS) are padded to the longest of them
+    and attend together, four kernels a layer over a [B, H_kv, G*T, S] score tensor instead of four per sequence;
+    a padded row repeats its sequence's last real row and is dropped from the output. Longer spans (prompt chunks)
+    attend one by one. A row's scores, softmax and weighted sum are the ones it gets alone, masked keys adding
+    exact zeros.
+    """
+
+    def __init__(self, model: Transformer, positions: torch.Tensor, spans: list[tuple[int, int, int, int]]) -> None:
+        c = model.config
+        self.model, self.positions, self.window = model, positions, c.sliding_window
+        self.group = c.n_heads // c.n_kv_heads
+        short = [i for i, (b, e, _, _) in enumerate(spans) if self.group * (e - b) <= decode_attention.MAX_ROWS]
+        self.short = short if len(short) > 1 else []
+        self.long = [(spans[i], self._bias_pair(positions[spans[i][0] : spans[i][1]], spans[i][3]))
+                     for i in range(len(spans)) if i not in self.short]
+        if not self.short:
+            return
+        device = positions.device
+        rows = max(spans[i][1] - spans[i][0] for i in self.short)
+        self.kv_len = max(spans[i][3] for i in self.short)
+        index = [[spans[i][0] + min(t, spans[i][1] - spans[i][0] - 1) for t in range(rows)] for i in self.short]
+        self.index = torch.tensor(index, dtype=torch.long, device=device)  # [B, T] rows of the batch
+        self.slots = torch.tensor([spans[i][2] for i in self.short], dtype=torch.long, device=device)
+        real = [b * rows + t for b, i in enumerate(self.short) for t in range(spans[i][1] - spans[i][0])]
+        self.real = torch.tensor(real, dtype=torch.long, device=device)  # flat [B*T] rows that are not padding
+        self.targets = torch.cat([torch.arange(spans[i][0], spans[i][1], device=device) for i in self.short])
+        pos = positions[self.index]  # [B, T]
+        keys = torch.arange(self.kv_len, device=device)
+        visible = keys[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        self.bias = {False: self._additive(visible), True: None}
+        self.bias[True] = self._additive(visible & (keys[None, None, :] > pos[:, :, None] - self.window)) \
+            if self.window else self.bias[False]
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:  # [B, T, S] -> [B, 1, G*T, S]
+        bias = torch.zeros(visible.shape, dtype=self.model.dtype, device=visible.device)
+        return bias.masked_fill_(~visible, -math.inf).repeat(1, self.group, 1)[:, None]
+
+    def _bias_pair(self, pos: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        full = self.model.attention_bias(pos, kv_len, None)
+        return full, self.model.attention_bias(pos, kv_len, self.window) if self.window else full
+
+    def __call__(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, local: bool) -> torch.Tensor:
+        """q: [1, H, N, D] rotated; cache_k/v: the layer's pool [B_pool, H_kv, S, D]. Returns [1, N, H*D]."""
+        model, c = self.model, self.model.config
+        out = torch.empty(q.shape[2], model.q_width, dtype=q.dtype, device=q.device)  # [N, H*D]
+        window = c.sliding_window if local else 0
+        for (begin, end, slot, kv_len), bias in self.long:
+            out[begin:end] = model.attend(q[:, :, begin:end], cache_k[slot : slot + 1, :, :kv_len],
+                                          cache_v[slot : slot + 1, :, :kv_len], bias[local],
+                                          self.positions[begin:end], window)[0]
+        if self.short:
+            B, T = self.index.shape
+            qb = q[0][:, self.index].transpose(0, 1).reshape(B, c.n_kv_heads, self.group * T, c.head_dim)
+            keys = cache_k[self.slots, :, : self.kv_len]  # [B, H_kv, S, D]
+            values = cache_v[self.slots, :, : self.kv_len]
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # as Transformer.attend
+            scores = torch.matmul(qb, keys.transpose(-1, -2)).to(acc) * model.attn_scale + self.bias[local]
+            attn = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, H_kv, G*T, D]
+            attn = attn.reshape(B, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(B * T, model.q_width)
+            out[self.targets] = attn[self.real]
+        return out[None]
 
 
 def fuse_projections(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
