@@ -26,7 +26,7 @@ from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
 from tandem.engine.kv_pool import SlotTable, common_prefix
 from tandem.engine.sequence import Generation, GenerationChunk, GenerationResult, Request
-from tandem.sampling import next_token, probs_from_logits, sample
+from tandem.sampling import make_generator, next_token, probs_from_logits, sample
 from tandem.spec.compat import check_compatible
 from tandem.spec.verify import verify_greedy, verify_sampled, verify_synthetic
 
@@ -118,6 +118,8 @@ class Engine:
         gen = Generation(request, self.target.tokenizer, self.device, self.draft_max, self.stop_token_ids,
                          self.proposer)
         gen.stats.prompt_tokens = n
+        if self.synthetic_acceptance is not None and gen.generator is None:  # greedy, but acceptance is drawn
+            gen.generator = make_generator(request.sampling.seed, self.device)
         self.waiting.append(gen)
         return gen
 
