@@ -116,3 +116,26 @@ def test_cors_origin_and_allowed_hosts_widen(model):
             "Host": "box.lan:8080", "Origin": "http://localhost:3000", "Content-Type": "application/json"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
         assert httpx.get(server.url + "/health", headers={"Host": "evil.example"}).status_code == 403
+
+
+def test_serve_warns_loudly_beyond_loopback_without_a_key(monkeypatch, caplog):
+    """`tandem serve --host 0.0.0.0` without --api-key: the warning comes before anything is bound or loaded."""
+    from tandem.cli import build_parser
+    from tandem.server import app as app_module
+
+    class Bound(Exception):
+        pass
+
+    def bind(host, port):  # stop where the socket would be bound: nothing leaves loopback in a test
+        raise Bound(host)
+
+    monkeypatch.setattr(app_module, "bind_socket", bind)
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--model", "x.gguf", "--allowed-hosts", "a,b"])
+    assert args.allowed_hosts == ["a", "b"]
+    with pytest.raises(Bound):
+        app_module.serve(args)
+    assert "WITHOUT an API key" in caplog.text
+    caplog.clear()
+    with pytest.raises(Bound):
+        app_module.serve(build_parser().parse_args(["serve", "--host", "0.0.0.0", "--api-key", "k"]))
+    assert "WITHOUT an API key" not in caplog.text
