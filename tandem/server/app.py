@@ -56,7 +56,6 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # how long SIGTERM waits for the streams in flight
 NOT_READY = {  # status -> what a request gets while the server is not ready
     "loading": "the server is loading its models",
     "warming": "the server is warming up",
