@@ -409,6 +409,14 @@ def test_kv_usage_counts_live_sequences_until_closed(paths):
     assert server.kv_usage() == 0.0
 
 
+def test_the_engine_may_supply_kv_usage(paths):
+    """A batched engine reports its own KV pool through the `kv_usage` callable the app is given."""
+    app = create_app(load(paths[0]), None, model_name="tiny", kv_usage=lambda: 0.25)
+    with LiveServer(app) as server:
+        text = httpx.get(f"{server.url}/metrics").text.splitlines()
+    assert 'vllm:kv_cache_usage_perc{model_name="tiny"} 0.25' in text and "tandem_kv_cache_usage_ratio 0.25" in text
+
+
 def test_health_is_503_until_loaded_and_warm(paths):
     """/health: 503 "loading", then 503 "warming", then 200 "ok"; generations wait for "ok" (503 + Retry-After)."""
     release_load, release_warm = threading.Event(), threading.Event()
