@@ -52,6 +52,10 @@ def load_pair(args: argparse.Namespace):
     return target, draft
 
 
+def _comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import tandem
 
@@ -160,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV memory for all slots' contexts, MiB (default: half the free memory); fewer slots fit less")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get a 413 [4 MiB]")
     s.add_argument("--served-model-name", default=None, help="the model id clients see [--model]")
+    s.add_argument("--accept-any-model", action="store_true",
+                   help="answer requests naming any model instead of a 404 (replicas behind a gateway that counts "
+                   "4xx against them: docs/deployment.md)")
+    s.add_argument("--allowed-hosts", type=_comma_list, default=[], metavar="HOST[,HOST...]",
+                   help="Host header values to accept besides loopback names; '*' accepts any [on a loopback bind: "
+                   "loopback only; otherwise: any]")
+    s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="an origin browsers may call from, e.g. http://localhost:3000 (repeatable) [CORS off]")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long the streams in flight may take to finish before they are cut [30]")
     s.set_defaults(func=cmd_serve)
 
     lt = sub.add_parser("loadtest", help="N concurrent streaming clients against a running server")

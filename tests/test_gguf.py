@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import struct
 
 import numpy as np
 import pytest
@@ -164,3 +166,107 @@ def test_metadata_decoding(tiny_model_path):
     assert meta["tokenizer.ggml.add_bos_token"] is False
     assert meta["tokenizer.ggml.tokens"][-1] == "<|im_end|>" and meta["tokenizer.ggml.token_type"][-1] == 3
     assert os.path.basename(gf.path).endswith(".gguf") and "blk.0.attn_q.bias" in gf.tensor_names
+
+
+# --- a data section that does not match the header (both backends refuse it before use) -------------------------
+
+
+def _tensor_info_fields(data: bytes) -> dict[str, int]:
+    """Byte position of each tensor info's offset field, by tensor name (infos in file order)."""
+    from tandem.loading.gguf import _HeaderParser
+
+    p = _HeaderParser(memoryview(data), "test")
+    p.pos = 8
+    n_tensors, n_kv = p._unpack("<Q"), p._unpack("<Q")
+    for _ in range(n_kv):
+        p.string()
+        p.value(p._unpack("<I"))
+    fields = {}
+    for _ in range(n_tensors):
+        name = p.string()
+        p.pos += 4 + 8 * p._unpack("<I") + 4  # n_dims, dims, type
+        fields[name] = p.pos
+        p.pos += 8
+    assert list(fields)[-1] == "output.weight"
+    return fields
+
+
+def _corrupt(data: bytes, kind: str) -> bytes:
+    """`data` (a valid tiny GGUF with output.weight last) broken the way `kind` says."""
+    out = bytearray(data)
+    n_tensors = struct.unpack_from("<Q", data, 8)[0]
+    fields = _tensor_info_fields(data)
+    if kind == "under-count":  # the issue's case: output.weight last, the count one short
+        struct.pack_into("<Q", out, 8, n_tensors - 1)
+    elif kind == "over-count":
+        struct.pack_into("<Q", out, 8, n_tensors + 1)
+    elif kind == "overlap":
+        q_offset = struct.unpack_from("<Q", data, fields["blk.0.attn_q.weight"])[0]
+        struct.pack_into("<Q", out, fields["blk.0.attn_k.weight"], q_offset)
+    elif kind == "misaligned":
+        k_offset = struct.unpack_from("<Q", data, fields["blk.0.attn_k.weight"])[0]
+        struct.pack_into("<Q", out, fields["blk.0.attn_k.weight"], k_offset + 4)
+    elif kind == "truncated":
+        del out[-100:]
+    elif kind == "trailing":
+        out += bytes(64)
+    return bytes(out)
+
+
+MALFORMED = {
+    "under-count": r"bytes after the last tensor .* belong to no tensor: the header counts \d+ tensors, but another, "
+    r"'output.weight' \[\d+, 64\], follows them: the count is short",
+    "over-count": r"the header counts \d+ tensors, but tensor info \d+ .* is not a valid tensor description",
+    "overlap": r"tensors 'blk.0.attn_q.weight' \(bytes \d+-\d+\) and 'blk.0.attn_k.weight' .* overlap",
+    "misaligned": r"'blk.0.attn_k.weight' starts at data offset \d+, which is not a multiple of the alignment 32",
+    "truncated": r"truncated: tensor 'output.weight' ends at byte \d+ but the file has \d+",
+    "trailing": r"64 bytes after the last tensor .* belong to no tensor",
+}
+
+
+@pytest.fixture(scope="module")
+def malformed(tiny_model_path, tmp_path_factory):
+    """kind -> path of a tiny qwen2 GGUF broken that way."""
+    data = open(tiny_model_path("qwen2"), "rb").read()
+    root = tmp_path_factory.mktemp("malformed")
+    paths = {}
+    for kind in MALFORMED:
+        paths[kind] = str(root / f"{kind}.gguf")
+        with open(paths[kind], "wb") as f:
+            f.write(_corrupt(data, kind))
+    return paths
+
+
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_malformed_data_section_is_refused(malformed, kind):
+    with pytest.raises(GGUFError, match=MALFORMED[kind]) as info:
+        open_gguf(malformed[kind])
+    assert str(info.value).startswith(malformed[kind] + ": ")
+
+
+def test_every_tiny_file_passes_the_check(tiny_model_path):
+    for kw in (dict(), dict(qtype="Q4_K"), dict(arch="gemma3", tie_embeddings=True, head_dim=32)):
+        assert open_gguf(tiny_model_path(**kw)).has_tensor("token_embd.weight")
+
+
+@pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
+@pytest.mark.parametrize("kind", ["under-count", "over-count", "overlap", "truncated"])
+def test_both_backends_refuse_with_one_line_and_exit_2(malformed, kind, backend, capsys, monkeypatch):
+    """`tandem generate` on a malformed file: exit 2, one line naming the file and the mismatch. llama.cpp is never
+    handed the file: the same check runs first."""
+    from tandem.cli import main
+
+    if backend == "llama.cpp":
+        llamacpp_backend = pytest.importorskip("tandem.backends.llamacpp_backend")
+
+        def refuse(*args):
+            raise AssertionError("llama.cpp was handed a malformed file")
+
+        monkeypatch.setattr(llamacpp_backend.llc, "llama_model_load_from_file", refuse)
+    code = main(["generate", "--model", malformed[kind], "--no-draft", "--backend", backend, "--prompt", "hi",
+                 "--max-tokens", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tandem: error: {malformed[kind]}: "), err
+    assert re.search(MALFORMED[kind], lines[0]), lines[0]

@@ -363,7 +363,7 @@ def test_body_size_limit(paths):
             for _ in range(10):
                 yield b" " * 500
 
-        r = httpx.post(f"{server.url}/v1/completions", content=chunked())
+        r = httpx.post(f"{server.url}/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
         assert_openai_error(r, 413)
         assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
@@ -381,6 +381,102 @@ def test_metrics_after_requests(spec_server):
     assert 'tandem_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     generated = next(line for line in text.splitlines() if line.startswith("tandem_generated_tokens_total"))
     assert float(generated.split()[-1]) >= 6
+    # What load-aware gateways read, under vLLM's names (llm-d's model-server protocol).
+    for line in ('vllm:num_requests_waiting{model_name="tiny"} 0.0', 'vllm:num_requests_running{model_name="tiny"} 0.0',
+                 'vllm:kv_cache_usage_perc{model_name="tiny"} 0.0', "tandem_kv_cache_usage_ratio 0.0"):
+        assert line in text.splitlines(), line
+
+
+def test_kv_usage_counts_live_sequences_until_closed(paths):
+    from tandem.api import GenerationChunk
+    from tandem.server.app import Server
+
+    server = Server("tiny", [], 4, "fixed", None, slots=2, max_queue=4)
+    server.attach(load(paths[0]), None)
+    capacity = 2 * server.target.n_ctx
+
+    def chunks():
+        for _ in range(3):
+            yield GenerationChunk("x", [1, 2])
+
+    generation = server._tracked(chunks(), prompt_tokens=10)
+    assert server.kv_usage() == 0.0  # nothing held before the worker starts it
+    next(generation)
+    assert server.kv_usage() == pytest.approx(12 / capacity)
+    next(generation)
+    assert server.kv_usage() == pytest.approx(14 / capacity)
+    generation.close()  # what the scheduler does when a generation finishes or is cancelled
+    assert server.kv_usage() == 0.0
+
+
+def test_the_engine_may_supply_kv_usage(paths):
+    """A batched engine reports its own KV pool through the `kv_usage` callable the app is given."""
+    app = create_app(load(paths[0]), None, model_name="tiny", kv_usage=lambda: 0.25)
+    with LiveServer(app) as server:
+        text = httpx.get(f"{server.url}/metrics").text.splitlines()
+    assert 'vllm:kv_cache_usage_perc{model_name="tiny"} 0.25' in text and "tandem_kv_cache_usage_ratio 0.25" in text
+
+
+def test_health_is_503_until_loaded_and_warm(paths):
+    """/health: 503 "loading", then 503 "warming", then 200 "ok"; generations wait for "ok" (503 + Retry-After)."""
+    release_load, release_warm = threading.Event(), threading.Event()
+
+    def load_models():
+        assert release_load.wait(60)
+        return load(paths[0]), None
+
+    def warm_up(target, draft):
+        assert target.n_ctx > 0 and draft is None
+        assert release_warm.wait(60)
+
+    app = create_app(load=load_models, warm_up=warm_up, model_name="tiny")
+    with LiveServer(app) as server:
+        def health() -> tuple[int, str]:
+            r = httpx.get(f"{server.url}/health")
+            return r.status_code, r.json()["status"]
+
+        assert health() == (503, "loading")
+        for path in ("/v1/models", "/v1/completions"):
+            r = httpx.request("GET" if path == "/v1/models" else "POST", server.url + path,
+                              json={"prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "not_ready"
+        release_load.set()
+        assert wait_for(lambda: (h := health()) != (503, "loading") and h) == (503, "warming")
+        release_warm.set()
+        assert wait_for(lambda: health()[0] == 200) and health() == (200, "ok")
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+
+
+def test_a_failed_load_stays_503(paths):
+    def load_models():
+        raise ValueError("bad.gguf: truncated")
+
+    failures = []
+    app = create_app(load=load_models, model_name="tiny")
+    app.state.server.on_load_error = failures.append
+    with LiveServer(app) as server:
+        assert wait_for(lambda: failures)
+        r = httpx.get(f"{server.url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "failed"
+        assert str(failures[0]) == "bad.gguf: truncated"
+
+
+def test_accept_any_model(paths):
+    app = create_app(load(paths[0]), None, model_name="tiny", accept_any_model=True)
+    with LiveServer(app) as server:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "no-such-model", "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"  # the response says which model answered
+
+
+def wait_for(condition, timeout: float = 60.0):
+    """Poll `condition` until it returns something truthy (returned); fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+    return value
 
 
 def test_unexpected_errors_are_generic_500s_and_the_server_survives(paths, monkeypatch):

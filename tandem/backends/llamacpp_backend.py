@@ -375,7 +375,10 @@ class LlamaCppModel(Model):
             prefill GEMM, but logits then depend on the batch: see NUMERICS above).
         """
         self.path = os.fspath(path)
-        gguf = open_gguf(self.path)  # a GGUFError (a ValueError) names the path when the file is missing or bad
+        # Before llama.cpp sees the path: a GGUFError (a ValueError) names it when the file is missing or bad, and
+        # when its data section does not match its header (llama.cpp itself loads a file whose tensor count is
+        # short, every tensor read from the wrong bytes).
+        gguf = open_gguf(self.path)
         self.config: ModelConfig = gguf.config
         self.tokenizer: Tokenizer = Tokenizer.from_gguf(gguf)
         self.device = device

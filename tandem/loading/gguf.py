@@ -3,7 +3,9 @@
 The header is parsed here with `struct` (see `_HeaderParser` for why not `gguf.GGUFReader`); tensor data is
 memory-mapped and dequantised by gguf-py's `gguf.quants.dequantize`, the reference maintained next to llama.cpp.
 Every problem with a file surfaces as `GGUFError` naming the file and what is wrong with it, never as a numpy
-traceback from inside the reader.
+traceback from inside the reader. Opening a file checks its data section against the header (`_check_data_section`)
+before any tensor is read, and both backends open files this way, so a miscounted or overlapping file is refused
+before llama.cpp is handed its path.
 
 Tensor shapes are reported in torch order (GGUF stores them fastest-dimension first, i.e. reversed), so
 `token_embd.weight` is [vocab, d_model] and `blk.0.attn_q.weight` is [n_heads * head_dim, d_model].
@@ -56,6 +58,7 @@ _NUMPY_DTYPES = {
 }
 _STRING, _ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32
+GGML_MAX_DIMS = 4  # llama.cpp's limit on a tensor's dimensions
 DEQUANT_CHUNK_ROWS = 8192  # rows per gguf-py dequantize call for large matrices
 
 
@@ -125,14 +128,12 @@ def _parse_header(buf: memoryview, path: str, file_size: int) -> tuple[dict[str,
     for _ in range(n_kv):
         key = p.string()
         metadata[key] = p.value(p._unpack("<I"))
-    raw_infos = []
-    for _ in range(n_tensors):
-        name = p.string()
-        n_dims = p._unpack("<I")
-        dims = [p._unpack("<Q") for _ in range(n_dims)]
-        raw_infos.append((name, dims, p._unpack("<I"), p._unpack("<Q")))
+    raw_infos = [_read_tensor_info(p, i, n_tensors) for i in range(n_tensors)]
+    header_end = p.pos
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-    data_start = (p.pos + alignment - 1) // alignment * alignment
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: general.alignment is {alignment}, not a power of two")
+    data_start = _align(header_end, alignment)
 
     tensors: dict[str, TensorInfo] = {}
     for name, dims, type_id, offset in raw_infos:
@@ -146,14 +147,80 @@ def _parse_header(buf: memoryview, path: str, file_size: int) -> tuple[dict[str,
             raise GGUFError(
                 f"{path}: tensor {name!r} row of {dims[0]} is not a multiple of {qtype.name}'s block {block_size}"
             )
-        info = TensorInfo(name, tuple(reversed(dims)), qtype, data_start + offset, n_elements // block_size * type_size)
-        if info.offset + info.nbytes > file_size:
-            raise GGUFError(
-                f"{path}: truncated: tensor {name!r} ends at byte {info.offset + info.nbytes} "
-                f"but the file has {file_size}"
-            )
-        tensors[name] = info
+        if name in tensors:
+            raise GGUFError(f"{path}: tensor {name!r} is described twice")
+        tensors[name] = TensorInfo(name, tuple(reversed(dims)), qtype, data_start + offset,
+                                   n_elements // block_size * type_size)
+    _check_data_section(path, p, list(tensors.values()), n_tensors, data_start, alignment, file_size)
     return metadata, tensors
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _read_tensor_info(p: _HeaderParser, index: int, n_tensors: int) -> tuple[str, list[int], int, int]:
+    """(name, dims fastest-first, ggml type id, offset relative to the data section) of tensor info `index`."""
+    start = p.pos
+    try:
+        name = p.string()
+        n_dims = p._unpack("<I")
+        if not name or n_dims > GGML_MAX_DIMS:
+            reason = "an empty name" if not name else f"{n_dims} dimensions (at most {GGML_MAX_DIMS})"
+            raise GGUFError(reason)
+        dims = [p._unpack("<Q") for _ in range(n_dims)]
+        return name, dims, p._unpack("<I"), p._unpack("<Q")
+    except (GGUFError, struct.error) as exc:
+        # Past the real infos, a reader is parsing padding and tensor data: the count is the likeliest culprit.
+        raise GGUFError(
+            f"{p.path}: the header counts {n_tensors} tensors, but tensor info {index + 1} (at byte {start}) is "
+            f"not a valid tensor description ({exc}); is the tensor count too high?"
+        ) from None
+
+
+def _check_data_section(path: str, p: _HeaderParser, tensors: list[TensorInfo], n_tensors: int, data_start: int,
+                        alignment: int, file_size: int) -> None:
+    """Every byte of the data section belongs to exactly one tensor, up to alignment padding.
+
+    llama.cpp (gguf_init_from_file) only checks that each offset follows the previous tensor; a header whose tensor
+    count is one short still passes there, and every tensor is then read from the wrong bytes. So: each tensor is
+    aligned and inside the file, no two overlap, nothing lies between them, and what follows the last one is
+    padding shorter than the alignment.
+    """
+    counted = f"the header counts {n_tensors} tensors"
+    for info in tensors:
+        relative = info.offset - data_start
+        if relative % alignment:
+            raise GGUFError(f"{path}: tensor {info.name!r} starts at data offset {relative}, which is not a multiple "
+                            f"of the alignment {alignment}")
+        if info.offset + info.nbytes > file_size:
+            raise GGUFError(f"{path}: truncated: tensor {info.name!r} ends at byte {info.offset + info.nbytes} but "
+                            f"the file has {file_size} ({counted}; a count too high shifts every tensor later)")
+    expected, previous = data_start, None
+    for info in sorted(tensors, key=lambda t: t.offset):
+        if info.offset < expected and previous is not None:
+            raise GGUFError(f"{path}: tensors {previous.name!r} (bytes {previous.offset}-"
+                            f"{previous.offset + previous.nbytes}) and {info.name!r} (from byte {info.offset}) overlap")
+        if info.offset > expected:
+            after = f"after tensor {previous.name!r}" if previous else "at the start of the data section"
+            raise GGUFError(f"{path}: {info.offset - expected} bytes {after} (bytes {expected}-{info.offset}) belong "
+                            f"to no tensor ({counted})")
+        expected, previous = _align(info.offset + info.nbytes, alignment), info
+    end = previous.offset + previous.nbytes if previous else data_start
+    if file_size - end >= alignment:
+        raise GGUFError(f"{path}: {file_size - end} bytes after the last tensor (bytes {end}-{file_size}) belong to "
+                        f"no tensor: {counted}{_uncounted_hint(p, n_tensors)}")
+
+
+def _uncounted_hint(p: _HeaderParser, n_tensors: int) -> str:
+    """When a valid tensor info follows the counted ones, name it: the count is short."""
+    try:
+        name, dims, _, _ = _read_tensor_info(p, n_tensors, n_tensors)
+    except GGUFError:
+        return " (or the file has trailing data)"
+    if not name.isprintable():
+        return " (or the file has trailing data)"
+    return f", but another, {name!r} {list(reversed(dims))}, follows them: the count is short"
 
 
 class GGUFFile:

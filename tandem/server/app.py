@@ -1,6 +1,7 @@
 """The HTTP layer: OpenAI-compatible endpoints over one `Scheduler`, and `serve(args)` for `tandem serve`.
 
-Request path: the ASGI guard (body size limit, access log, request counter) -> API-key check -> strict parsing
+Request path: the ASGI guard (body size limit, access log, request counter) -> the browser guard (Host and
+Content-Type, `safety.py`) -> CORS when origins are allowed -> readiness -> API-key check -> strict parsing
 (`protocol.parse_request`) -> tokenizing and the context check, before anything is queued -> `Scheduler.submit` ->
 chunks back from the worker thread -> one JSON response or an SSE stream. Every error leaves as OpenAI's error
 object with a 4xx status; anything unexpected is a generic 500, logged here with its traceback, never sent.
@@ -8,6 +9,12 @@ object with a 4xx status; anything unexpected is a generic 500, logged here with
 Context policy: a prompt that leaves no room for one generated token is a 400 saying by how many tokens it is too
 long; otherwise max_tokens is clamped to the room left (as llama-server does), and an absent max_tokens means "until
 the context is full" (as OpenAI does). `usage` and `finish_reason: "length"` show what happened.
+
+Lifecycle: `tandem serve` listens before it loads, so /health answers 503 with {"status": "loading"}, then
+"warming", then 200 {"status": "ok"}; generation endpoints answer 503 (Retry-After) until then. On SIGTERM it drains:
+the listener closes, /health and new requests get 503 "shutting_down", and the streams in flight finish within
+--shutdown-timeout before the process exits 0. Behind a gateway (docs/deployment.md) this is what lets the gateway
+retry elsewhere instead of losing requests.
 """
 
 from __future__ import annotations
@@ -17,17 +24,22 @@ import json
 import logging
 import os
 import secrets
+import signal
+import socket
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.api import DEFAULT_DRAFT_MAX
@@ -38,6 +50,7 @@ from tandem.sampling import SamplingParams
 from tandem.server import protocol
 from tandem.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from tandem.server.safety import BrowserGuard, allowed_hosts_for, exposure_warning
 from tandem.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
 
 log = logging.getLogger("tandem.server")
@@ -46,6 +59,16 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+NOT_READY = {  # status -> what a request gets while the server is not ready
+    "loading": "the server is loading its models",
+    "warming": "the server is warming up",
+    "draining": "the server is shutting down",
+    "failed": "the server failed to load its models",
+}
+
+Draft = Model | str | None
+Loader = Callable[[], tuple[Model, Draft]]
+WarmUp = Callable[[Model, Draft], None]
 
 
 class BodyTooLargeError(Exception):
@@ -137,24 +160,79 @@ def _sse(obj: Any) -> str:
 
 
 class Server:
-    """The endpoints' state: the models, the scheduler, the metrics, the settings."""
+    """The endpoints' state: the models, the scheduler, the metrics, the settings, the readiness.
 
-    def __init__(self, target: Model, draft: Model | str | None, model_name: str, aliases: Seq[str],
-                 draft_max: int, draft_policy: str, api_key: str | None, slots: int, max_queue: int,
-                 kv_budget_bytes: int | None = None) -> None:
-        self.target, self.draft = target, draft
+    `status` goes loading -> warming -> ready -> draining (or failed); only "ready" takes generations.
+    """
+
+    def __init__(self, model_name: str, aliases: Seq[str], draft_max: int, draft_policy: str, api_key: str | None,
+                 slots: int, max_queue: int, kv_usage: Callable[[], float] | None = None,
+                 accept_any_model: bool = False, kv_budget_bytes: int | None = None) -> None:
+        self.target: Model | None = None
+        self.draft: Draft = None
         self.model_name = model_name
         self.model_names = {model_name, *aliases}
+        self.accept_any_model = accept_any_model
         self.draft_max, self.draft_policy = draft_max, draft_policy
         self.api_key = api_key
         self.created = int(time.time())
-        self.engine = Engine(target, draft, slots=slots, draft_max=draft_max, kv_budget_bytes=kv_budget_bytes,
-                             measure_costs=draft is not None and draft_policy == "adaptive")
-        self.scheduler = Scheduler(self.engine, max_queue=max_queue)
-        self.metrics = ServerMetrics(lambda: self.scheduler.queue_depth, lambda: self.scheduler.active_count)
+        self.status = "loading"
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None
+        self.slots, self.kv_budget_bytes = slots, kv_budget_bytes
+        self.engine: Engine | None = None  # made by attach(): it sizes its KV pool and measures batched costs
+        self.scheduler = Scheduler(None, slots=slots, max_queue=max_queue)
+        self.metrics = ServerMetrics(lambda: self.scheduler.queue_depth, lambda: self.scheduler.active_count,
+                                     kv_usage or self.kv_usage, model_name)
         self.scheduler.on_finish = self.metrics.observe_generation
         self.scheduler.on_cancel = self.metrics.cancelled.inc
         self.scheduler.on_step = self.metrics.batch_size.observe
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+
+    def attach(self, target: Model, draft: Draft) -> None:
+        """Serve `target` (with `draft`); requests may also name its file, with or without the directory."""
+        file_name = os.path.basename(str(target.path)).removesuffix(".gguf")
+        self.model_names |= {file_name, str(target.path)}
+        self.target, self.draft = target, draft
+        self.engine = Engine(target, draft, slots=self.slots, draft_max=self.draft_max,
+                             kv_budget_bytes=self.kv_budget_bytes,
+                             measure_costs=draft is not None and self.draft_policy == "adaptive")
+        self.scheduler.attach(self.engine)
+
+    def prepare(self, load: Loader | None, warm_up: WarmUp | None) -> None:
+        """Load the models (when none are attached), warm them up, then take requests. Runs on its own thread;
+        no generation runs meanwhile, since none is admitted before "ready"."""
+        try:
+            if self.target is None:
+                self.attach(*load())
+            self.status = "warming"
+            if warm_up is not None:
+                warm_up(self.target, self.draft)
+        except BaseException as e:  # noqa: BLE001  (reported through load_error; serve() exits with it)
+            self.status, self.load_error = "failed", e
+            if not isinstance(e, ValueError | FileNotFoundError):
+                log.error("loading the models failed", exc_info=e)
+            if self.on_load_error is not None:
+                self.on_load_error(e)
+            return
+        if self.status == "warming":  # not draining meanwhile
+            self.status = "ready"
+            log.info("ready: serving %s (draft: %s)", self.model_name, _draft_name(self.draft))
+
+    def drain(self) -> None:
+        """Stop admitting: /health and new requests get 503; what is queued or streaming carries on."""
+        self.status = "draining"
+
+    def require_ready(self) -> None:
+        if self.status != "ready":
+            code = "shutting_down" if self.status == "draining" else "not_ready"
+            raise APIError(503, f"{NOT_READY[self.status]}; retry later", type="server_error", code=code,
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def kv_usage(self) -> float:
+        """Fraction of the KV memory the running sequences hold (slots are reserved whole: Engine.kv_usage)."""
+        return self.engine.kv_usage() if self.engine is not None else 0.0
 
     # --- checks before queueing ----------------------------------------------------------------------------
 
@@ -168,8 +246,9 @@ class Server:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, name: str | None) -> None:
-        # No model named is fine (llama-server allows it); a wrong name is OpenAI's 404.
-        if name is not None and name not in self.model_names:
+        # No model named is fine (llama-server allows it); a wrong name is OpenAI's 404, unless the operator
+        # accepts any name (replicas behind a gateway: docs/deployment.md says why).
+        if name is not None and name not in self.model_names and not self.accept_any_model:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
@@ -207,6 +286,7 @@ class Server:
         return Job(request=request, loop=asyncio.get_running_loop())
 
     def submit(self, job: Job) -> None:
+        self.require_ready()  # again: a drain may have begun while the prompt was tokenized
         try:
             self.scheduler.submit(job)
         except QueueFullError as e:
@@ -314,9 +394,11 @@ def _as_api_error(error: BaseException) -> APIError:
 
 
 def create_app(
-    target: Model,
-    draft: Model | str | None = None,
+    target: Model | None = None,
+    draft: Draft = None,
     *,
+    load: Loader | None = None,
+    warm_up: WarmUp | None = None,
     model_name: str | None = None,
     aliases: Seq[str] = (),
     draft_max: int = DEFAULT_DRAFT_MAX,
@@ -325,36 +407,62 @@ def create_app(
     max_queue: int = 64,
     slots: int = 1,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_hosts: frozenset[str] | None = frozenset(),
+    cors_origins: Seq[str] = (),
+    accept_any_model: bool = False,
+    kv_usage: Callable[[], float] | None = None,
     kv_budget_bytes: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `target` (speculatively with `draft`: a Model, "ngram" or None).
 
     Args:
+        target, draft: the models; or leave them out and give `load`, which returns (target, draft) and runs on a
+            thread once the app starts, while /health answers 503 "loading".
+        warm_up: run on the same thread after loading (/health: "warming"); requests wait for "ok".
         model_name: the id /v1/models lists and responses carry [the target file's name without .gguf];
-            requests may name it or any of `aliases`.
+            requests may name it or any of `aliases` (any name at all with `accept_any_model`).
         draft_max, draft_policy: the default drafting; requests may lower it or turn it off ("speculative").
         api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health and /metrics stay open).
         max_queue: requests that may wait for a slot; one more gets a 503 with Retry-After.
         slots: generations decoded together at most, in one batched forward a step (1 = strictly serial).
         max_body_bytes: larger request bodies get a 413 without being read.
+        allowed_hosts: Host header values accepted besides loopback names and addresses; None accepts any
+            (`safety.allowed_hosts_for` derives it from the bind address).
+        cors_origins: origins browsers may call from (CORS); none by default.
+        kv_usage: the KV cache usage fraction the metrics export [the slots running sequences hold].
         kv_budget_bytes: KV memory for every slot's context (default: half the free memory); fewer slots fit a
             smaller budget, and one that holds no whole context is a start-up error.
     The worker thread starts and stops with the app's lifespan.
     """
-    file_name = os.path.basename(str(target.path)).removesuffix(".gguf")
-    server = Server(target, draft, model_name or file_name, [*aliases, file_name, str(target.path)], draft_max,
-                    draft_policy, api_key, slots, max_queue, kv_budget_bytes)
+    if target is None and load is None:
+        raise ValueError("create_app needs a target model or a load function")
+    if target is None and model_name is None:
+        raise ValueError("create_app needs a model_name when the model is loaded later")
+    file_name = os.path.basename(str(target.path)).removesuffix(".gguf") if target is not None else None
+    server = Server(model_name or file_name, aliases, draft_max, draft_policy, api_key, slots, max_queue,
+                    kv_usage, accept_any_model, kv_budget_bytes)
+    if target is not None:
+        server.attach(target, draft)
+        server.status = "warming" if warm_up is not None else "ready"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.scheduler.start()
+        if server.status != "ready":
+            threading.Thread(target=server.prepare, args=(load, warm_up), name="tandem-load", daemon=True).start()
         try:
             yield
         finally:
+            server.drain()
             server.scheduler.stop()
 
     app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    # Starlette wraps the app in the order added, the last outermost: guard -> browser guard -> CORS -> app.
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts)
     app.add_middleware(_Guard, max_body_bytes=max_body_bytes, metrics=server.metrics)
 
     @app.exception_handler(APIError)
@@ -387,11 +495,12 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        server.require_ready()
         server.authorize(request)
         req = protocol.parse_request(ChatCompletionRequest, await request.body())
         server.check_model(req.model)
         try:
-            ids = await run_in_threadpool(target.tokenizer.encode_chat, req.template_messages())
+            ids = await run_in_threadpool(server.target.tokenizer.encode_chat, req.template_messages())
         except Exception as e:  # the chat template may refuse the messages (jinja's raise_exception)
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
         server.check_prompt(ids, "messages")
@@ -399,27 +508,34 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        server.require_ready()
         server.authorize(request)
         req = protocol.parse_request(CompletionRequest, await request.body())
         server.check_model(req.model)
         prompt = req.prompt
-        ids = await run_in_threadpool(target.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
+        tokenizer = server.target.tokenizer
+        ids = await run_in_threadpool(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         server.check_prompt(ids, "prompt")
         return await server.run(request, "text", req, ids)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
+        server.require_ready()
         server.authorize(request)
+        target = server.target
         return {"object": "list", "data": [{
             "id": server.model_name, "object": "model", "created": server.created, "owned_by": "tandem",
             "meta": {"n_ctx": target.n_ctx, "vocab_size": target.vocab_size, "backend": target.backend,
-                     "device": target.device, "draft": _draft_name(draft)},
+                     "device": target.device, "draft": _draft_name(server.draft)},
         }]}
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "queue_depth": server.scheduler.queue_depth,
-                "active": server.scheduler.active_count}
+    async def health() -> JSONResponse:
+        """200 {"status": "ok"} when generations are taken; 503 with the status (loading, warming, draining,
+        failed) otherwise, which is what gateways and orchestrators probe."""
+        ready = server.status == "ready"
+        return JSONResponse({"status": "ok" if ready else server.status, "queue_depth": server.scheduler.queue_depth,
+                             "active": server.scheduler.active_count}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -434,28 +550,72 @@ def _draft_name(draft: Model | str | None) -> str | None:
     return os.path.basename(str(draft.path))
 
 
+def _warm_up(target: Model, draft: Draft, draft_max: int, draft_policy: str) -> None:
+    """One short generation: kernels warm up and the adaptive policy measures its costs before any client waits."""
+    import tandem
+
+    first = target.tokenizer.bos_token_id or 0
+    tandem.generate(target, prompt=[first], draft=draft, max_tokens=2, draft_max=draft_max, draft_policy=draft_policy,
+                    n_ctx=None)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's Server, draining tandem's first when a signal asks it to stop (uvicorn then closes the listener
+    and waits up to timeout_graceful_shutdown for the requests in flight)."""
+
+    def __init__(self, config: uvicorn.Config, server: Server) -> None:
+        super().__init__(config)
+        self.tandem = server
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.tandem.drain()
+        super().handle_exit(sig, frame)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on (host, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def serve(args) -> int:
-    """`tandem serve`: load the pair as `tandem generate` does, warm it up, and serve until interrupted."""
+    """`tandem serve`: listen at once, load and warm up the pair meanwhile (/health: 503), serve until SIGTERM or
+    SIGINT, then drain (see the module docstring)."""
     import sys
 
-    import uvicorn
-
-    import tandem
     from tandem.cli import load_pair
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    target, draft = load_pair(args)
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        rule = "!" * 100
+        log.warning("\n%s\n%s\n%s", rule, warning, rule)
+    sock = bind_socket(args.host, args.port)
     app = create_app(
-        target, draft, model_name=getattr(args, "served_model_name", None) or args.model, aliases=[args.model],
+        load=lambda: load_pair(args),
+        warm_up=lambda target, draft: _warm_up(target, draft, args.draft_max, args.draft_policy),
+        model_name=args.served_model_name or args.model, aliases=[args.model],
         draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,
-        slots=args.slots, max_body_bytes=getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
-        kv_budget_bytes=int(args.kv_budget_mib * 2**20) if getattr(args, "kv_budget_mib", None) else None,
+        slots=args.slots, max_body_bytes=args.max_body_bytes,
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), cors_origins=args.cors_origin,
+        accept_any_model=args.accept_any_model,
+        kv_budget_bytes=int(args.kv_budget_mib * 2**20) if args.kv_budget_mib else None,
     )
-    # One short generation first: kernels warm up and the adaptive policy measures its costs before any client waits.
-    first = target.tokenizer.bos_token_id or 0
-    tandem.generate(target, prompt=[first], draft=draft, max_tokens=2, draft_max=args.draft_max,
-                    draft_policy=args.draft_policy, n_ctx=None)
-    print(f"tandem: serving {args.model} (draft: {_draft_name(draft)}) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    server: Server = app.state.server
+    config = uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
+    http = _DrainingServer(config, server)
+    server.on_load_error = lambda _: setattr(http, "should_exit", True)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"tandem: listening on http://{shown}:{port}/v1 (loading {args.model}; /health answers 503 until ready)",
+          file=sys.stderr, flush=True)
+    # uvicorn raises the signal it handled again once its graceful shutdown is over; the drain was the handling,
+    # so the process then exits 0 instead of dying by SIGTERM.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    http.run(sockets=[sock])
+    if server.load_error is not None:
+        raise server.load_error
     return 0

@@ -3,6 +3,11 @@
 Counters are cumulative over the server's life (Prometheus computes rates); every histogram observes one value per
 request (the batch size: one per engine step), and its name says the unit. prometheus-client's metrics are
 thread-safe, so the worker thread records generation figures while the event loop records HTTP statuses.
+
+Load-aware routers read two gauges (llm-d's model-server protocol, the Gateway API inference extension's endpoint
+picker): waiting requests and KV cache utilisation. They are exported under vLLM's names, which those routers know
+(`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc` as a 0-1 fraction, labelled
+`model_name`), next to tandem's own.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ MS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 6
 
 
 class ServerMetrics:
-    def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int],
+                 kv_usage: Callable[[], float] = lambda: 0.0, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tandem_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
@@ -58,6 +64,12 @@ class ServerMetrics:
                                    registry=r)
         Gauge("tandem_queue_depth", "requests waiting for a slot", registry=r).set_function(queue_depth)
         Gauge("tandem_active_requests", "requests being decoded", registry=r).set_function(active)
+        Gauge("tandem_kv_cache_usage_ratio", "fraction of the KV cache capacity that live sequences hold",
+              registry=r).set_function(kv_usage)
+        for name, doc, read in (("vllm:num_requests_waiting", "requests waiting to be scheduled", queue_depth),
+                                ("vllm:num_requests_running", "requests being decoded", active),
+                                ("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full", kv_usage)):
+            Gauge(name, doc, ["model_name"], registry=r).labels(model_name=model_name).set_function(read)
 
     def observe_generation(self, stats: GenerationStats, queue_ms: float) -> None:
         """Record one finished generation's figures."""

@@ -67,20 +67,30 @@ class Job:
 class Scheduler:
     """FIFO queue + worker thread driving an Engine. `submit` from the event loop; `cancel` from anywhere."""
 
-    def __init__(self, engine: Engine, max_queue: int = 64,
+    def __init__(self, engine: Engine | None, slots: int = 1, max_queue: int = 64,
                  on_finish: Callable[[GenerationStats, float], None] | None = None,
                  on_cancel: Callable[[], None] | None = None,
                  on_step: Callable[[int], None] | None = None) -> None:
+        """engine: None until `attach` (a server answers /health while its models load); jobs wait meanwhile."""
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.engine, self.max_queue = engine, max_queue
-        self.slots = engine.slots
+        self.engine, self.slots, self.max_queue = None, slots, max_queue
         self.on_finish, self.on_cancel, self.on_step = on_finish, on_cancel, on_step
         self._waiting: deque[Job] = deque()
         self._active: dict[int, tuple[Job, Generation]] = {}  # touched only by the worker; others read its length
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine: Engine) -> None:
+        """Run jobs on `engine`; its slots (which a KV budget may have made fewer) bound the batch."""
+        with self._cond:
+            self.engine, self.slots = engine, engine.slots
+            self._cond.notify()
 
     @property
     def queue_depth(self) -> int:
@@ -130,7 +140,7 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._active:
+                while not self._stopping and (self.engine is None or not self._waiting and not self._active):
                     self._cond.wait(IDLE_WAIT_S)
                 if self._stopping:
                     break
