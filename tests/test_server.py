@@ -387,30 +387,31 @@ def test_metrics_after_requests(spec_server):
         assert line in text.splitlines(), line
 
 
-def test_kv_usage_counts_live_sequences_until_closed(paths):
-    from tandem.api import GenerationChunk
+def test_kv_usage_is_the_slots_running_sequences_hold(paths):
+    """Slots are reserved whole (a context each): KV usage is the fraction of slots running sequences hold, what
+    admission waits on, until they finish or are cancelled."""
+    from tandem.engine import Request
     from tandem.server.app import Server
 
     server = Server("tiny", [], 4, "fixed", None, slots=2, max_queue=4)
     server.attach(load(paths[0]), None)
-    capacity = 2 * server.target.n_ctx
-
-    def chunks():
-        for _ in range(3):
-            yield GenerationChunk("x", [1, 2])
-
-    generation = server._tracked(chunks(), prompt_tokens=10)
-    assert server.kv_usage() == 0.0  # nothing held before the worker starts it
-    next(generation)
-    assert server.kv_usage() == pytest.approx(12 / capacity)
-    next(generation)
-    assert server.kv_usage() == pytest.approx(14 / capacity)
-    generation.close()  # what the scheduler does when a generation finishes or is cancelled
+    engine = server.engine
+    assert server.kv_usage() == 0.0
+    first = engine.add(Request([1, 2, 3], max_tokens=5))
+    second = engine.add(Request([4, 5, 6], max_tokens=50))
+    assert server.kv_usage() == 0.0  # queued, not admitted: nothing held yet
+    engine.step()
+    assert server.kv_usage() == 1.0
+    while first.finish_reason is None:
+        engine.step()
+    assert server.kv_usage() == 0.5
+    engine.cancel(second)
+    engine.step()
     assert server.kv_usage() == 0.0
 
 
 def test_the_engine_may_supply_kv_usage(paths):
-    """A batched engine reports its own KV pool through the `kv_usage` callable the app is given."""
+    """Another measure of KV usage can be given to the app: the gauges export it."""
     app = create_app(load(paths[0]), None, model_name="tiny", kv_usage=lambda: 0.25)
     with LiveServer(app) as server:
         text = httpx.get(f"{server.url}/metrics").text.splitlines()
