@@ -233,6 +233,7 @@ class Engine:
             slot, limit = placement.slot, len(prompt) - 1
             own = min(common_prefix(self.table.contents(slot), prompt), limit, self.target_kv.length(slot))
             reuse = own
+            draft_valid = min(own, self.draft_kv.length(slot)) if self.draft_kv is not None else 0
             if placement.copy_from is not None:
                 source = placement.copy_from
                 copied = min(placement.reuse, self.target_kv.length(source))
@@ -240,10 +241,11 @@ class Engine:
                     self.target_kv.copy_prefix(source, slot, copied)
                     reuse = copied
                     if self.draft_kv is not None and self.draft_kv.can_copy:
-                        self.draft_kv.copy_prefix(source, slot, min(copied, self.draft_kv.length(source)))
+                        draft_valid = min(copied, self.draft_kv.length(source))
+                        self.draft_kv.copy_prefix(source, slot, draft_valid)
             self.target_kv.rewind(slot, min(reuse, self.target_kv.length(slot)))
-            if self.draft_kv is not None and self.draft_kv.length(slot) > reuse:
-                self.draft_kv.rewind(slot, reuse if reuse > own else min(own, self.draft_kv.length(slot)))
+            if self.draft_kv is not None:
+                self.draft_kv.rewind(slot, draft_valid)  # the rest it takes in when it first drafts
             gen.slot, gen.fed = slot, reuse
             gen.stats.cached_tokens = reuse
             self.table.occupy(slot, gen.tokens)
