@@ -10,6 +10,7 @@ import torch
 
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.sampling import SamplingParams, make_generator
+from tandem.spec.decoder import cut_tokens
 from tandem.spec.proposer import NgramProposer
 from tandem.spec.stats import GenerationStats
 
@@ -158,15 +159,8 @@ class Generation:
 
     def emit(self, new_tokens: list[int]) -> list[int]:
         """New tokens cut at a stop token (not returned) or at max_tokens; sets finish_reason when cut."""
-        out = []
-        for token in new_tokens:
-            if token in self.stop_token_ids:
-                self.finish_reason = "stop"
-                break
-            out.append(token)
-            if self.emitted + len(out) >= self.request.max_tokens:
-                self.finish_reason = "length"
-                break
+        out, finish = cut_tokens(new_tokens, self.stop_token_ids, self.emitted, self.request.max_tokens)
+        self.finish_reason = finish or self.finish_reason
         self.emitted += len(out)
         self.stats.generated_tokens = self.emitted
         return out

@@ -26,6 +26,20 @@ QUEUE_DEPTH = 3  # plain steps queued ahead of the one whose token the host wait
 LOOKUP_RUN_AHEAD = 4  # plain steps queued when the policy would draft but the proposer has nothing (see run)
 
 
+def cut_tokens(new_tokens: list[int], stop_token_ids: frozenset[int], emitted: int,
+               max_tokens: int) -> tuple[list[int], str | None]:
+    """New tokens cut at a stop token (not returned) or at max_tokens, and why they were cut ("stop", "length",
+    or None when they were not)."""
+    out = []
+    for token in new_tokens:
+        if token in stop_token_ids:
+            return out, "stop"
+        out.append(token)
+        if emitted + len(out) >= max_tokens:
+            return out, "length"
+    return out, None
+
+
 class SpeculativeDecoder:
     """One generation. Iterate `run(prompt)` for lists of new tokens; then read `finish_reason` and `stats`."""
 
@@ -76,16 +90,8 @@ class SpeculativeDecoder:
         return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, self.sampling), generator)
 
     def _emit(self, new_tokens: list[int], emitted: int) -> list[int]:
-        """Cut new tokens at a stop token (not returned) or at max_tokens; set finish_reason when cut."""
-        out = []
-        for token in new_tokens:
-            if token in self.stop_token_ids:
-                self.finish_reason = "stop"
-                break
-            out.append(token)
-            if emitted + len(out) >= self.max_tokens:
-                self.finish_reason = "length"
-                break
+        out, finish = cut_tokens(new_tokens, self.stop_token_ids, emitted, self.max_tokens)
+        self.finish_reason = finish or self.finish_reason
         return out
 
     def _speculate(self, target_seq, pending: torch.Tensor, tokens: list[int], k: int, generator, clock):
