@@ -55,6 +55,32 @@ def load(
     return load_torch(path, device=device, dtype=dtype, n_ctx=n_ctx, progress=progress, **backend_options)
 
 
+def default_draft(model: str, draft: str | None = None, no_draft: bool = False) -> str | None:
+    """The draft to pair with `model`: `draft` as given, none when `no_draft`, else the registry's default pair's
+    draft when `model` is the default target."""
+    from tandem.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    if no_draft:
+        return None
+    if draft is not None:
+        return draft
+    return DEFAULT_DRAFT if model == DEFAULT_TARGET else None
+
+
+def load_pair(model: str, draft: str | None = None, no_draft: bool = False, device: str = "cpu",
+              dtype: str | None = None, backend: str = "auto", n_ctx: int | None = None,
+              draft_device: str | None = None, progress: bool = False) -> tuple[Model, Model | str | None]:
+    """Load a target and its draft (a Model, "ngram" or None; see `default_draft`) on one backend. dtype defaults
+    to bfloat16 on CUDA and float32 elsewhere."""
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    target = load(model, device=device, dtype=dtype, backend=backend, n_ctx=n_ctx, progress=progress)
+    name = default_draft(model, draft, no_draft)
+    if name is None or name == "ngram":
+        return target, name
+    return target, load(name, device=draft_device or device, dtype=dtype, backend=target.backend, n_ctx=n_ctx,
+                        progress=progress)
+
+
 def pick_backend(path: str, device: str) -> str:
     """llama.cpp's kernels for quantized weights where torch would dequantize them (CPU, Vulkan, Metal)."""
     import importlib.util

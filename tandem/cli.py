@@ -28,28 +28,12 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens [min(4096, trained)]")
 
 
-def resolve_draft_name(args: argparse.Namespace) -> str | None:
-    if getattr(args, "no_draft", False):
-        return None
-    if args.draft is not None:
-        return args.draft
-    return DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None
-
-
 def load_pair(args: argparse.Namespace):
     """(target, draft-or-'ngram'-or-None) as the command line asks."""
-    import tandem
+    from tandem.api import load_pair
 
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    target = tandem.load(args.model, device=args.device, dtype=dtype, backend=args.backend, n_ctx=args.ctx,
-                         progress=sys.stderr.isatty())
-    name = resolve_draft_name(args)
-    if name is None or name == "ngram":
-        return target, name
-    draft_device = getattr(args, "draft_device", None) or args.device
-    draft = tandem.load(name, device=draft_device, dtype=dtype, backend=target.backend, n_ctx=args.ctx,
-                        progress=sys.stderr.isatty())
-    return target, draft
+    return load_pair(args.model, args.draft, getattr(args, "no_draft", False), args.device, args.dtype,
+                     args.backend, args.ctx, getattr(args, "draft_device", None), progress=sys.stderr.isatty())
 
 
 def _comma_list(text: str) -> list[str]:

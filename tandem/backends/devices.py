@@ -197,9 +197,9 @@ def _ggml_library() -> ctypes.CDLL | None:
     except ImportError:
         _ggml_cache.append(None)
         return None
-    from tandem.backends.llamacpp_backend import _init_llama
+    from tandem.backends.llamacpp_runtime import init_llama
 
-    _init_llama()  # route ggml's log through the backend's filter before a backend starts and prints its banner
+    init_llama()  # route ggml's log through the backend's filter before a backend starts and prints its banner
     # libllama's handle, not llama_cpp._ggml's: with LLAMA_CPP_LIB_PATH set, only the former is the libggml that
     # llama.cpp itself runs on. dlsym on it also searches its dependencies libggml and libggml-base.
     lib = llc._lib

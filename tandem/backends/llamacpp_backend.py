@@ -32,10 +32,7 @@ backend turn text into the same ids; the `ModelConfig` comes from the same metad
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
-from collections import deque
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -46,6 +43,7 @@ import torch
 
 from tandem.backends.base import BatchedCache, Model, Sequence
 from tandem.backends.devices import DeviceInfo, device_info, no_device_hint
+from tandem.backends.llamacpp_runtime import init_llama, recent_errors
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
 
@@ -60,39 +58,6 @@ MAX_FREE_CONTEXTS = 4  # closed sequences' contexts kept per model for reuse
 GPU_DEVICES = ("vulkan", "metal", "cuda", "rocm", "hip", "sycl", "gpu")
 ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "offload every layer"
 GGML_TYPE_Q8_0 = 8  # ggml_type of a Q8_0 KV cache (see NUMERICS)
-
-# ggml_log_level: keep errors (and their continuation lines), drop the rest.
-_LOG_LEVEL_ERROR = 4
-_LOG_LEVEL_CONT = 5
-_recent_errors: deque[str] = deque(maxlen=20)  # llama.cpp's last error lines, quoted when a load fails
-_log_state = {"last_level": 0}
-
-
-def _log_callback(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
-    if level == _LOG_LEVEL_CONT:
-        level = _log_state["last_level"]
-    _log_state["last_level"] = level
-    if level >= _LOG_LEVEL_ERROR and text:
-        message = text.decode("utf-8", errors="replace")
-        _recent_errors.append(message.rstrip())
-        sys.stderr.write(message)
-
-
-# Kept alive on the module: llama.cpp holds a raw pointer to it for the life of the process.
-_LOG_CALLBACK = llc.llama_log_callback(_log_callback)
-_initialized = False
-
-
-def _init_llama() -> None:
-    global _initialized  # once per process, as llama.cpp requires
-    if _initialized:
-        return
-    # Batch-invariant CPU matmuls (see NUMERICS); ggml reads this once, at the first matmul of the process.
-    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
-    llc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-    llc.llama_backend_init()
-    _initialized = True
-
 
 def physical_cores() -> int:
     """Physical cores this process may run on (hyperthread siblings counted once)."""
@@ -150,7 +115,7 @@ class _Context:
         if not ctx:
             raise RuntimeError(
                 f"llama.cpp could not create a context (n_ctx={n_ctx}, n_batch={n_batch}) for {model.path!r}: "
-                + " | ".join(_recent_errors)
+                + " | ".join(recent_errors)
             )
         self.ctx = ctx
         self.key = (n_ctx, n_batch, n_threads)
@@ -226,7 +191,7 @@ class LlamaCppSequence(Sequence):
                 llc.llama_memory_seq_rm(context.memory, SEQ_ID, start_length, -1)
                 raise RuntimeError(
                     f"llama_decode failed with {rc} for {n} tokens at position {start_length + start} "
-                    f"({self.model.path!r}): " + " | ".join(_recent_errors)
+                    f"({self.model.path!r}): " + " | ".join(recent_errors)
                 )
             self._length += n
             if logits == "all":
@@ -305,7 +270,7 @@ class LlamaCppBatchedCache(BatchedCache):
                 for slot, _ in batch:  # forget whatever part of this forward went in
                     llc.llama_memory_seq_rm(context.memory, slot, self._lengths[slot], -1)
                 raise RuntimeError(f"llama_decode failed with {rc} for a batch of {n} tokens "
-                                   f"({self.model.path!r}): " + " | ".join(_recent_errors))
+                                   f"({self.model.path!r}): " + " | ".join(recent_errors))
             n_out = int(wanted.sum())
             if n_out:
                 logits = llc.llama_get_logits(context.ctx)  # [n_out, vocab]: the flagged rows, in batch order
@@ -401,16 +366,16 @@ class LlamaCppModel(Model):
             self.flash_attn = False
         self._free_contexts: list[_Context] = []
 
-        _init_llama()
+        init_llama()
         params = llc.llama_model_default_params()
         params.n_gpu_layers = self.n_gpu_layers
         params.use_mmap = use_mmap
         params.use_extra_bufts = repack
-        _recent_errors.clear()
+        recent_errors.clear()
         model = llc.llama_model_load_from_file(self.path.encode(), params)
         if not model:
             raise ValueError(
-                f"llama.cpp could not load {self.path!r}: " + (" | ".join(_recent_errors) or "no reason given")
+                f"llama.cpp could not load {self.path!r}: " + (" | ".join(recent_errors) or "no reason given")
             )
         self._model = model
         n_vocab = llc.llama_vocab_n_tokens(llc.llama_model_get_vocab(model))

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import tandem
+from tandem.api import default_draft
 from tandem.backends.base import Model
 from tandem.bench.suite import BenchPrompt, load_suite
 from tandem.spec.policy import CostModel, expected_tokens
@@ -127,8 +128,6 @@ def load_target(args: argparse.Namespace) -> Model:
 
 def load_draft(args: argparse.Namespace, backend: str | None) -> Model | str | None:
     """The draft model, "ngram" or None; `backend` is the target's (None: as --backend says)."""
-    from tandem.cli import resolve_draft_name
-
     device = getattr(args, "draft_device", None) or args.device
     shapes = synthetic_shapes(args)
     if shapes is not None:
@@ -138,7 +137,7 @@ def load_draft(args: argparse.Namespace, backend: str | None) -> Model | str | N
 
         _check_synthetic_backend(args)
         return random_model(shapes["draft"], device, compute_dtype(args), n_ctx=args.ctx or SYNTHETIC_CTX, seed=1)
-    name = resolve_draft_name(args)
+    name = default_draft(args.model, args.draft, getattr(args, "no_draft", False))
     if name is None or name == "ngram":
         return name
     return tandem.load(name, device=device, dtype=compute_dtype(args), backend=backend or args.backend,

@@ -586,7 +586,7 @@ def serve(args) -> int:
     SIGINT, then drain (see the module docstring)."""
     import sys
 
-    from tandem.cli import load_pair
+    from tandem.api import load_pair
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warning = exposure_warning(args.host, args.api_key)
@@ -595,7 +595,8 @@ def serve(args) -> int:
         log.warning("\n%s\n%s\n%s", rule, warning, rule)
     sock = bind_socket(args.host, args.port)
     app = create_app(
-        load=lambda: load_pair(args),
+        load=lambda: load_pair(args.model, args.draft, args.no_draft, args.device, args.dtype, args.backend,
+                               args.ctx, args.draft_device, progress=sys.stderr.isatty()),
         warm_up=lambda target, draft: _warm_up(target, draft, args.draft_max, args.draft_policy),
         model_name=args.served_model_name or args.model, aliases=[args.model],
         draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,

@@ -1,0 +1,43 @@
+"""llama.cpp's process-wide set-up, shared by the backend and the device probe: initialised once per process,
+its log filtered to errors, the last of them kept to quote when a load or a decode fails."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections import deque
+
+import llama_cpp.llama_cpp as llc
+
+# ggml_log_level: keep errors (and their continuation lines), drop the rest.
+_LOG_LEVEL_ERROR = 4
+_LOG_LEVEL_CONT = 5
+recent_errors: deque[str] = deque(maxlen=20)  # llama.cpp's last error lines, quoted when a load fails
+_log_state = {"last_level": 0}
+
+
+def _log_callback(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
+    if level == _LOG_LEVEL_CONT:
+        level = _log_state["last_level"]
+    _log_state["last_level"] = level
+    if level >= _LOG_LEVEL_ERROR and text:
+        message = text.decode("utf-8", errors="replace")
+        recent_errors.append(message.rstrip())
+        sys.stderr.write(message)
+
+
+# Kept alive on the module: llama.cpp holds a raw pointer to it for the life of the process.
+_LOG_CALLBACK = llc.llama_log_callback(_log_callback)
+_initialized = False
+
+
+def init_llama() -> None:
+    global _initialized  # once per process, as llama.cpp requires
+    if _initialized:
+        return
+    # Batch-invariant CPU matmuls (NUMERICS in llamacpp_backend); ggml reads this once, at its first matmul.
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+    llc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    llc.llama_backend_init()
+    _initialized = True
