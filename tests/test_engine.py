@@ -333,3 +333,33 @@ def test_llamacpp_engine_batched_equals_alone(llama_pair):
     second = engine.generate([Request(turn2, max_tokens=10, draft_policy="fixed")])[0]
     assert second.stats.cached_tokens >= len(turn2) - len(target.tokenizer.encode(" again")) - 1
     assert second.tokens == alone(target, turn2, max_tokens=10).tokens
+
+
+# --- log-probabilities -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft_kind", [None, "model"])
+def test_logprobs_are_the_targets_own_for_drafted_and_plain_tokens(pair64, draft_kind):
+    """Each emitted token's logprob is log-softmax of the target's logits at its position, whether the token was
+    drafted and accepted, recovered, or decoded plainly; the alternatives are the target's likeliest there."""
+    target, draft = pair64
+    engine = Engine(target, draft if draft_kind else None, slots=3, draft_max=4)
+    reqs = requests(target, PROMPTS[:3], max_tokens=12, draft_policy="fixed", logprobs=3)
+    reqs[1] = Request(reqs[1].prompt, SamplingParams(temperature=0.9, seed=5), max_tokens=12, logprobs=0,
+                      draft_policy="fixed")
+    results = engine.generate(reqs)
+    if draft_kind:
+        assert_drafted_and_accepted(results)
+    for request, result in zip(reqs, results, strict=True):
+        assert len(result.logprobs) == len(result.tokens)
+        expected = torch.log_softmax(target.logits(request.prompt + result.tokens[:-1])[len(request.prompt) - 1 :],
+                                     dim=-1)  # [tokens, V], the row that predicted each token
+        for i, entry in enumerate(result.logprobs):
+            assert entry.token == result.tokens[i]
+            assert entry.logprob == pytest.approx(float(expected[i, entry.token]), abs=1e-9)
+            assert len(entry.top) == request.logprobs
+            if entry.top:
+                assert [t for t, _ in entry.top] == expected[i].topk(request.logprobs).indices.tolist()
+                if request.sampling.greedy:
+                    assert entry.top[0][0] == entry.token
+    with pytest.raises(ValueError, match="logprobs must be in"):
+        Request([1, 2], logprobs=21)

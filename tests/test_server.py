@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 import tandem
@@ -526,3 +527,37 @@ def test_second_turn_reports_reused_prompt_tokens_and_batched_streams_match(path
         assert metrics["vllm:prefix_cache_hits_total"] >= first_prompt
         assert metrics["tandem_batch_size_count"] > 0 and metrics["tandem_batch_size_sum"] > metrics[
             "tandem_batch_size_count"]  # some steps ran more than one sequence
+
+
+def test_logprobs_chat_and_completions_streamed_and_not(spec_server, paths):
+    """The target's raw log-probabilities for every returned token (drafted ones included), with alternatives;
+    a stream carries the same as the whole response."""
+    target = load(paths[0])
+    client = spec_server.client()
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0, logprobs=True,
+                                           top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    ids = target.tokenizer.encode_chat(CHAT)
+    generated = tandem.generate(target, messages=CHAT, max_tokens=10).tokens
+    expected = torch.log_softmax(target.logits(ids + generated[:-1])[len(ids) - 1 :], dim=-1)
+    for i, entry in enumerate(content):
+        assert entry.logprob == pytest.approx(float(expected[i, generated[i]]), abs=1e-6)
+        assert entry.token == target.tokenizer.decode([generated[i]]) and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)  # greedy: the top one
+    streamed = [e for c in client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0,
+                                                          logprobs=True, top_logprobs=2, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 9)) for e in streamed] == [(e.token, round(e.logprob, 9)) for e in content]
+    text = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == text.usage.completion_tokens
+    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)  # a dict: pieces that decode alike merge
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+    with httpx.Client(base_url=spec_server.url) as http:
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "top_logprobs": 2})
+        assert_openai_error(r, 400, "top_logprobs")
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "logprobs": True, "top_logprobs": 21})
+        assert_openai_error(r, 400, "top_logprobs")

@@ -25,7 +25,7 @@ import torch
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
 from tandem.engine.kv_pool import SlotTable, common_prefix
-from tandem.engine.sequence import Generation, GenerationChunk, GenerationResult, Request
+from tandem.engine.sequence import Generation, GenerationChunk, GenerationResult, Request, TokenLogprob
 from tandem.sampling import make_generator, next_token, probs_from_logits, sample
 from tandem.spec.compat import check_compatible
 from tandem.spec.verify import verify_greedy, verify_sampled, verify_synthetic
@@ -134,12 +134,15 @@ class Engine:
         gens = [self.add(r) for r in requests]
         pieces: dict[int, list[str]] = {g.id: [] for g in gens}
         tokens: dict[int, list[int]] = {g.id: [] for g in gens}
+        logprobs: dict[int, list[TokenLogprob]] = {g.id: [] for g in gens}
         while any(g.finish_reason is None for g in gens):
             for gen, chunk in self.step():
                 if gen.id in pieces:
                     pieces[gen.id].append(chunk.text)
                     tokens[gen.id].extend(chunk.tokens)
-        return [GenerationResult("".join(pieces[g.id]), tokens[g.id], g.finish_reason, g.stats) for g in gens]
+                    logprobs[gen.id].extend(chunk.logprobs or [])
+        return [GenerationResult("".join(pieces[g.id]), tokens[g.id], g.finish_reason, g.stats,
+                                 logprobs[g.id] if g.request.logprobs is not None else None) for g in gens]
 
     # --- one step ----------------------------------------------------------------------------------------------
 
@@ -171,15 +174,22 @@ class Engine:
         last_only = [False] * len(decoding) + [g.fed + len(rows) == g.prompt_len for g, rows in prefills]
         logits = self.target_kv.forward(batch, last_only)
         results = []  # device tensors, read back in one transfer: per decoding sequence [n, drafts..., next]
+        scored = {}  # gen id -> log-probabilities of its rows (logprobs requests), read back after that transfer
         for gen, rows in zip(decoding, logits, strict=False):
             draft_tokens, draft_probs = proposals[gen.id]
             draft_tokens = torch.tensor(draft_tokens, dtype=torch.long, device=self.device)
             n_accepted, token = self._verify(gen, draft_tokens, draft_probs, rows)
             results += [n_accepted.view(1), draft_tokens, token.view(1)]
+            if gen.request.logprobs is not None:
+                scored[gen.id] = score_rows(rows, draft_tokens, token, gen.request.logprobs)
         for (gen, _), rows, last in zip(prefills, logits[len(decoding) :], last_only[len(decoding) :], strict=True):
             if last:  # the prompt is in: its first token
-                results.append(next_token(rows, gen.sampling, gen.generator).view(1))
+                first = next_token(rows, gen.sampling, gen.generator)
+                results.append(first.view(1))
+                if gen.request.logprobs is not None:
+                    scored[gen.id] = score_rows(rows, first[:0], first[0], gen.request.logprobs)
         values = torch.cat(results).tolist() if results else []
+        scored = {i: [t.tolist() for t in tensors] for i, tensors in scored.items()}
         finished = time.perf_counter()
         draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
         step_ms = 1000.0 * (finished - started)
@@ -202,7 +212,7 @@ class Engine:
             gen.stats.decode_ms += step_ms
             if gen.proposer is not None:
                 gen.observe(k, n)
-            self._deliver(gen, gen.emit(new_tokens), events)
+            self._deliver(gen, new_tokens, events, scored.get(gen.id))
         for gen, rows in prefills:
             gen.fed += len(rows)
             gen.stats.prefill_ms += step_ms
@@ -211,13 +221,16 @@ class Engine:
                 at += 1
                 if gen.ngram is not None:
                     gen.ngram.start(gen.request.prompt)
-                self._deliver(gen, gen.emit(gen.tokens[-1:]), events)
+                self._deliver(gen, gen.tokens[-1:], events, scored.get(gen.id))
         return events
 
-    def _deliver(self, gen: Generation, tokens: list[int], events: list) -> None:
+    def _deliver(self, gen: Generation, new_tokens: list[int], events: list, scored: list | None) -> None:
+        """Hand the caller this iteration's tokens (cut at a stop token or max_tokens), with their logprobs."""
+        tokens = gen.emit(new_tokens)
         if gen.finish_reason is None and self.target_kv.length(gen.slot) >= self.target_kv.capacity:
             gen.finish_reason = "length"  # no room left for the pending token
-        chunk = gen.chunk(tokens)
+        logprobs = token_logprobs(new_tokens, scored)[: len(tokens)] if scored is not None else None
+        chunk = gen.chunk(tokens, logprobs)
         if chunk is not None:
             events.append((gen, chunk))
         if gen.finish_reason is not None:
@@ -328,6 +341,31 @@ class Engine:
         if gen.sampling.greedy:
             return verify_greedy(draft_tokens, logits)
         return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, gen.sampling), gen.generator)
+
+
+def score_rows(logits: torch.Tensor, draft_tokens: torch.Tensor, token: torch.Tensor,
+               top: int) -> list[torch.Tensor]:
+    """Log-probabilities an iteration may need for its emitted tokens (see TokenLogprob), on the device: each
+    draft token's at its row, the target's own token's at every row (where it lands depends on how many drafts are
+    accepted, known only after the host sync), and the `top` likeliest at every row.
+    logits: [k+1, V]; draft_tokens: [k]; token: [] the recovered or bonus token."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logprobs = torch.log_softmax(logits.to(dtype), dim=-1)  # [k+1, V]
+    k = draft_tokens.shape[0]
+    drafted = logprobs[torch.arange(k, device=logits.device), draft_tokens]  # [k]
+    best = logprobs.topk(top, dim=-1) if top else None
+    return [drafted, logprobs[:, token], best.values if best else logprobs[:, :0], best.indices if best else
+            torch.empty(logprobs.shape[0], 0, dtype=torch.long, device=logits.device)]
+
+
+def token_logprobs(new_tokens: list[int], scored: list) -> list[TokenLogprob]:
+    """The emitted tokens' log-probabilities from score_rows' (read back) output: drafts for the accepted rows,
+    then the target's own token at the row after them."""
+    drafted, own, top_values, top_tokens = scored
+    n = len(new_tokens) - 1  # accepted drafts
+    values = drafted[:n] + [own[n]]
+    return [TokenLogprob(t, v, list(zip(top_tokens[r], top_values[r], strict=True)))
+            for r, (t, v) in enumerate(zip(new_tokens, values, strict=True))]
 
 
 def fit_slots(models: Seq[Model], slots: int, n_ctx: int, budget_bytes: int | None) -> int:

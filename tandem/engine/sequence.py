@@ -22,12 +22,29 @@ ACCEPTANCE_DECAY = 0.9  # per drafting iteration
 IDLE_DECAY = 0.97  # per plain iteration
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+@dataclass
+class TokenLogprob:
+    """The target's log-probability of an emitted token, and of its most likely alternatives at that position.
+
+    Raw log-probabilities: log-softmax of the target's logits, before temperature and truncation (vLLM's default),
+    so they describe the model, not the sampling settings; drafted-and-accepted tokens get the target's own.
+    """
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token, logprob), most likely first
+
+
 @dataclass
 class GenerationChunk:
     text: str  # new text since the previous chunk
     tokens: list[int]  # new token ids since the previous chunk
     finish_reason: str | None = None  # set on the last chunk: "stop" | "length"
     stats: GenerationStats | None = None  # set on the last chunk
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when the request asked for them
 
 
 @dataclass
@@ -36,6 +53,7 @@ class GenerationResult:
     tokens: list[int]  # generated ids (without the prompt, without a stop token)
     finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context is full)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 @dataclass
@@ -50,8 +68,11 @@ class Request:
     speculate: bool = True  # use the engine's proposer, if it has one
     draft_max: int | None = None  # at most this many drafts an iteration (None: the engine's draft_max)
     draft_policy: str = "adaptive"  # "adaptive": draft lengths from measured costs; "fixed": always draft_max
+    logprobs: int | None = None  # None: none; n >= 0: each token's log-probability and its n likeliest alternatives
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if not self.prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
         if self.max_tokens < 1:
@@ -165,11 +186,12 @@ class Generation:
         self.stats.generated_tokens = self.emitted
         return out
 
-    def chunk(self, tokens: list[int]) -> GenerationChunk | None:
-        """What the caller gets for this iteration's tokens, or None when there is nothing to say yet."""
+    def chunk(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> GenerationChunk | None:
+        """What the caller gets for this iteration's tokens (and their logprobs, one each, when asked for), or None
+        when there is nothing to say yet."""
         text = self.text.push(tokens)
         if self.text.stopped:
             self.finish_reason = "stop"
         if self.finish_reason is not None:
-            return GenerationChunk(text + self.text.finish(), tokens, self.finish_reason, self.stats)
-        return GenerationChunk(text, tokens) if tokens or text else None
+            return GenerationChunk(text + self.text.finish(), tokens, self.finish_reason, self.stats, logprobs)
+        return GenerationChunk(text, tokens, logprobs=logprobs) if tokens or text else None

@@ -279,7 +279,7 @@ class Server:
                 stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []), speculate=enabled,
                 # The server's draft_max is a ceiling: requests may lower k, not raise it past what the operator chose.
                 draft_max=self.draft_max if draft_max is None else min(draft_max, self.draft_max),
-                draft_policy=self.draft_policy,
+                draft_policy=self.draft_policy, logprobs=req.logprobs_count(),
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -321,7 +321,7 @@ class Server:
             return _SSEResponse(self.stream(request, kind, req, job, request_id, len(ids)),
                                 on_close=lambda: self.scheduler.cancel(job))
         try:
-            pieces, n_tokens = [], 0
+            pieces, n_tokens, scored = [], 0, []
             while True:
                 event = await self.next_event(job, request)
                 if event is None:
@@ -331,6 +331,7 @@ class Server:
                 chunk = event.chunk
                 pieces.append(chunk.text)
                 n_tokens += len(chunk.tokens)
+                scored += chunk.logprobs or []
                 if chunk.finish_reason is not None:
                     break
         finally:
@@ -338,7 +339,8 @@ class Server:
         self.summarize(request, chunk.stats, job)
         return JSONResponse(protocol.completion_response(
             kind, request_id, self.model_name, "".join(pieces), chunk.finish_reason,
-            protocol.usage(len(ids), n_tokens, chunk.stats.cached_tokens), protocol.timings(chunk.stats, job.queue_ms)))
+            protocol.usage(len(ids), n_tokens, chunk.stats.cached_tokens), protocol.timings(chunk.stats, job.queue_ms),
+            self.logprobs(kind, scored) if job.request.logprobs is not None else None))
 
     async def stream(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest, job: Job,
                      request_id: str, prompt_tokens: int) -> AsyncIterator[str]:
@@ -346,12 +348,12 @@ class Server:
         the awaits here; _SSEResponse then cancels the job."""
         created = int(time.time())
 
-        def chunk_obj(text: str | None, finish: str | None = None, role: bool = False) -> dict:
-            return protocol.stream_chunk(kind, request_id, created, self.model_name, text, finish, role)
+        def chunk_obj(text: str | None, finish: str | None = None, role: bool = False, logprobs=None) -> dict:
+            return protocol.stream_chunk(kind, request_id, created, self.model_name, text, finish, role, logprobs)
 
         if kind == "chat":
             yield _sse(chunk_obj("", role=True))
-        n_tokens = 0
+        n_tokens, text_offset = 0, 0
         while True:
             event = await self.next_event(job, None)
             if event.error is not None:
@@ -360,8 +362,10 @@ class Server:
                 break
             chunk = event.chunk
             n_tokens += len(chunk.tokens)
-            if chunk.text:
-                yield _sse(chunk_obj(chunk.text))
+            logprobs = self.logprobs(kind, chunk.logprobs, text_offset) if chunk.logprobs else None
+            if chunk.text or logprobs:
+                yield _sse(chunk_obj(chunk.text, logprobs=logprobs))
+            text_offset += sum(len(self.piece(e.token)) for e in chunk.logprobs or [])
             if chunk.finish_reason is not None:
                 timings = protocol.timings(chunk.stats, job.queue_ms)
                 usage = protocol.usage(prompt_tokens, n_tokens, chunk.stats.cached_tokens)
@@ -373,6 +377,13 @@ class Server:
                 self.summarize(request, chunk.stats, job)
                 break
         yield "data: [DONE]\n\n"
+
+    def piece(self, token: int) -> str:
+        """A token's text, as logprobs show it."""
+        return self.target.tokenizer.decode([token])
+
+    def logprobs(self, kind: protocol.Kind, entries, text_offset: int = 0) -> dict:
+        return protocol.logprobs_object(kind, entries, self.piece, text_offset)
 
     def summarize(self, request: Request, stats, job: Job) -> None:
         """What the access log line adds for a generation."""

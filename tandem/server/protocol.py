@@ -11,10 +11,12 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tandem.engine.sequence import MAX_TOP_LOGPROBS, TokenLogprob
 from tandem.spec.stats import GenerationStats
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -108,6 +110,10 @@ class _GenerationRequest(_Lenient):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logprobs_count(self) -> int | None:
+        """None: no logprobs; n >= 0: each token's logprob and its n likeliest alternatives."""
+        return None
+
     def draft_override(self) -> tuple[bool, int | None]:
         """(speculation enabled, draft_max override or None)."""
         spec = self.speculative
@@ -120,9 +126,16 @@ class _GenerationRequest(_Lenient):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def checked(self) -> ChatCompletionRequest:
         super().checked()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if not self.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         for i, m in enumerate(self.messages):
@@ -147,6 +160,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def checked(self) -> CompletionRequest:
         super().checked()
@@ -237,30 +254,53 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 Kind = Literal["chat", "text"]
 
 
+def logprobs_object(kind: Kind, entries: list[TokenLogprob], piece: Callable[[int], str],
+                    text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's logprobs for `entries`: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or the
+    completions API's parallel lists (tokens, token_logprobs, top_logprobs, text_offset from `text_offset`).
+    piece(id) is a token's text. The values are the target's raw log-probabilities (see TokenLogprob)."""
+    if kind == "chat":
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            text = piece(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+                            for e in entries], "refusal": None}
+    offsets, at = [], text_offset
+    for e in entries:
+        offsets.append(at)
+        at += len(piece(e.token))
+    return {"tokens": [piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{piece(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+
+
 def completion_response(kind: Kind, request_id: str, model: str, text: str, finish_reason: str,
-                        usage_: dict[str, int], timings_: dict[str, Any]) -> dict[str, Any]:
+                        usage_: dict[str, int], timings_: dict[str, Any],
+                        logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A whole (non-streamed) chat.completion or text_completion object."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": usage_, "timings": timings_}
 
 
 def stream_chunk(kind: Kind, request_id: str, created: int, model: str, text: str | None,
-                 finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
-    """One chat.completion.chunk (or streamed text_completion) carrying `text`; the first chat chunk has the role."""
+                 finish_reason: str | None = None, role: bool = False,
+                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One chat.completion.chunk (or streamed text_completion) carrying `text` (and the logprobs of the tokens
+    that came with it); the first chat chunk has the role."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
