@@ -26,7 +26,7 @@ from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
 from tandem.engine.kv_pool import SlotTable, common_prefix
 from tandem.engine.sequence import Generation, GenerationChunk, GenerationResult, Request, TokenLogprob
-from tandem.sampling import make_generator, next_token, probs_from_logits, sample
+from tandem.sampling import make_generator, probs_from_logits, sample
 from tandem.spec.compat import check_compatible
 from tandem.spec.verify import verify_greedy, verify_sampled, verify_synthetic
 
@@ -173,35 +173,19 @@ class Engine:
         batch += [(g.slot, rows) for g, rows in prefills]
         last_only = [False] * len(decoding) + [g.fed + len(rows) == g.prompt_len for g, rows in prefills]
         logits = self.target_kv.forward(batch, last_only)
-        results = []  # device tensors, read back in one transfer: per decoding sequence [n, drafts..., next]
-        scored = {}  # gen id -> log-probabilities of its rows (logprobs requests), read back after that transfer
-        for gen, rows in zip(decoding, logits, strict=False):
-            draft_tokens, draft_probs = proposals[gen.id]
-            draft_tokens = torch.tensor(draft_tokens, dtype=torch.long, device=self.device)
-            n_accepted, token = self._verify(gen, draft_tokens, draft_probs, rows)
-            results += [n_accepted.view(1), draft_tokens, token.view(1)]
-            if gen.request.logprobs is not None:
-                scored[gen.id] = score_rows(rows, draft_tokens, token, gen.request.logprobs)
-        for (gen, _), rows, last in zip(prefills, logits[len(decoding) :], last_only[len(decoding) :], strict=True):
-            if last:  # the prompt is in: its first token
-                first = next_token(rows, gen.sampling, gen.generator)
-                results.append(first.view(1))
-                if gen.request.logprobs is not None:
-                    scored[gen.id] = score_rows(rows, first[:0], first[0], gen.request.logprobs)
-        values = torch.cat(results).tolist() if results else []
-        scored = {i: [t.tolist() for t in tensors] for i, tensors in scored.items()}
+        firsts = [(gen, rows) for (gen, _), rows, last in
+                  zip(prefills, logits[len(decoding) :], last_only[len(decoding) :], strict=True) if last]
+        outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
         finished = time.perf_counter()
         draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
         step_ms = 1000.0 * (finished - started)
         if self.costs is not None and not prefills:
             self.costs.observe_target(len(decoding), sum(len(rows) for _, rows in batch), verify_ms)
 
-        events, at = [], 0
+        events = []
         for gen in decoding:
             k = len(proposals[gen.id][0])
-            n = values[at]
-            new_tokens = values[at + 1 : at + 1 + n] + [values[at + 1 + k]]
-            at += k + 2
+            n, new_tokens = outcomes[gen.id]
             self.target_kv.rewind(gen.slot, len(gen.tokens) + n)  # all but the new pending token
             gen.tokens += new_tokens
             if self.draft_kv is not None and self.draft_kv.length(gen.slot) > len(gen.tokens) - 1:
@@ -217,8 +201,7 @@ class Engine:
             gen.fed += len(rows)
             gen.stats.prefill_ms += step_ms
             if not gen.prefilling:
-                gen.tokens.append(values[at])
-                at += 1
+                gen.tokens += outcomes[gen.id][1]
                 if gen.ngram is not None:
                     gen.ngram.start(gen.request.prompt)
                 self._deliver(gen, gen.tokens[-1:], events, scored.get(gen.id))
@@ -334,6 +317,41 @@ class Engine:
             proposals[i] = (drawn[i], probs)
         return proposals
 
+    def _outcomes(self, decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],
+                  proposals: dict) -> tuple[dict[int, tuple[int, list[int]]], dict[int, list]]:
+        """Each sequence's (accepted drafts, new tokens) from its rows (a prompt just read in: its first token),
+        read back in one transfer: greedy sequences by one argmax over all their rows, compared with their drafts
+        on the host; the others by rejection sampling each on its own generator. Also the log-probabilities of
+        the rows of requests that asked for them (score_rows), read back after it."""
+        greedy, sampled, scored = [], [], {}  # greedy: (gen, drafts, rows); sampled: (gen, drafts, [n, token])
+        for gen, rows in decoding + firsts:
+            drafts, draft_probs = proposals.get(gen.id, ([], None))  # a prompt just read in has none
+            draft_tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
+            own = None
+            if gen.sampling.greedy and (self.synthetic_acceptance is None or not drafts):
+                greedy.append((gen, drafts, rows))
+            else:
+                n_accepted, own = self._verify(gen, draft_tokens, draft_probs, rows)
+                sampled.append((gen, drafts, torch.stack([n_accepted, own])))
+            if gen.request.logprobs is not None:
+                scored[gen.id] = score_rows(rows, draft_tokens, own, gen.request.logprobs)
+        parts = ([torch.cat([rows for _, _, rows in greedy]).argmax(dim=-1)] if greedy else []) + \
+            [pair for _, _, pair in sampled]
+        values = torch.cat(parts).tolist() if parts else []  # the step's one host synchronisation
+        outcomes, at = {}, 0
+        for gen, drafts, _ in greedy:
+            targets = values[at : at + len(drafts) + 1]  # the target's argmax at each row
+            at += len(drafts) + 1
+            n = 0
+            while n < len(drafts) and drafts[n] == targets[n]:
+                n += 1
+            outcomes[gen.id] = (n, drafts[:n] + [targets[n]])
+        for gen, drafts, _ in sampled:
+            n, token = values[at], values[at + 1]
+            at += 2
+            outcomes[gen.id] = (n, drafts[:n] + [token])
+        return outcomes, {i: [t.tolist() for t in tensors] for i, tensors in scored.items()}
+
     def _verify(self, gen: Generation, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                 logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.synthetic_acceptance is not None and draft_tokens.shape[0]:
@@ -343,18 +361,19 @@ class Engine:
         return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, gen.sampling), gen.generator)
 
 
-def score_rows(logits: torch.Tensor, draft_tokens: torch.Tensor, token: torch.Tensor,
+def score_rows(logits: torch.Tensor, draft_tokens: torch.Tensor, token: torch.Tensor | None,
                top: int) -> list[torch.Tensor]:
     """Log-probabilities an iteration may need for its emitted tokens (see TokenLogprob), on the device: each
     draft token's at its row, the target's own token's at every row (where it lands depends on how many drafts are
     accepted, known only after the host sync), and the `top` likeliest at every row.
-    logits: [k+1, V]; draft_tokens: [k]; token: [] the recovered or bonus token."""
+    logits: [k+1, V]; draft_tokens: [k]; token: [] the recovered or bonus token (None: greedy, each row's argmax)."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logprobs = torch.log_softmax(logits.to(dtype), dim=-1)  # [k+1, V]
     k = draft_tokens.shape[0]
     drafted = logprobs[torch.arange(k, device=logits.device), draft_tokens]  # [k]
     best = logprobs.topk(top, dim=-1) if top else None
-    return [drafted, logprobs[:, token], best.values if best else logprobs[:, :0], best.indices if best else
+    own = logprobs.amax(dim=-1) if token is None else logprobs[:, token]
+    return [drafted, own, best.values if best else logprobs[:, :0], best.indices if best else
             torch.empty(logprobs.shape[0], 0, dtype=torch.long, device=logits.device)]
 
 
