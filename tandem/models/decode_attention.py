@@ -116,9 +116,10 @@ if triton is not None:
         # kernel reads only its own chunks.
         head, chunk, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_chunks = tl.num_programs(1)
-        wait_for_inputs(PDL)  # see tandem.models.kernel_launch; before any exit, so a kernel two back has finished
+        # SEQS is copied in before the forward (no kernel writes it): read under the tail of the kernel before
         first, n_tokens = tl.load(SEQS + seq * 4), tl.load(SEQS + seq * 4 + 1)
         slot, kv_len = tl.load(SEQS + seq * 4 + 2), tl.load(SEQS + seq * 4 + 3)
+        wait_for_inputs(PDL)  # see tandem.models.kernel_launch; before any exit, so a kernel two back has finished
         if (n_tokens > 0) & (chunk * CHUNK < kv_len):
             rows = tl.arange(0, BLOCK_R)
             dims = tl.arange(0, HEAD_DIM)
@@ -157,9 +158,9 @@ if triton is not None:
         head, part = tl.program_id(0), tl.program_id(2)
         blocks: tl.constexpr = BLOCK_R // ROWS
         seq, block = tl.program_id(1) // blocks, tl.program_id(1) % blocks
-        wait_for_inputs(PDL)  # see tandem.models.kernel_launch
-        first, n_tokens = tl.load(SEQS + seq * 4), tl.load(SEQS + seq * 4 + 1)
+        first, n_tokens = tl.load(SEQS + seq * 4), tl.load(SEQS + seq * 4 + 1)  # (as in _ragged_partial_kernel)
         kv_len = tl.load(SEQS + seq * 4 + 3)
+        wait_for_inputs(PDL)  # see tandem.models.kernel_launch
         n_rows = group * n_tokens
         if block * ROWS < n_rows:
             rows = block * ROWS + tl.arange(0, ROWS)
