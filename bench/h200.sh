@@ -14,6 +14,8 @@
 #   vulkan    tandem bench and doctor on llama.cpp's Vulkan backend (NVIDIA's Vulkan driver)
 #   llamacpp  llama.cpp's own llama-server (CUDA): plain and with the draft
 #   hf        tandem plain beside Hugging Face transformers: eager plain and assisted, static-cache compiled plain
+#   batching  the batched engine (bench/results/h200-2026-12-04f-batching): its kernels' tests, the packed step
+#             against batch size, the logits kernel, N requests together against one after another (synthetic)
 #   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8 (or one of them:
 #             synthdoctor, synthbench; as two device calls each fits the 10-minute limit, the second one compiling
 #             from the first one's cache)
@@ -103,6 +105,18 @@ hf)
     tandem bench --model $T --draft $D --device cuda --max-tokens 128 --configs plain --peer hf --peer hf-static \
         --prompts code,summary \
         --json $OUT/bench_hf.json 2>&1 | grep --line-buffered -v Warn | tail -25
+    ;;
+batching)
+    python3 -m pytest -q -p no:cacheprovider tests/test_batched_kernels.py tests/test_packed_forward.py 2>&1 \
+        | tail -5 | tee $OUT/batched_tests.txt
+    python3 bench/gpu_logits.py 2>&1 | grep -v Warn | tee $OUT/logits.txt
+    # TANDEM_COMPILE=0: the packed path compiles nothing (the long-prompt step's 46 s compile is not needed here)
+    TANDEM_COMPILE=0 python3 bench/gpu_batched_step.py --eager 4,16 2>&1 | grep -v Warn | tee $OUT/step.txt
+    S=qwen2.5-1.5b,qwen2.5-0.5b
+    TANDEM_COMPILE=0 python3 bench/batching.py --synthetic-shape $S --device cuda --dtype bfloat16 \
+        --requests 1,4,16 --repeats 3 2>&1 | grep -v Warn | tee $OUT/batching.txt
+    TANDEM_COMPILE=0 python3 bench/batching.py --synthetic-shape $S --device cuda --dtype bfloat16 --requests 64 \
+        --repeats 1 --configs plain,adaptive 2>&1 | grep -v Warn | tee -a $OUT/batching.txt
     ;;
 synthetic|synthdoctor)
     tandem doctor --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --device cuda --json > $OUT/doctor_synth_32b.json \

@@ -113,21 +113,22 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
             except ValueError as e:
                 assert "do not fit" in str(e)
     cache = torch.zeros(1, 1, 32, 16, dtype=dtype, device=device)
-    too_many = rand(17, 64, dtype=dtype)
+    limit = fused_projections.MAX_ROWS  # more rows than that: too many (fewer run as more tiles of rows)
+    too_many = rand(limit + 1, 64, dtype=dtype)
     for call in (lambda: fused_projections.add_linear_split_k(too_many, rand(32, 64, dtype=dtype),
-                                                              rand(17, 32, dtype=dtype), arrivals),
+                                                              rand(limit + 1, 32, dtype=dtype), arrivals),
                  lambda: fused_projections.gate_up_act(too_many, parts_sum_sq(too_many, 1), 1e-6,
                                                        rand(32, 64, dtype=dtype), False),
                  lambda: fused_projections.qkv_rope(too_many, parts_sum_sq(too_many, 1), 1e-6,
                                                     rand(48, 64, dtype=dtype), None,
                                                     rope_tables(config, 1e4, 1.0, 32, dtype, device),
-                                                    torch.arange(17, device=device), cache, cache.clone(), 1,
-                                                    False)):
+                                                    torch.arange(limit + 1, device=device), cache, cache.clone(),
+                                                    1, False)):
         try:
             call()
-            raise AssertionError("17 rows accepted")
+            raise AssertionError(f"{limit + 1} rows accepted")
         except ValueError as e:
-            assert "at most 16" in str(e)
+            assert f"at most {limit}" in str(e)
     try:  # sums of squares of other rows than x's
         fused_projections.gate_up_act(x, parts_sum_sq(x[:1], 1), 1e-6, rand(32, x.shape[1], dtype=dtype), False)
         raise AssertionError("mismatched sums of squares accepted")

@@ -15,6 +15,7 @@ from tandem.config import ModelConfig
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
 from tandem.loading.weights import load_weights
+from tandem.models import fused_projections
 from tandem.models.transformer import Transformer
 
 DTYPES = {
@@ -33,6 +34,8 @@ GRAPH_CHUNKS_MAX = 64  # forwards of up to this many tokens replay the graph in 
 SLOT_ALIGN = 64  # cache slots are rounded up to this: aligned rows for the attention matmuls
 KV_BUCKET_MIN = 256  # a graph attends over 256, 512, 1024, ... cache slots, the fewest that hold every position
 SEQUENCE_POOL = 4  # closed sequences kept per capacity: their caches and captured graphs are reused
+PACKED_ROWS_MIN = 16  # a batch's graphs hold 16, 32, 64, ... rows (the kernels' tile: fewer cost the same)
+PACKED_ROUNDS = 8  # replays one batched forward takes at most (a 64-token prompt in 9-row pieces): pinned buffers
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -211,11 +214,126 @@ class TorchSequence(Sequence):
         self.model.release(self)
 
 
+def kv_bucket(keys: int, slots: int) -> int:
+    """The span a graph attends over for `keys` keys: 256, 512, 1024, ... cache slots, at most `slots`."""
+    span = KV_BUCKET_MIN
+    while span < keys:
+        span *= 2
+    return min(span, slots)
+
+
+class PackedGraphs:
+    """CUDA graphs of Transformer.forward_packed over a KV pool: several sequences' rows in one replay.
+
+    One graph per bucket of total rows (16, 32, 64, ... up to every slot's rows_per_sequence) and span of cache
+    slots attended over (as StepGraph's), all captured now, when the pool is made. Inputs are one static int64
+    buffer (tokens, positions, cache rows, logits rows, per-sequence ranges), filled on the host and copied in one
+    transfer; the logits land in a static buffer, so the graphs share one memory pool (nothing they allocate
+    outlives a replay). Padding rows write no cache (cache row -1) and belong to no sequence; a sequence's rows
+    are computed as they would be alone (Transformer.forward_packed), so which bucket serves a batch changes no bit.
+    """
+
+    def __init__(self, model: TorchModel, pool: KVCache, slots: int) -> None:
+        transformer, device = model.transformer, model.torch_device
+        self.model, self.pool, self.slots = model, pool, slots
+        self.seq_rows = min(GRAPH_ROWS, transformer.rows_per_sequence())  # rows of one sequence a replay takes
+        self.buckets = [PACKED_ROWS_MIN]  # up to the kernels' limit: more rows go in several replays
+        while self.buckets[-1] < min(slots * self.seq_rows, fused_projections.MAX_ROWS):
+            self.buckets.append(2 * self.buckets[-1])
+        self.max_rows = R = self.buckets[-1]
+        # [tokens R | positions R | cache rows R | logits rows R | (first row, rows, cache row, keys) per slot]
+        size = 4 * R + 4 * slots
+        self.meta = torch.zeros(size, dtype=torch.long, device=device)
+        on_cuda = device.type == "cuda"
+        # One pinned buffer a round of a forward, each reused once the copy out of it has run (its event)
+        self.hosts = [torch.zeros(size, dtype=torch.long, pin_memory=on_cuda) for _ in range(PACKED_ROUNDS)]
+        self.copied = [torch.cuda.Event() if on_cuda else None for _ in range(PACKED_ROUNDS)]
+        self.logits = torch.empty(R, transformer.output.shape[0], dtype=torch.float32, device=device)
+        self.cache_slots = pool.k[0].shape[2]
+        self.use_graphs = on_cuda and model.use_graphs
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.spans = sorted({kv_bucket(KV_BUCKET_MIN << i, self.cache_slots) for i in range(32)
+                             if KV_BUCKET_MIN << i < 2 * self.cache_slots})
+
+    def _views(self, rows: int) -> tuple[torch.Tensor, ...]:
+        R, m, n_seqs = self.max_rows, self.meta, min(self.slots, rows)
+        return m[:rows], m[R : R + rows], m[2 * R : 2 * R + rows], m[4 * R : 4 * R + 4 * n_seqs].view(n_seqs, 4), \
+            m[3 * R : 3 * R + rows]
+
+    def _forward(self, rows: int, span: int) -> None:
+        tokens, positions, cache_rows, seqs, out_rows = self._views(rows)
+        self.model.transformer.forward_packed(tokens, positions, cache_rows, seqs, span, out_rows, self.pool.k,
+                                              self.pool.v, self.logits)
+
+    def capture_all(self) -> None:
+        """Every (rows, span) graph, now: from a buffer of padding alone, which writes no cache slot."""
+        if not self.use_graphs:
+            return
+        self.meta.zero_()
+        self.meta[2 * self.max_rows : 3 * self.max_rows] = -1
+        stream = torch.cuda.Stream(self.model.torch_device)
+        for rows in self.buckets:
+            for span in self.spans:
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up outside the graph: Triton's compilation
+                    self._forward(rows, span)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.graph_pool):
+                    self._forward(rows, span)
+                self.graphs[rows, span] = graph
+        torch.cuda.synchronize(self.model.torch_device)
+
+    def run(self, pieces: Seq[tuple[int, Seq[int] | torch.Tensor, int, bool]], round_: int = 0) -> list[torch.Tensor]:
+        """One replay: per piece (cache row, tokens (at most seq_rows), first position, logits of all its rows or
+        none); returns the logits of each piece that wants them, [T, V] views of the static buffer, valid until
+        the next run."""
+        n = sum(len(tokens) for _, tokens, _, _ in pieces)
+        rows = next(b for b in self.buckets if b >= n)
+        R, ring = self.max_rows, round_ % PACKED_ROUNDS
+        host, event = self.hosts[ring], self.copied[ring]
+        if event is not None:
+            event.synchronize()  # the last copy out of this buffer has run
+        h = host.numpy()
+        h[: 4 * R + 4 * min(self.slots, rows)] = 0
+        h[2 * R : 2 * R + rows] = -1
+        at, out, counts, keys = 0, 0, [], 0
+        for i, (slot, tokens, start, want) in enumerate(pieces):
+            k = len(tokens)
+            h[at : at + k] = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+            h[R + at : R + at + k] = range(start, start + k)
+            h[2 * R + at : 2 * R + at + k] = slot
+            h[4 * R + 4 * i : 4 * R + 4 * i + 4] = (at, k, slot, start + k)
+            if want:
+                h[3 * R + out : 3 * R + out + k] = range(at, at + k)
+                counts.append((out, k))
+                out += k
+            at, keys = at + k, max(keys, start + k)
+        self.meta.copy_(host, non_blocking=True)
+        if event is not None:
+            event.record()
+        span = kv_bucket(keys, self.cache_slots)
+        graph = self.graphs.get((rows, span))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._forward(rows, span)
+        return [self.logits[o : o + k] for o, k in counts]
+
+
 class TorchBatchedCache(BatchedCache):
     """One pool of KV memory, [slots, H_kv, S, D] a layer, each slot a sequence with a static cache of its own.
 
-    A batch of one sequence runs that slot's TorchSequence (graphed on CUDA, the fused kernels); several run as one
-    ragged forward (Transformer.forward_ragged): the weights are read once for every sequence in the batch.
+    On CUDA, for Llama/Qwen-like models (Transformer.packed), every batch, of one sequence or many, replays one of
+    PackedGraphs' graphs: tandem's kernels, batch-invariant, so a sequence's output alone and in a batch are the
+    same bits. A sequence's rows go in pieces of at most rows_per_sequence() (a 64-token prompt: 8 replays);
+    longer prompts run the compiled step on their cache row, one PREFILL_CHUNK at a time. Elsewhere a batch of one
+    sequence runs that slot's TorchSequence; several run as one ragged forward (Transformer.forward_ragged). Either
+    way the weights are read once for every sequence in the batch. TANDEM_PACKED=0 turns the packed path off.
+    TANDEM_BATCH_INVARIANT=0 runs a batch of one sequence as its TorchSequence's StepGraph (compiled, cuBLAS's
+    logits) instead: 1.41 ms a step for a 1.5B model on an H200 against 1.59 packed, but a sequence alone and in a
+    batch may then differ in the last bits of its logits (bench/results/h200-2026-12-04f-batching).
     Per-slot static caches rather than paged blocks: positions stay absolute (rewind moves a length, graphs keep
     their shapes), at the price of reserving a whole context a slot (docs/batching.md).
     """
@@ -227,14 +345,92 @@ class TorchBatchedCache(BatchedCache):
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.model, self.slots, self.capacity = model, slots, capacity
         self.pool = model.transformer.new_cache(cache_slots(capacity), sequences=slots)
-        self.sequences = [TorchSequence(model, capacity, GRAPH_ROWS, graphs=model.use_graphs, cache=self.pool.row(b))
-                          for b in range(slots)]
+        self.packed = None
+        self.sequences = []
+        if model.transformer.packed and os.environ.get("TANDEM_PACKED", "1") != "0":
+            self.lengths = [0] * slots
+            self.packed = PackedGraphs(model, self.pool, slots)
+            self.packed.capture_all()
+            if os.environ.get("TANDEM_BATCH_INVARIANT", "1") == "0":  # a batch of one: the batch-1 path
+                self.sequences = [TorchSequence(model, capacity, GRAPH_ROWS, graphs=model.use_graphs,
+                                                cache=self.pool.row(b)) for b in range(slots)]
+            elif model.use_graphs:
+                model.compile_prompt_forward(self.pool.row(0))
+        else:
+            self.sequences = [TorchSequence(model, capacity, GRAPH_ROWS, graphs=model.use_graphs,
+                                            cache=self.pool.row(b)) for b in range(slots)]
 
     def length(self, slot: int) -> int:
-        return self.sequences[slot].cache.length
+        return self.lengths[slot] if self.packed is not None else self.sequences[slot].cache.length
+
+    def _forward_packed(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
+        """Pieces of at most seq_rows rows, in rounds aligned to end together: one-piece entries (decode steps)
+        and every entry's last piece run in the last replay, whose logits need no copy. A round of more rows than
+        the largest graph holds runs as several replays."""
+        packed, results = self.packed, [None] * len(batch)
+        short = []
+        for i, ((slot, tokens), last) in enumerate(zip(batch, last_only, strict=True)):
+            if len(tokens) > GRAPH_CHUNKS_MAX:  # a long prompt: the compiled step on its cache row
+                results[i] = self._prefill(slot, tokens, last)
+            else:
+                short.append(i)
+        pieces = {i: -(-len(batch[i][1]) // packed.seq_rows) for i in short}
+        rounds = max(pieces.values(), default=0)
+        parts: dict[int, list[torch.Tensor]] = {i: [] for i in short}
+        replays = []  # per replay: (entries, the batch index of each entry that wants logits)
+        for r in range(rounds):
+            entries, owners, n_rows = [], [], 0
+            for i in short:
+                p = r - (rounds - pieces[i])  # this entry's piece in round r
+                if p < 0:
+                    continue
+                slot, tokens = batch[i]
+                chunk = tokens[p * packed.seq_rows : (p + 1) * packed.seq_rows]
+                if n_rows + len(chunk) > packed.max_rows:
+                    replays.append((entries, owners))
+                    entries, owners, n_rows = [], [], 0
+                want = not last_only[i] or p == pieces[i] - 1
+                entries.append((slot, chunk, self.lengths[slot], want))
+                n_rows += len(chunk)
+                if want:
+                    owners.append(i)
+                self.lengths[slot] += len(chunk)
+            replays.append((entries, owners))
+        for n, (entries, owners) in enumerate(replays):
+            logits = packed.run(entries, n)
+            for i, rows in zip(owners, logits, strict=True):
+                if last_only[i]:
+                    rows = rows[-1:]
+                parts[i].append(rows if n == len(replays) - 1 else rows.clone())
+        for i in short:
+            results[i] = parts[i][0] if len(parts[i]) == 1 else torch.cat(parts[i])
+        return results
+
+    def _prefill(self, slot: int, tokens: Seq[int], last_only: bool) -> torch.Tensor:
+        device, row = self.model.torch_device, self.pool.row(slot)
+        tokens = torch.as_tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
+        forward = self.model.step if self.model.use_graphs else self.model.transformer
+        rows = []
+        for start in range(0, tokens.shape[0], PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            begin = self.lengths[slot]
+            end = begin + chunk.shape[0]
+            rows.append(forward(chunk, torch.arange(begin, end, device=device), row.k, row.v, kv_len=end,
+                                last_only=last_only))
+            self.lengths[slot] = end
+        return rows[-1] if last_only else torch.cat(rows)
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         self._check(batch)
+        if self.packed is not None and (len(batch) > 1 or not self.sequences):
+            with torch.inference_mode():
+                return self._forward_packed(batch, last_only)
+        if self.packed is not None:  # TANDEM_BATCH_INVARIANT=0: one sequence through its TorchSequence
+            (slot, tokens), seq = batch[0], self.sequences[batch[0][0]]
+            seq.cache.length = self.lengths[slot]
+            logits = seq.forward(tokens, logits="last" if last_only[0] else "all")
+            self.lengths[slot] = seq.cache.length
+            return [logits]
         if len(batch) == 1:
             (slot, tokens), last = batch[0], last_only[0]
             return [self.sequences[slot].forward(tokens, logits="last" if last else "all")]
@@ -257,7 +453,12 @@ class TorchBatchedCache(BatchedCache):
         return list(logits.split(counts))
 
     def rewind(self, slot: int, length: int) -> None:
-        self.sequences[slot].rewind(length)
+        if self.packed is None:
+            self.sequences[slot].rewind(length)
+        elif not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot rewind slot {slot} to {length}: it holds {self.lengths[slot]} tokens")
+        else:
+            self.lengths[slot] = length
 
     def copy_prefix(self, src: int, dst: int, length: int) -> bool:
         if not 0 <= length <= self.length(src):
@@ -265,7 +466,10 @@ class TorchBatchedCache(BatchedCache):
         if src != dst:
             for t in self.pool.k + self.pool.v:  # [B, H_kv, S, D]
                 t[dst, :, :length].copy_(t[src, :, :length])
-        self.sequences[dst].cache.length = length
+        if self.packed is not None:
+            self.lengths[dst] = length
+        else:
+            self.sequences[dst].cache.length = length
         return True
 
     @property
@@ -273,7 +477,7 @@ class TorchBatchedCache(BatchedCache):
         return self.pool.nbytes
 
     def close(self) -> None:
-        self.sequences, self.pool = [], None
+        self.sequences, self.pool, self.packed = [], None, None
 
 
 class TorchModel(Model):

@@ -106,6 +106,88 @@ if triton is not None:
         tl.store(OUT + at[:, None] + dims[None, :], out.to(OUT.dtype.element_ty), mask=(rows < n_rows)[:, None])
 
 
+    @triton.jit
+    def _ragged_partial_kernel(Q, K, V, POS, SEQS, M, L, ACC, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks,
+                               stride_vb, stride_vh, stride_vs, group, scale, window,
+                               HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+                               HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+        # _partial_kernel for sequence `seq` of a batch: its rows [first, first + n_tokens) of Q, its cache row
+        # `slot`, its keys [0, kv_len). Programs past its keys (or of an empty entry) write nothing; the combining
+        # kernel reads only its own chunks.
+        head, chunk, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_chunks = tl.num_programs(1)
+        # SEQS is copied in before the forward (no kernel writes it): read under the tail of the kernel before
+        first, n_tokens = tl.load(SEQS + seq * 4), tl.load(SEQS + seq * 4 + 1)
+        slot, kv_len = tl.load(SEQS + seq * 4 + 2), tl.load(SEQS + seq * 4 + 3)
+        wait_for_inputs(PDL)  # see tandem.models.kernel_launch; before any exit, so a kernel two back has finished
+        if (n_tokens > 0) & (chunk * CHUNK < kv_len):
+            rows = tl.arange(0, BLOCK_R)
+            dims = tl.arange(0, HEAD_DIM)
+            keys = chunk * CHUNK + tl.arange(0, CHUNK)
+            n_rows = group * n_tokens
+            row_ok, key_ok = rows < n_rows, keys < kv_len
+            # Row r is query head head * group + r // n_tokens at token r % n_tokens (as in _partial_kernel).
+            token = first + rows % n_tokens
+            q_at = (head * group + rows // n_tokens) * stride_qh + token * stride_qr
+            q = tl.load(Q + q_at[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+            k = tl.load(K + slot * stride_kb + head * stride_kh + keys[:, None] * stride_ks + dims[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            v = tl.load(V + slot * stride_vb + head * stride_vh + keys[:, None] * stride_vs + dims[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            pos = tl.load(POS + token, mask=row_ok, other=-1)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_R, CHUNK] float32
+            visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+            if HAS_WINDOW:
+                visible &= keys[None, :] > pos[:, None] - window
+            scores = tl.where(visible, scores, float("-inf"))
+            m = tl.max(scores, 1)
+            p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
+            acc = tl.dot(p.to(v.dtype), v)  # [BLOCK_R, HEAD_DIM] float32
+            out = ((seq * tl.num_programs(0) + head) * n_chunks + chunk) * BLOCK_R + rows
+            tl.store(M + out, m, mask=row_ok)
+            tl.store(L + out, tl.sum(p, 1), mask=row_ok)
+            tl.store(ACC + out[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+        launch_dependents(PDL)
+
+    @triton.jit
+    def _ragged_combine_kernel(M, L, ACC, SEQS, OUT, stride_ot, n_kv, n_chunks, group,
+                               HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+                               ROWS: tl.constexpr, DIMS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
+        # _combine_kernel for one sequence of a batch, over its own chunks alone: the chunks past its keys would
+        # add exactly zero (see _combine_kernel), so its output is the same whatever span the batch attends over.
+        head, part = tl.program_id(0), tl.program_id(2)
+        blocks: tl.constexpr = BLOCK_R // ROWS
+        seq, block = tl.program_id(1) // blocks, tl.program_id(1) % blocks
+        first, n_tokens = tl.load(SEQS + seq * 4), tl.load(SEQS + seq * 4 + 1)  # (as in _ragged_partial_kernel)
+        kv_len = tl.load(SEQS + seq * 4 + 3)
+        wait_for_inputs(PDL)  # see tandem.models.kernel_launch
+        n_rows = group * n_tokens
+        if block * ROWS < n_rows:
+            rows = block * ROWS + tl.arange(0, ROWS)
+            dims = part * DIMS + tl.arange(0, DIMS)
+            row_ok = rows < n_rows
+            own = (kv_len + CHUNK - 1) // CHUNK
+            base = (seq * n_kv + head) * n_chunks
+            m_max = tl.full([ROWS], float("-inf"), tl.float32)
+            for c in tl.range(own, loop_unroll_factor=UNROLL):
+                m_max = tl.maximum(m_max, tl.load(M + (base + c) * BLOCK_R + rows, mask=row_ok,
+                                                  other=float("-inf")))
+            m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+            total = tl.zeros([ROWS], tl.float32)
+            acc = tl.zeros([ROWS, DIMS], tl.float32)
+            for c in tl.range(own, loop_unroll_factor=UNROLL):  # in slot order
+                at = (base + c) * BLOCK_R + rows
+                weight = tl.exp(tl.load(M + at, mask=row_ok, other=float("-inf")) - m_max)
+                total += weight * tl.load(L + at, mask=row_ok, other=0.0)
+                acc += weight[:, None] * tl.load(ACC + at[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None],
+                                                 other=0.0)
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]
+            token = first + rows % n_tokens
+            at = token * stride_ot + (head * group + rows // n_tokens) * HEAD_DIM
+            tl.store(OUT + at[:, None] + dims[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        launch_dependents(PDL)
+
+
 @torch.library.custom_op("tandem::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                      scale: float, window: int) -> torch.Tensor:
@@ -144,3 +226,46 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 @decode_attention.register_fake
 def _(q, keys, values, positions, scale, window):
     return q.new_empty(positions.shape[0], q.shape[1] * q.shape[2] // positions.shape[0] * q.shape[3])
+
+
+@torch.library.custom_op("tandem::ragged_decode_attention", mutates_args=())
+def ragged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
+                            seqs: torch.Tensor, span: int, scale: float, window: int) -> torch.Tensor:
+    """decode_attention for several sequences in one launch, each over its own cache row and its own keys.
+
+    q: [1, H, N, D], every sequence's rows one after another (qkv_rope's output); cache_k, cache_v: [B, H_kv, S, D]
+    pools, a row a sequence; positions: int64 [N]; seqs: int64 [n, 4], per entry (first row, rows, cache row,
+    keys it attends over), rows = 0 for an unused entry (a padded batch), rows * (H / H_kv) <= MAX_ROWS; span: the
+    most keys any entry attends over (a bucket, so a CUDA graph holds it). Returns [N, H*D]; rows no entry covers
+    are left unwritten.
+    """
+    _, n_heads, n_rows, head_dim = q.shape
+    n_kv = cache_k.shape[1]
+    group = n_heads // n_kv
+    if seqs.dim() != 2 or seqs.shape[1] != 4 or span > cache_k.shape[2]:
+        raise ValueError(f"ragged_decode_attention: seqs {tuple(seqs.shape)} (want [n, 4]) or span {span} over a "
+                         f"cache of {cache_k.shape[2]} slots")
+    q = q.contiguous()
+    n_seqs, n_chunks = seqs.shape[0], triton.cdiv(span, CHUNK)
+    # One block of MAX_ROWS rows whatever the batch: a row's reductions are laid out the same in every launch.
+    m = torch.empty(n_seqs, n_kv, n_chunks, MAX_ROWS, dtype=torch.float32, device=q.device)
+    total = torch.empty_like(m)
+    acc = torch.empty(n_seqs, n_kv, n_chunks, MAX_ROWS, head_dim, dtype=torch.float32, device=q.device)
+    _ragged_partial_kernel[(n_kv, n_chunks, n_seqs)](
+        q, cache_k, cache_v, positions, seqs, m, total, acc, q.stride(1), q.stride(2), cache_k.stride(0),
+        cache_k.stride(1), cache_k.stride(2), cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), group, scale,
+        window, HEAD_DIM=head_dim, BLOCK_R=MAX_ROWS, CHUNK=CHUNK, HAS_WINDOW=window > 0, num_warps=4,
+        num_stages=1, **pdl_options(q.device))
+    out = q.new_empty(n_rows, n_heads * head_dim)
+    dims = min(COMBINE_DIMS, head_dim)
+    _ragged_combine_kernel[(n_kv, n_seqs * (MAX_ROWS // COMBINE_ROWS), head_dim // dims)](
+        m, total, acc, seqs, out, out.stride(0), n_kv, n_chunks, group,
+        HEAD_DIM=head_dim, BLOCK_R=MAX_ROWS, CHUNK=CHUNK, ROWS=COMBINE_ROWS, DIMS=dims, UNROLL=COMBINE_UNROLL,
+        num_warps=4,
+        **pdl_options(q.device))
+    return out
+
+
+@ragged_decode_attention.register_fake
+def _(q, cache_k, cache_v, positions, seqs, span, scale, window):
+    return q.new_empty(q.shape[2], q.shape[1] * q.shape[3])

@@ -75,9 +75,11 @@ class Transformer(torch.nn.Module):
         self.projection_kernels = not c.qk_norm and fused_projections.available(self.device, self.dtype, c.head_dim)
         self.split_k_outputs = (self.projection_kernels and not c.sandwich_norm  # its post-norm needs whole rows
                                 and os.environ.get("TANDEM_SPLIT_K", "1") != "0")
-        # add_linear_split_k's scratch: one counter a tile of output features, zero between projections
-        self.arrivals = torch.zeros(fused_projections.split_k_tiles(c.d_model), dtype=torch.int32,
-                                    device=self.device)
+        # add_linear_split_k's scratch: one counter a tile of rows and of output features, zero between projections
+        self.arrivals = torch.zeros(-(-fused_projections.MAX_ROWS // 16),  # the most row tiles of any BLOCK_ROWS
+                                    fused_projections.split_k_tiles(c.d_model), dtype=torch.int32, device=self.device)
+        # forward_packed: every step of a batch of sequences in tandem's kernels (Llama/Qwen-like models on CUDA)
+        self.packed = self.decode_kernel and self.split_k_outputs
 
     def new_cache(self, capacity: int, sequences: int = 1) -> KVCache:
         c = self.config
@@ -180,8 +182,8 @@ class Transformer(torch.nn.Module):
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [B=1, T, d]
         T = tokens.shape[0]
         fused_attention = self.fused_decode(T)
-        fused_projection = self.projection_kernels and T <= fused_projections.MAX_ROWS
-        split_k = self.split_k_outputs and T <= fused_projections.MAX_ROWS
+        fused_projection = self.projection_kernels and T <= fused_projections.DECODE_ROWS
+        split_k = self.split_k_outputs and T <= fused_projections.DECODE_ROWS
         bias = {False: None, True: None}
         if not fused_attention:
             bias[False] = self.attention_bias(positions, kv_len, None)
@@ -234,7 +236,7 @@ class Transformer(torch.nn.Module):
         """Several sequences in one forward, each at its own position with its own number of rows: the
         projections and the MLP run over all N rows at once (one read of the weights for every sequence), the
         attention sequence by sequence over its own cache row. The eager path of `forward`, generalised; a batch of
-        one sequence runs `forward` itself (the backends' choice), whose GPU kernels this does not use yet."""
+        one sequence runs `forward` itself (the backends' choice). On CUDA, `forward_packed` does this in kernels."""
         c, w = self.config, self.w
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [1, N, d]
         attention = RaggedAttention(self, positions, spans)
@@ -254,6 +256,45 @@ class Transformer(torch.nn.Module):
         x = rms_norm(x[0, out_rows], w["output_norm.weight"], c.rms_eps)  # [M, d]
         logits = F.linear(x, self.output)
         return logits if logits.dtype == torch.float64 else logits.float()
+
+    def rows_per_sequence(self) -> int:
+        """The most rows of one sequence forward_packed takes: decode_attention holds G query heads x T rows."""
+        return decode_attention.MAX_ROWS // (self.config.n_heads // self.config.n_kv_heads)
+
+    def forward_packed(
+        self,
+        tokens: torch.Tensor,  # [N] int64: every sequence's rows, one sequence after another, then padding
+        positions: torch.Tensor,  # [N] int64, each row's position in its own sequence (padding: 0)
+        slots: torch.Tensor,  # [N] int64, the cache row each row's k and v go to (padding: -1, nowhere)
+        seqs: torch.Tensor,  # [n, 4] int64, per sequence (first row, rows, cache row, keys it attends over)
+        span: int,  # the most keys any sequence attends over (a bucket: CUDA graphs hold it)
+        out_rows: torch.Tensor,  # [M] int64, the rows to project to logits
+        cache_k: list[torch.Tensor],  # per layer [B_pool, H_kv, S, D], one row a sequence
+        cache_v: list[torch.Tensor],
+        logits: torch.Tensor,  # [>= M, V] float32, written in place: row m is out_rows[m]'s logits
+    ) -> None:
+        """forward_ragged in tandem's GPU kernels alone (six launches a layer and two more), for CUDA graphs.
+
+        Every kernel computes a row in the same code and the same reduction order whatever rows share the launch
+        (fixed tiles of rows; attention over each sequence's own chunks), and the logits are one of them, not
+        cuBLAS's: a sequence's greedy output is bit for bit the same alone and in any batch. Each sequence takes
+        at most rows_per_sequence() rows; a Llama/Qwen-like model (`packed`)."""
+        c, w = self.config, self.w
+        x, sum_sq = torch.ops.tandem.embed_rows(tokens, w["token_embd.weight"], float(self.embed_scale))  # [N, d]
+        for i in range(c.n_layers):
+            p = f"blk.{i}."
+            local = c.is_local_layer(i)
+            rope = self.rope_local if local else self.rope_global
+            q = torch.ops.tandem.qkv_rope(x, sum_sq, c.rms_eps, w[p + "attn_qkv.weight"], w.get(p + "attn_qkv.bias"),
+                                          rope, positions, cache_k[i], cache_v[i], c.n_heads, c.rope_interleaved,
+                                          slots)  # [1, H, N, D]
+            attn = torch.ops.tandem.ragged_decode_attention(q, cache_k[i], cache_v[i], positions, seqs, span,
+                                                            self.attn_scale, (c.sliding_window or 0) if local else 0)
+            x, sum_sq = torch.ops.tandem.add_linear_split_k(attn, w[p + "attn_output.weight"], x, self.arrivals)
+            act = torch.ops.tandem.gate_up_act(x, sum_sq, c.rms_eps, w[p + "ffn_gate_up.weight"],
+                                               c.activation == "gelu_tanh")
+            x, sum_sq = torch.ops.tandem.add_linear_split_k(act, w[p + "ffn_down.weight"], x, self.arrivals)
+        torch.ops.tandem.norm_logits(x, sum_sq, out_rows, w["output_norm.weight"], c.rms_eps, self.output, logits)
 
 
 class RaggedAttention:
