@@ -94,9 +94,13 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     order = sorted(adaptive, key=lambda i: -candidates[i].acceptance)
     steps_fixed = max(ks)
 
+    target_ms: dict[int, float] = {}  # rows -> V(batch, rows), each interpolated once a plan
+
     def ms(steps: int, drafters: int, lag: int, rows: int) -> float:
+        if rows not in target_ms:
+            target_ms[rows] = costs.target_ms(batch, rows)
         catch_up = lag * costs.catch_up_ms_per_token / CATCH_UP_ITERATIONS
-        return steps * costs.draft_ms(drafters) + catch_up + costs.target_ms(batch, rows)
+        return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows]
 
     best_rate = fixed_tokens / ms(steps_fixed, fixed_drafters, 0, fixed_rows)
     best = (0, 0)
