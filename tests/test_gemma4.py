@@ -13,6 +13,7 @@ pytestmark = pytest.mark.llamacpp
 import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
 from tandem.loading.gguf import GGUFError, open_gguf  # noqa: E402
+from tandem.loading.tokenizer import Tokenizer  # noqa: E402
 from tandem.spec.compat import VocabularyMismatchError, check_compatible  # noqa: E402
 
 LAYOUTS = {"dense": dict(layout="dense", n_layers=3), "e2b": dict(layout="e2b", n_layers=4)}
@@ -71,7 +72,7 @@ def test_tensors_of_each_layout(tiny_model_path, layout):
         assert gf.tensor_shape("blk.3.ffn_up.weight")[0] == 2 * gf.tensor_shape("blk.0.ffn_up.weight")[0]
 
 
-def test_tokenizer_agrees_with_llamacpp_and_chat_template_renders(pairs):
+def test_tokenizer_agrees_with_llamacpp_and_chat_template_renders(pairs, monkeypatch):
     import llama_cpp.llama_cpp as llc
 
     target, _ = pairs["dense"]
@@ -83,6 +84,17 @@ def test_tokenizer_agrees_with_llamacpp_and_chat_template_renders(pairs):
         n = llc.llama_tokenize(vocab, raw, len(raw), buffer, 256, True, True)
         assert tokenizer.encode(text) == list(buffer[:n]), text
         assert tokenizer.decode(tokenizer.encode(text, add_bos=False)) == text
+    # Without transformers' gemma4 converter (older transformers), tandem's own fallback builds the same tokenizer.
+    import transformers.integrations.gguf as hf_gguf
+
+    def unknown_type(architecture, tokenizer_dict):
+        raise ValueError(f"Cannot build a tokenizer from a GGUF file stating tokenizer {'gemma4'!r}")
+
+    monkeypatch.setattr(hf_gguf, "convert_gguf_tokenizer", unknown_type)
+    fallback = Tokenizer.from_gguf(target.path)
+    for text in [*PROMPTS, "héllo  wörld\n\n\tx €", "<|turn>user\nhi<turn|>\n"]:
+        assert fallback.encode(text) == tokenizer.encode(text) and fallback.decode(tokenizer.encode(text)) == (
+            tokenizer.decode(tokenizer.encode(text))), text
     messages = [{"role": "user", "content": "hi there "}, {"role": "assistant", "content": "hello"},
                 {"role": "user", "content": "again"}]
     assert tokenizer.apply_chat_template(messages) == (
