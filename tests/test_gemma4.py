@@ -143,6 +143,23 @@ def test_engine_batched_equals_alone(pairs, layout):
     assert 0 < accepted < drafted, (drafted, accepted)
 
 
+def test_rewind_past_the_window_is_exact(tiny_model_path):
+    # A 16-token batch makes llama.cpp's window-sized cache 256 cells: 600 tokens wrap it, and keys of positions the
+    # window left behind are gone unless the sliding layers keep a full-size cache (swa_full), as tandem asks.
+    target = tandem.load(gemma4_path(tiny_model_path, "dense"), backend="llama.cpp", n_ctx=1024, n_threads=1,
+                         n_batch=16)
+    try:
+        ids = [(i * 37) % 400 + 9 for i in range(600)]
+        reference = target.logits(ids[:310])
+        seq = target.new_sequence()
+        seq.forward(ids, logits="last")
+        seq.rewind(300)  # e.g. the engine reusing a 300-token prefix of this sequence for the next request
+        assert torch.equal(seq.forward(ids[300:310]), reference[300:310])
+        seq.close()
+    finally:
+        target.close()
+
+
 def test_compat_accepts_a_same_family_pair_and_refuses_another_vocabulary(pairs, tiny_model_path):
     dense, e2b = pairs["dense"][0], pairs["e2b"][1]  # a 31B-style target, an E2B-style draft
     check_compatible(dense, e2b)

@@ -137,7 +137,8 @@ class _Context:
         params.n_ubatch = n_batch  # one graph per llama_decode: a verify batch is never split
         params.n_seq_max = n_seq
         params.kv_unified = n_seq == 1
-        # Sliding-window layers (gemma3/4) keep every position: a rewound draft may need keys past the window.
+        # Sliding-window layers (gemma3/4) keep every position: a window-sized cache drops keys a rewind further
+        # back than the window needs again (a reused prefix; tests/test_gemma4.py). llama.cpp's default today.
         params.swa_full = True
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
