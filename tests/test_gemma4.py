@@ -141,6 +141,13 @@ def test_engine_batched_equals_alone(pairs, layout):
     drafted = sum(r.stats.draft_tokens for r in results)
     accepted = sum(r.stats.accepted_tokens for r in results)
     assert 0 < accepted < drafted, (drafted, accepted)
+    # A second turn reuses the first one's KV (sliding, full and, for e2b, shared layers) and equals a fresh run.
+    first = engine.generate([Request(target.tokenizer.encode(PROMPTS[2]), max_tokens=20, ignore_eos=True)])[0]
+    again = target.tokenizer.encode(" again", add_bos=False)
+    turn2 = target.tokenizer.encode(PROMPTS[2]) + first.tokens + again
+    second = engine.generate([Request(turn2, max_tokens=12, ignore_eos=True, draft_policy="fixed")])[0]
+    assert second.stats.cached_tokens >= len(turn2) - len(again) - 1
+    assert second.tokens == _greedy(target, turn2).tokens[:12]
 
 
 def test_rewind_past_the_window_is_exact(tiny_model_path):
