@@ -82,11 +82,16 @@ def load_pair(model: str, draft: str | None = None, no_draft: bool = False, devi
 
 
 def pick_backend(path: str, device: str) -> str:
-    """llama.cpp's kernels for quantized weights where torch would dequantize them (CPU, Vulkan, Metal)."""
+    """llama.cpp's kernels for quantized weights where torch would dequantize them (CPU, Vulkan, Metal), and for
+    architectures only llama.cpp runs (gemma4)."""
     import importlib.util
 
+    from tandem.config import LLAMACPP_ONLY_ARCHITECTURES
+    from tandem.loading.gguf import open_gguf
+
     if device.startswith(("cuda", "mps")):
-        return "torch"
+        llamacpp_only = open_gguf(path).architecture in LLAMACPP_ONLY_ARCHITECTURES
+        return "llama.cpp" if llamacpp_only and importlib.util.find_spec("llama_cpp") else "torch"
     if importlib.util.find_spec("llama_cpp") is None:
         if device in ("vulkan", "metal"):
             raise ValueError(f"device {device!r} needs the llama.cpp backend: pip install 'tandem[llamacpp]'")

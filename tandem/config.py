@@ -7,19 +7,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "gemma4")
+# Read and run by the llama.cpp backend only: the torch backend has no model for them (gemma4: per-layer head widths
+# and KV head counts, values shared with keys, per-layer token embeddings, layers that reuse another layer's KV).
+LLAMACPP_ONLY_ARCHITECTURES = ("gemma4",)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # GGUF `general.architecture`: qwen2 | llama | gemma3
+    architecture: str  # GGUF `general.architecture`: qwen2 | llama | gemma3 | gemma4
     vocab_size: int  # rows of token_embd
     n_layers: int
     d_model: int  # embedding width
     d_ffn: int  # feed-forward hidden width
     n_heads: int  # query heads
     n_kv_heads: int  # key/value heads (GQA when < n_heads)
-    head_dim: int  # per-head width (gemma3 sets it apart from d_model / n_heads)
+    head_dim: int  # per-head width (gemma3 sets it apart from d_model / n_heads; gemma4: the sliding layers')
     context_length: int  # trained context; the cache may be smaller
     rms_eps: float
     rope_base: float
@@ -28,6 +31,8 @@ class ModelConfig:
     rope_base_local: float | None = None  # gemma3: sliding-window layers use their own base
     sliding_window: int | None = None  # gemma3: window of the local layers
     sliding_window_pattern: int = 0  # gemma3: every Nth layer is global, the rest local (0 = all global)
+    sliding_layers: tuple[bool, ...] = ()  # gemma4: per layer, True = sliding window (overrides the pattern)
+    global_head_dim: int | None = None  # gemma4: head width of the full-attention layers
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim)
     embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(d_model)
     activation: str = "silu"  # silu (SwiGLU) or gelu_tanh (GeGLU)
@@ -41,6 +46,8 @@ class ModelConfig:
 
     def is_local_layer(self, layer: int) -> bool:
         """True for a sliding-window layer (gemma3 alternates 5 local : 1 global)."""
+        if self.sliding_layers:
+            return self.sliding_layers[layer]
         if not self.sliding_window or self.sliding_window_pattern <= 0:
             return False
         return (layer + 1) % self.sliding_window_pattern != 0

@@ -102,6 +102,9 @@ class _Context:
         params.n_ubatch = n_batch  # one graph per llama_decode: a verify batch is never split
         params.n_seq_max = n_seq
         params.kv_unified = n_seq == 1
+        # Sliding-window layers (gemma3/4) keep every position: a window-sized cache drops keys a rewind further
+        # back than the window needs again (a reused prefix; tests/test_gemma4.py). llama.cpp's default today.
+        params.swa_full = True
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.no_perf = True
@@ -356,8 +359,9 @@ class LlamaCppModel(Model):
         self.n_gpu_layers = _gpu_layers_for(device, n_gpu_layers, info)
         self.flash_attn = flash_attn
         # On the CPU, a Q8_0 KV cache (which needs flash attention) keeps attention batch-invariant (see NUMERICS);
-        # its 32-value blocks must divide a head.
-        self.kv_q8 = device.lower() == "cpu" and flash_attn is not False and self.config.head_dim % 32 == 0
+        # its 32-value blocks must divide a head (gemma4: both head widths).
+        head_dims = (self.config.head_dim, self.config.global_head_dim or self.config.head_dim)
+        self.kv_q8 = device.lower() == "cpu" and flash_attn is not False and all(d % 32 == 0 for d in head_dims)
         if self.kv_q8:
             self.flash_attn = True
         if flash_attn is None and info is not None and info.vulkan_device_type == "cpu":
@@ -401,8 +405,8 @@ class LlamaCppModel(Model):
         return LlamaCppSequence(self, _Context(self, capacity, n_batch, self.n_threads), capacity)
 
     def kv_bytes_per_token(self) -> int:
-        c = self.config
-        values = 2 * c.n_layers * c.n_kv_heads * c.head_dim
+        c = self.config  # gemma4: an upper bound (its widest heads and most KV heads on every layer)
+        values = 2 * c.n_layers * c.n_kv_heads * max(c.head_dim, c.global_head_dim or 0)
         return values * 34 // 32 if self.kv_q8 else values * 2  # Q8_0: 34 bytes a block of 32; else F16
 
     def new_batched_cache(self, slots: int, n_ctx: int | None = None, drafting: bool = False) -> LlamaCppBatchedCache:

@@ -28,14 +28,14 @@ from tandem.config import SUPPORTED_ARCHITECTURES, ModelConfig
 GGUF_MAGIC = b"GGUF"
 
 # Per-architecture default rope base when the file leaves `{arch}.rope.freq_base` out.
-DEFAULT_ROPE_BASE = {"llama": 10000.0, "qwen2": 1_000_000.0, "gemma3": 1_000_000.0}
+DEFAULT_ROPE_BASE = {"llama": 10000.0, "qwen2": 1_000_000.0, "gemma3": 1_000_000.0, "gemma4": 1_000_000.0}
 DEFAULT_RMS_EPS = 1e-6
 GEMMA3_ROPE_BASE_LOCAL = 10000.0  # gemma3's sliding-window layers (not stored in GGUF; llama.cpp hard-codes it)
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # 5 local layers, then one global
 
 
 # Tokens that end a turn in chat models (ChatML, Gemma); their ids join eos_token_ids when the vocabulary has them.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<turn|>")
 
 
 class GGUFError(ValueError):
@@ -361,6 +361,11 @@ def eos_token_ids_from_metadata(metadata: dict[str, Any], architecture: str) -> 
     return tuple(ids)
 
 
+def _widest(value: Any) -> int:
+    """A per-layer hparam as one number: the value, or the largest of a per-layer array."""
+    return max(int(v) for v in value) if isinstance(value, list) else int(value)
+
+
 def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     """A ModelConfig from a file's metadata and tensor shapes (see module docstring for the name scheme)."""
     arch = gf.architecture
@@ -374,9 +379,9 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
 
     n_layers = int(gf.require(key("block_count")))
     d_model = int(gf.require(key("embedding_length")))
-    d_ffn = int(gf.require(key("feed_forward_length")))
+    d_ffn = _widest(gf.require(key("feed_forward_length")))  # gemma4 may give one per layer
     n_heads = int(gf.require(key("attention.head_count")))
-    n_kv_heads = int(gf.get(key("attention.head_count_kv"), n_heads))
+    n_kv_heads = _widest(gf.get(key("attention.head_count_kv"), n_heads))
     head_dim = int(gf.get(key("attention.key_length"), 0)) or d_model // n_heads
     context_length = int(gf.require(key("context_length")))
     rms_eps = float(gf.get(key("attention.layer_norm_rms_epsilon"), DEFAULT_RMS_EPS))
@@ -412,6 +417,21 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             sliding_window_pattern=GEMMA3_SLIDING_WINDOW_PATTERN,
             rope_interleaved=False,
+        )
+    elif arch == "gemma4":
+        # Sliding-window layers have heads of key_length_swa, full layers of key_length (llama.cpp's loader).
+        head_dim = int(gf.get(key("attention.key_length_swa"), head_dim))
+        pattern = gf.get(key("attention.sliding_window_pattern"))
+        sliding = gf.get(key("attention.sliding_window"))
+        common = dict(
+            activation="gelu_tanh",
+            embed_scale=math.sqrt(d_model),
+            qk_norm=True,
+            sandwich_norm=True,
+            global_head_dim=int(gf.get(key("attention.key_length"), head_dim)),
+            rope_base_local=float(gf.get(key("rope.freq_base_swa"), GEMMA3_ROPE_BASE_LOCAL)),
+            sliding_window=int(sliding) if sliding else None,
+            sliding_layers=tuple(bool(x) for x in pattern) if isinstance(pattern, list) else (),
         )
 
     bos = gf.get("tokenizer.ggml.bos_token_id")

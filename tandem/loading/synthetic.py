@@ -10,7 +10,8 @@ multiple of 256 values, so use d_model / d_ffn / n_heads*head_dim that are multi
 (e.g. d_model=256, d_ffn=512, n_heads=4, head_dim=64).
 
 The embedded tokenizer is a gpt2-style byte-level BPE: the 256 byte symbols, a few dozen fixed merges of common
-English pairs, and the ChatML special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (CONTROL).
+English pairs, and the ChatML special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (CONTROL). gemma4 files
+carry a Gemma-4-style vocabulary and template instead, and their own tensors (`synthetic_gemma4.py`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ K_QUANT_SCALE_OFFSETS: dict[str, tuple[int, int | None]] = {
 }
 SUPPORTED_QTYPES = tuple(FILE_TYPE)
 
+from tandem.loading import synthetic_gemma4 as gemma4  # noqa: E402
+from tandem.loading.synthetic_gemma4 import tiny_gemma4_vocab  # noqa: E402
 from tandem.loading.tokenizer import CHATML_TEMPLATE  # noqa: E402  (the tiny files' chat template)
 
 
@@ -197,107 +200,12 @@ def _value_type(value: Any) -> Any:
     raise TypeError(f"cannot store metadata value {value!r} of type {type(value).__name__} in GGUF")
 
 
-def write_tiny_gguf(
-    path: str | os.PathLike[str],
-    arch: str = "qwen2",
-    qtype: str = "F32",
-    n_layers: int = 2,
-    d_model: int = 64,
-    d_ffn: int = 128,
-    n_heads: int = 4,
-    n_kv_heads: int = 2,
-    head_dim: int | None = None,
-    vocab_size: int | None = None,
-    context_length: int = 512,
-    seed: int = 0,
-    tie_embeddings: bool = False,
-    *,
-    qkv_bias: bool | None = None,
-    rope_base: float | None = None,
-    rms_eps: float = 1e-6,
-    sliding_window: int = 8,
-    metadata: dict[str, Any] | None = None,
-    tensor_qtypes: dict[str, str] | None = None,
-    skip_tensors: Iterable[str] = (),
-    shape_overrides: dict[str, tuple[int, ...]] | None = None,
-) -> str:
-    """Write a random-weight GGUF for `arch` and return its path.
+TensorSpec = tuple[str, tuple[int, ...], str]  # (GGUF name, torch shape, kind: matrix | norm | bias | ...)
 
-    Args:
-        qtype: storage type of the 2-D matrices (one of SUPPORTED_QTYPES); norms and biases stay F32.
-        head_dim: per-head width; default d_model // n_heads (gemma3 writes it as attention.key_length).
-        vocab_size: default the tiny tokenizer's size; larger pads with unused `[PADn]` tokens.
-        qkv_bias: q/k/v biases; default on for qwen2 only.
-        metadata: raw metadata keys to add or replace (a value of None deletes the key).
-        tensor_qtypes, skip_tensors, shape_overrides: per-tensor storage type, tensors to leave out, and
-            shapes to write instead of the correct ones (for testing the loader's errors).
-    """
-    from gguf import GGUFWriter
 
-    if qtype not in SUPPORTED_QTYPES:
-        raise ValueError(f"unsupported qtype {qtype!r}; supported: {', '.join(SUPPORTED_QTYPES)}")
-    path = os.fspath(path)
-    rng = np.random.default_rng(seed)
-    head_dim = head_dim or d_model // n_heads
-    qkv_bias = (arch == "qwen2") if qkv_bias is None else qkv_bias
-    rope_base = rope_base if rope_base is not None else (10000.0 if arch == "llama" else 1_000_000.0)
-
-    tokens, types, merges = tiny_vocab()
-    n_real = len(tokens)
-    vocab_size = vocab_size or n_real
-    if vocab_size < n_real:
-        raise ValueError(f"vocab_size {vocab_size} is smaller than the tiny tokenizer's {n_real} tokens")
-    tokens += [f"[PAD{i}]" for i in range(n_real, vocab_size)]
-    types += [TOKEN_TYPE_UNUSED] * (vocab_size - n_real)
-    endoftext, im_end = tokens.index("<|endoftext|>"), tokens.index("<|im_end|>")
-
-    a = arch
-    kv: dict[str, Any] = {
-        "general.name": f"tiny-{arch}-{qtype.lower()}",
-        "general.file_type": FILE_TYPE.get(qtype, 0),
-        "general.quantization_version": 2,
-        f"{a}.context_length": context_length,
-        f"{a}.embedding_length": d_model,
-        f"{a}.feed_forward_length": d_ffn,
-        f"{a}.block_count": n_layers,
-        f"{a}.attention.head_count": n_heads,
-        f"{a}.attention.head_count_kv": n_kv_heads,
-        f"{a}.attention.layer_norm_rms_epsilon": float(rms_eps),
-        f"{a}.rope.freq_base": float(rope_base),
-        f"{a}.rope.dimension_count": head_dim,
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "qwen2",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.bos_token_id": endoftext,
-        "tokenizer.ggml.eos_token_id": im_end,
-        "tokenizer.ggml.padding_token_id": endoftext,
-        "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": CHATML_TEMPLATE,
-    }
-    if arch == "gemma3" or head_dim != d_model // n_heads:
-        kv[f"{a}.attention.key_length"] = head_dim
-        kv[f"{a}.attention.value_length"] = head_dim
-    if arch == "gemma3":
-        kv[f"{a}.attention.sliding_window"] = sliding_window
-    if arch == "llama":
-        kv[f"{a}.vocab_size"] = vocab_size
-    for key, value in (metadata or {}).items():
-        if value is None:
-            kv.pop(key, None)
-        else:
-            kv[key] = value
-
-    writer = GGUFWriter(path, arch)
-    for key, value in kv.items():
-        vtype = _value_type(value)
-        if isinstance(value, (list, tuple)):
-            writer.add_array(key, list(value))
-        else:
-            writer.add_key_value(key, value, vtype)
-
-    # --- tensors: torch-order shapes, same names as tandem.loading.weights.expected_tensors --------------------
+def _tensor_specs(arch: str, n_layers: int, d_model: int, d_ffn: int, n_heads: int, n_kv_heads: int,
+                  head_dim: int, vocab_size: int, qkv_bias: bool, tie_embeddings: bool) -> list[TensorSpec]:
+    """(name, torch shape, kind) of every tensor of a qwen2/llama/gemma3 file."""
     q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
     specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab_size, d_model), "matrix")]
     for i in range(n_layers):
@@ -331,6 +239,143 @@ def write_tiny_gguf(
     specs.append(("output_norm.weight", (d_model,), "norm"))
     if not tie_embeddings:
         specs.append(("output.weight", (vocab_size, d_model), "matrix"))
+    return specs
+
+
+def write_tiny_gguf(
+    path: str | os.PathLike[str],
+    arch: str = "qwen2",
+    qtype: str = "F32",
+    n_layers: int = 2,
+    d_model: int = 64,
+    d_ffn: int = 128,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int | None = None,
+    vocab_size: int | None = None,
+    context_length: int = 512,
+    seed: int = 0,
+    tie_embeddings: bool = False,
+    *,
+    qkv_bias: bool | None = None,
+    rope_base: float | None = None,
+    rms_eps: float = 1e-6,
+    sliding_window: int = 8,
+    metadata: dict[str, Any] | None = None,
+    tensor_qtypes: dict[str, str] | None = None,
+    skip_tensors: Iterable[str] = (),
+    shape_overrides: dict[str, tuple[int, ...]] | None = None,
+    layout: str = "dense",
+) -> str:
+    """Write a random-weight GGUF for `arch` and return its path.
+
+    Args:
+        qtype: storage type of the 2-D matrices (one of SUPPORTED_QTYPES); norms and biases stay F32.
+        head_dim: per-head width; default d_model // n_heads (gemma3 writes it as attention.key_length); gemma4:
+            the sliding-window layers' width, default 32 (full-attention layers get twice that).
+        vocab_size: default the tiny tokenizer's size; larger pads with unused `[PADn]` tokens.
+        qkv_bias: q/k/v biases; default on for qwen2 only.
+        metadata: raw metadata keys to add or replace (a value of None deletes the key).
+        tensor_qtypes, skip_tensors, shape_overrides: per-tensor storage type, tensors to leave out, and
+            shapes to write instead of the correct ones (for testing the loader's errors).
+        layout: gemma4 only: "dense" (the 31B's tensors) or "e2b" (per-layer embeddings, shared KV layers);
+            see tandem.loading.synthetic_gemma4.
+    """
+    from gguf import GGUFWriter
+
+    if qtype not in SUPPORTED_QTYPES:
+        raise ValueError(f"unsupported qtype {qtype!r}; supported: {', '.join(SUPPORTED_QTYPES)}")
+    path = os.fspath(path)
+    rng = np.random.default_rng(seed)
+    head_dim = head_dim or (32 if arch == "gemma4" else d_model // n_heads)
+    qkv_bias = (arch == "qwen2") if qkv_bias is None else qkv_bias
+    rope_base = rope_base if rope_base is not None else (10000.0 if arch == "llama" else 1_000_000.0)
+
+    tokens, types, merges = tiny_gemma4_vocab(TINY_MERGES) if arch == "gemma4" else tiny_vocab()
+    n_real = len(tokens)
+    vocab_size = vocab_size or n_real
+    if vocab_size < n_real:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tiny tokenizer's {n_real} tokens")
+    tokens += [f"[PAD{i}]" for i in range(n_real, vocab_size)]
+    types += [TOKEN_TYPE_UNUSED] * (vocab_size - n_real)
+    if arch == "gemma4":
+        tokenizer_kv: dict[str, Any] = {
+            "tokenizer.ggml.model": "gemma4",
+            "tokenizer.ggml.pre": "gemma4",
+            "tokenizer.ggml.bos_token_id": gemma4.BOS_ID,
+            "tokenizer.ggml.eos_token_id": gemma4.EOS_ID,
+            "tokenizer.ggml.unknown_token_id": gemma4.UNK_ID,
+            "tokenizer.ggml.padding_token_id": gemma4.PAD_ID,
+            "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.chat_template": gemma4.GEMMA4_CHAT_TEMPLATE,
+        }
+    else:
+        endoftext, im_end = tokens.index("<|endoftext|>"), tokens.index("<|im_end|>")
+        tokenizer_kv = {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "qwen2",
+            "tokenizer.ggml.bos_token_id": endoftext,
+            "tokenizer.ggml.eos_token_id": im_end,
+            "tokenizer.ggml.padding_token_id": endoftext,
+            "tokenizer.ggml.add_bos_token": False,
+            "tokenizer.chat_template": CHATML_TEMPLATE,
+        }
+
+    a = arch
+    kv: dict[str, Any] = {
+        "general.name": f"tiny-{arch}-{qtype.lower()}",
+        "general.file_type": FILE_TYPE.get(qtype, 0),
+        "general.quantization_version": 2,
+        f"{a}.context_length": context_length,
+        f"{a}.embedding_length": d_model,
+        f"{a}.feed_forward_length": d_ffn,
+        f"{a}.block_count": n_layers,
+        f"{a}.attention.head_count": n_heads,
+        f"{a}.attention.head_count_kv": n_kv_heads,
+        f"{a}.attention.layer_norm_rms_epsilon": float(rms_eps),
+        f"{a}.rope.freq_base": float(rope_base),
+        f"{a}.rope.dimension_count": head_dim,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        **tokenizer_kv,
+    }
+    if arch == "gemma3" or head_dim != d_model // n_heads:
+        kv[f"{a}.attention.key_length"] = head_dim
+        kv[f"{a}.attention.value_length"] = head_dim
+    if arch == "gemma3":
+        kv[f"{a}.attention.sliding_window"] = sliding_window
+    if arch == "llama":
+        kv[f"{a}.vocab_size"] = vocab_size
+    if arch == "gemma4":
+        gemma4_kv, gemma4_specs = gemma4.gemma4_layout(
+            layout, n_layers=n_layers, d_model=d_model, d_ffn=d_ffn, n_heads=n_heads, n_kv_heads=n_kv_heads,
+            head_dim=head_dim, vocab_size=vocab_size, rope_base=rope_base, sliding_window=sliding_window,
+            tie_embeddings=tie_embeddings,
+        )
+        for key in ("feed_forward_length", "attention.head_count_kv", "rope.dimension_count"):
+            kv.pop(f"{a}.{key}")
+        kv.update(gemma4_kv)
+    for key, value in (metadata or {}).items():
+        if value is None:
+            kv.pop(key, None)
+        else:
+            kv[key] = value
+
+    writer = GGUFWriter(path, arch)
+    for key, value in kv.items():
+        vtype = _value_type(value)
+        if isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        else:
+            writer.add_key_value(key, value, vtype)
+
+    # --- tensors: torch-order shapes, same names as tandem.loading.weights.expected_tensors --------------------
+    if arch == "gemma4":
+        specs = gemma4_specs
+    else:
+        specs = _tensor_specs(arch, n_layers, d_model, d_ffn, n_heads, n_kv_heads, head_dim, vocab_size, qkv_bias,
+                              tie_embeddings)
 
     skip, shape_overrides, tensor_qtypes = set(skip_tensors), shape_overrides or {}, tensor_qtypes or {}
     for name, shape, kind in specs:
@@ -339,6 +384,9 @@ def write_tiny_gguf(
         shape = tuple(shape_overrides.get(name, shape))
         if kind == "norm":  # norms near 1 (for gemma3 this is the 1 + w llama.cpp's converter already folds in)
             writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        if kind in ("rope_freqs", "scale"):
+            writer.add_tensor(name, gemma4.special_tensor(kind, shape, rng))
             continue
         if kind == "bias":
             writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype(np.float32))

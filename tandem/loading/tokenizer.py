@@ -3,8 +3,9 @@
 A GGUF has no tokenizer.json: it stores tokens, merges, token types and special ids under llama.cpp's
 `tokenizer.ggml.*` keys. transformers ships the converter from those keys to a `tokenizers.Tokenizer`
 (`transformers.integrations.gguf`: byte-level BPE for `gpt2` vocabularies such as Qwen's, SentencePiece-style for
-`llama`/Gemma); we use it. If that internal API is missing (it moved between transformers releases), `gpt2`
-vocabularies fall back to `tokenizers`' own BPE model with a ByteLevel pre-tokenizer.
+`llama`/Gemma); we use it. If that internal API is missing (it moved between transformers releases) or predates the
+vocabulary's type, `gpt2` vocabularies fall back to `tokenizers`' own BPE model with a ByteLevel pre-tokenizer, and
+`gemma4` ones to a BPE over `▁`-spaced text with byte fallback, built as transformers' `GemmaTokenizer` builds it.
 
 Chat templates are rendered with jinja2's sandboxed environment, as transformers does.
 """
@@ -27,6 +28,7 @@ CHATML_TEMPLATE = (
 )
 
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+TOKEN_TYPE_USER_DEFINED = 4
 REPLACEMENT_CHAR = "\ufffd"
 
 # GGUF tokenizer keys -> the names transformers' converter expects (mirrors its GGUF_TOKENIZER_MAPPING).
@@ -56,14 +58,16 @@ def _build_backend(architecture: str, metadata: dict[str, Any], path: str) -> An
         from transformers.integrations.gguf import convert_gguf_tokenizer
     except ImportError:
         convert_gguf_tokenizer = None
+    fallback = _FALLBACK_BUILDERS.get(tokenizer_dict.get("tokenizer_type"))
     if convert_gguf_tokenizer is not None:
         try:
             backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
             return backend
-        except ValueError as exc:  # unknown tokenizer type
-            raise GGUFError(f"{path}: {exc}") from exc
-    if tokenizer_dict.get("tokenizer_type") == "gpt2":
-        return _byte_level_bpe(tokenizer_dict)
+        except ValueError as exc:  # a tokenizer type this transformers does not know
+            if fallback is None:
+                raise GGUFError(f"{path}: {exc}") from exc
+    if fallback is not None:
+        return fallback(tokenizer_dict)
     raise GGUFError(
         f"{path}: tokenizer type {tokenizer_dict.get('tokenizer_type')!r} needs transformers' GGUF converter, "
         "which this transformers version lacks"
@@ -88,6 +92,30 @@ def _byte_level_bpe(tokenizer_dict: dict[str, Any]) -> Any:
         ]
     )
     return backend
+
+
+def _gemma4_bpe(tokenizer_dict: dict[str, Any]) -> Any:
+    """Fallback for `gemma4` vocabularies: BPE over text whose spaces are `▁`, unknown characters as `<0xXX>` byte
+    tokens; control tokens whole and special, user-defined ones whole (as transformers' GemmaTokenizer and its GGUF
+    converter build it)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens = tokenizer_dict["tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in tokenizer_dict.get("merges", [])]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=True,
+                                   unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    types = tokenizer_dict.get("token_type") or []
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types, strict=False) if k == TOKEN_TYPE_CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types, strict=False) if k == TOKEN_TYPE_USER_DEFINED])
+    return backend
+
+
+_FALLBACK_BUILDERS = {"gpt2": _byte_level_bpe, "gemma4": _gemma4_bpe}
 
 
 def _raise_exception(message: str) -> None:

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from tandem.config import ModelConfig
+from tandem.config import LLAMACPP_ONLY_ARCHITECTURES, ModelConfig
 from tandem.loading.gguf import GGUFError, GGUFFile
 
 
@@ -49,7 +49,13 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(gguf_file: GGUFFile, config: ModelConfig | None = None) -> dict[str, tuple[int, ...]]:
     """Raise GGUFError unless every expected tensor is present with its exact shape; return the expectations."""
-    expected = expected_tensors(config or gguf_file.config)
+    config = config or gguf_file.config
+    if config.architecture in LLAMACPP_ONLY_ARCHITECTURES:
+        raise GGUFError(
+            f"{gguf_file.path}: architecture {config.architecture!r} runs on the llama.cpp backend only "
+            "(backend='llama.cpp', CLI: --backend llama.cpp); the torch backend has no model for it"
+        )
+    expected = expected_tensors(config)
     missing = [name for name in expected if not gguf_file.has_tensor(name)]
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
