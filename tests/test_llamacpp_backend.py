@@ -207,6 +207,15 @@ def test_quantized_rows_do_not_depend_on_their_batch(tiny_model_path, qtype):
     assert batch_dependent_rows(tiny_model_path(qtype=qtype, **K_QUANT_SHAPES), ids[:6], ids[6:]) == {}
 
 
+@pytest.mark.xfail(strict=True, reason="a known gap: llama.cpp's CPU matmul over F16/F32 weights gives a row other "
+                                      "logits in a batch (up to 1e-3 here), so greedy speculation on an F16 GGUF can "
+                                      "drift from plain decoding at a near tie; this test passes once that is fixed")
+@pytest.mark.parametrize("qtype", ["F16", "F32"])
+def test_float_rows_do_not_depend_on_their_batch(tiny_model_path, qtype):
+    ids = IDS + IDS
+    assert batch_dependent_rows(tiny_model_path(qtype=qtype, **K_QUANT_SHAPES), ids[:6], ids[6:]) == {}
+
+
 def test_batch_invariance_check_catches_repacked_weights(tiny_model_path):
     # The negative control: with llama.cpp's repacked Q4_K layout (4-row groups) the same check finds rows that
     # depend on their batch. (On this AVX2 build llama.cpp repacks Q4_K, not Q4_0/Q8_0.)
