@@ -121,8 +121,7 @@ def test_real_registry_entries():
 
 
 @pytest.mark.real
-def test_real_pair(monkeypatch):
-    monkeypatch.delenv("TANDEM_HOME", raising=False)
+def test_real_pair(real_pair):
     from tandem.loading.gguf import open_gguf
     from tandem.loading.tokenizer import Tokenizer
 
@@ -130,6 +129,7 @@ def test_real_pair(monkeypatch):
         registry.DEFAULT_TARGET: dict(n_layers=28, d_model=1536, d_ffn=8960, n_heads=12),
         registry.DEFAULT_DRAFT: dict(n_layers=24, d_model=896, d_ffn=4864, n_heads=14),
     }
+    assert (registry.resolve(registry.DEFAULT_TARGET), registry.resolve(registry.DEFAULT_DRAFT)) == real_pair
     for name, values in expected.items():
         gf = open_gguf(registry.resolve(name))
         config = gf.config
