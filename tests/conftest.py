@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random GGUF files built once per session, and the `real` marker."""
+"""Shared fixtures and checks: tiny random GGUF files built once per session, the real pair pulled once through the
+registry (the `real` marker), and `assert_speculated`, which every speculative == plain test calls."""
 
 from __future__ import annotations
 
@@ -15,9 +16,60 @@ torch.set_num_threads(1)
 K_QUANT_SHAPES = dict(d_model=256, d_ffn=512, n_heads=4, n_kv_heads=2, head_dim=64)
 
 
+# Set by .ci/run: where the real pair cannot be pulled, its tests fail instead of skipping (CI must run them).
+REQUIRE_REAL_ENV = "TANDEM_REQUIRE_REAL"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Also declared in pyproject.toml; repeated so the marker is known when pytest runs without it.
     config.addinivalue_line("markers", "real: needs the real model pair from the registry (slow, ~1.6 GB)")
+
+
+_REAL_OUTCOMES: dict[str, str] = {}  # nodeid -> "passed" | "failed" | "skipped" of each real-model test run
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "real" not in report.keywords:
+        return
+    if report.when == "call" or report.outcome != "passed":  # a setup skip or error counts; a passed setup does not
+        _REAL_OUTCOMES[report.nodeid] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    outcomes = _REAL_OUTCOMES
+    counts = {kind: sum(1 for o in outcomes.values() if o == kind) for kind in ("passed", "failed", "skipped")}
+    terminalreporter.write_line(
+        f"real-model tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+    )
+
+
+def _draft_counts(stats) -> tuple[int, int]:
+    """(drafted, accepted) from a GenerationStats, a server response's `timings` or a bench config's dict."""
+    if isinstance(stats, dict):
+        if "draft_n" in stats:
+            return stats["draft_n"], stats["draft_n_accepted"]
+        return stats["draft_tokens"], stats["accepted_tokens"]
+    return stats.draft_tokens, stats.accepted_tokens
+
+
+def assert_speculated(*stats, accepted: bool = True, rejected: bool = False) -> tuple[int, int]:
+    """Speculation really happened in these generations (summed): drafts were proposed, and some were accepted
+    (accepted=True) and/or some rejected (rejected=True).
+
+    Without this a "speculative == plain" test proves nothing: with no drafts it compares plain with plain, and with
+    no accepted draft every verify keeps only the target's own token. Rejections are what a verifier that accepts
+    one draft too many would get wrong. Returns (drafted, accepted).
+    """
+    drafted = accepted_n = 0
+    for s in stats:
+        d, a = _draft_counts(s)
+        drafted, accepted_n = drafted + d, accepted_n + a
+    assert drafted > 0, "no draft token was proposed: this compared plain decoding with itself"
+    if accepted:
+        assert accepted_n > 0, f"none of {drafted} draft tokens was accepted"
+    if rejected:
+        assert accepted_n < drafted, f"all {drafted} draft tokens were accepted: no rejection was exercised"
+    return drafted, accepted_n
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +93,18 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def real_pair() -> tuple[str, str]:
+    """(target path, draft path) of the default pair, pulled through the registry once per session (honours
+    $TANDEM_HOME). A clean machine pulls it here, so real-model tests run in CI instead of skipping."""
+    from tandem.loading import registry
+
+    try:
+        return registry.pull(registry.DEFAULT_TARGET, progress=False), registry.pull(registry.DEFAULT_DRAFT,
+                                                                                    progress=False)
+    except registry.RegistryError as e:  # no network and no cached copy
+        if os.environ.get(REQUIRE_REAL_ENV):
+            raise
+        pytest.skip(f"the real pair could not be pulled: {e}")

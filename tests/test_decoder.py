@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import K_QUANT_SHAPES
+from conftest import K_QUANT_SHAPES, assert_speculated
 from scipy.stats import chisquare
 
 import tandem
@@ -35,21 +35,22 @@ def run(target, prompt, draft=None, k=4, max_tokens=24, **sampling):
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_speculative_equals_plain(pair64, k):
     target, draft = pair64
+    stats = []
     for prompt in PROMPTS:
         plain = run(target, prompt)
         spec = run(target, prompt, draft=draft, k=k)
         assert spec.tokens == plain.tokens, (k, prompt)
         assert spec.text == plain.text
-        assert spec.stats.draft_tokens > 0
+        stats.append(spec.stats)
     assert plain.stats.draft_tokens == 0
+    # Accepted drafts and rejected ones: a verifier that kept one draft too many, or none, would change tokens.
+    assert_speculated(*stats, rejected=True)
 
 
 def test_partial_acceptance_is_exercised(pair64):
     target, draft = pair64
     stats = [run(target, p, draft=draft, k=6, max_tokens=48).stats for p in PROMPTS]
-    drafted = sum(s.draft_tokens for s in stats)
-    accepted = sum(s.accepted_tokens for s in stats)
-    assert 0 < accepted < drafted, (accepted, drafted)  # both accepts and rejections happened
+    assert_speculated(*stats, rejected=True)
 
 
 @pytest.mark.parametrize("arch, qtype, dtype", [
@@ -59,15 +60,19 @@ def test_partial_acceptance_is_exercised(pair64):
 @pytest.mark.parametrize("model_seed", [1, 2])
 def test_greedy_identity_across_models(tiny_model_path, arch, qtype, dtype, model_seed):
     target = tandem.load(tiny_model_path(arch=arch, qtype=qtype, seed=model_seed), dtype=dtype)
-    draft_qtype = "Q4_0" if not qtype.endswith("_K") else "Q4_K"
-    draft = tandem.load(tiny_model_path(arch=arch, qtype=draft_qtype, seed=model_seed, **(
-        {} if qtype.endswith("_K") else {})), dtype=dtype)
+    # A draft that mostly agrees: the same weights in Q4_0. The tiny K-quant files hold random blocks, not quantised
+    # values, so there the draft is the same file with another RoPE base (about a quarter of drafts accepted).
+    draft_file = (tiny_model_path(arch=arch, qtype=qtype, seed=model_seed, rope_base=300_000.0)
+                  if qtype.endswith("_K") else tiny_model_path(arch=arch, qtype="Q4_0", seed=model_seed))
+    draft = tandem.load(draft_file, dtype=dtype)
     # gemma3's window is 8 tokens in the tiny files: 40 tokens cross it several times.
+    stats = []
     for prompt in PROMPTS[:2]:
         plain = run(target, prompt, max_tokens=40)
         spec = run(target, prompt, draft=draft, k=5, max_tokens=40)
         assert spec.tokens == plain.tokens
-        assert spec.stats.draft_tokens > 0
+        stats.append(spec.stats)
+    assert_speculated(*stats, rejected=True)
 
 
 def test_self_draft_accepts_everything(pair64):
@@ -84,7 +89,8 @@ def test_ngram_proposer_is_lossless(pair64):
     plain = run(target, prompt, max_tokens=40)
     spec = run(target, prompt, draft="ngram", k=4, max_tokens=40)
     assert spec.tokens == plain.tokens
-    assert spec.stats.draft_tokens > 0 and spec.stats.proposer == "ngram"
+    assert spec.stats.proposer == "ngram"
+    assert_speculated(spec.stats)
 
 
 def test_ngram_example():
@@ -105,7 +111,8 @@ def test_ngram_with_nothing_to_propose_runs_plain_steps_losslessly(pair64, run_a
     dec = SpeculativeDecoder(target, SamplingParams(), NgramProposer(), FixedPolicy(3), max_tokens=40,
                              run_ahead=run_ahead)
     assert [t for chunk in dec.run(ids) for t in chunk] == plain
-    assert dec.stats.draft_tokens > 0 and dec.stats.draft_len_counts.get(0, 0) > 0
+    assert dec.stats.draft_len_counts.get(0, 0) > 0
+    assert_speculated(dec.stats)
 
 
 @pytest.mark.parametrize("seed", [0, 7])
@@ -116,33 +123,49 @@ def test_seeded_runs_reproduce(pair64, seed):
     c = run(target, PROMPTS[1], temperature=1.0, top_p=0.9, seed=seed)
     d = run(target, PROMPTS[1], temperature=1.0, top_p=0.9, seed=seed)
     assert a.tokens == b.tokens and c.tokens == d.tokens
-    assert a.stats.draft_tokens > 0
+    assert_speculated(a.stats)
 
 
 # --- the sampled distribution, exactly -------------------------------------------------------------------------
 
 # Random tiny models have near-flat logits; a low temperature gives the target a spread but clearly uneven p.
 TARGET_SAMPLING = dict(temperature=0.06, top_k=3)
+N_GENERATED = 6  # the prefill's token, then room for a 4-token draft and its bonus token
+DRAFT_LENGTHS = [4, 3, 2]  # cycled; the loop caps each at the room left, so 1-token drafts happen too
+N_SAMPLES = 1200
+MIN_EXPECTED = 5  # chi-square cells expecting fewer samples are pooled into one
 
 
-class ContraryDraft(DraftModelProposer):
-    """Drafts from the target's own top 3 but favours the least likely of them: q overlaps p and is far from it,
-    so both the acceptance test and the residual decide what comes out. (Any q must keep the output exact.)"""
+class SkewedDraft(DraftModelProposer):
+    """Drafts from the target's own top 3: mostly its most likely token, partly the least likely ones.
+
+    q = 0.7 * one-hot(top 1) + 0.3 * (the top 3's probabilities reversed). q overlaps p and is far from it, so every
+    outcome of a verify happens often: rejection at row 0 and at rows >= 1 (where the residual norm(max(0, p - q))
+    leaves the top token out, unlike p), and all k accepted (the bonus token). Any q must keep the output exact."""
 
     def _draw(self, logits):
         logits = logits[-1:, : self.target_vocab]
         top = logits.topk(3, dim=-1).indices
-        flipped = torch.full_like(logits, -math.inf).scatter(-1, top, -logits.gather(-1, top))
-        probs = probs_from_logits(flipped, self.params)
+        reversed_logits = torch.full_like(logits, -math.inf).scatter(-1, top, -logits.gather(-1, top))
+        probs = 0.3 * probs_from_logits(reversed_logits, self.params)
+        probs[0, top[0, 0]] += 0.7
         return sample(probs, self.generator), probs
 
 
-N_GENERATED = 3
-N_SAMPLES = 1200
+class CyclePolicy(FixedPolicy):
+    """Draft lengths in a fixed cycle: plain runs and drafting interleave (what the adaptive policy does)."""
+
+    def __init__(self, cycle):
+        super().__init__(max(cycle))
+        self.cycle, self.i = cycle, 0
+
+    def choose(self, lag=None):
+        self.i += 1
+        return self.cycle[(self.i - 1) % len(self.cycle)]
 
 
 def exact_distribution(target, prompt_ids, params):
-    """P(t1, t2, t3) of the target under params, by enumerating the top-k tree: {tuple: prob}."""
+    """P(t1, ..., tN) of the target under params, by enumerating the top-k tree: {tuple: prob}."""
     dist = {(): 1.0}
     for _ in range(N_GENERATED):
         grown = {}
@@ -154,28 +177,43 @@ def exact_distribution(target, prompt_ids, params):
     return dist
 
 
-def sample_sequences(target, prompt_ids, n, monkeypatch=None, verify=None):
-    if verify is not None:
-        monkeypatch.setattr(decoder_module, "verify_sampled", verify)
-    counts, drafted = {}, 0
+def sample_sequences(target, prompt_ids, n, monkeypatch, verify=verify_sampled):
+    """n speculative generations under `verify`: ({sequence: count}, {(k, n_accepted): verifies})."""
+    outcomes = {}
+
+    def recording(draft_tokens, draft_probs, target_probs, generator):
+        n_accepted, token = verify(draft_tokens, draft_probs, target_probs, generator)
+        key = (draft_tokens.shape[0], int(n_accepted))
+        outcomes[key] = outcomes.get(key, 0) + 1
+        return n_accepted, token
+
+    monkeypatch.setattr(decoder_module, "verify_sampled", recording)
+    counts = {}
     for seed in range(n):
         params = SamplingParams(seed=seed, **TARGET_SAMPLING)
-        proposer = ContraryDraft(target, SamplingParams(seed=seed, **TARGET_SAMPLING), target.vocab_size, "cpu")
-        dec = SpeculativeDecoder(target, params, proposer, FixedPolicy(2), max_tokens=N_GENERATED)
+        proposer = SkewedDraft(target, SamplingParams(seed=seed, **TARGET_SAMPLING), target.vocab_size, "cpu")
+        dec = SpeculativeDecoder(target, params, proposer, CyclePolicy(DRAFT_LENGTHS), max_tokens=N_GENERATED)
         tokens = tuple(t for chunk in dec.run(prompt_ids) for t in chunk)
         counts[tokens] = counts.get(tokens, 0) + 1
-        drafted += dec.stats.draft_tokens
-    assert drafted >= n  # every generation drafted
-    return counts
+    monkeypatch.undo()
+    return counts, outcomes
 
 
 def chi_square_pvalue(counts, dist, n):
-    cells = sorted(dist)
-    assert set(counts) <= set(cells), "sampled a sequence the target gives probability 0"
-    observed = [counts.get(c, 0) for c in cells]
+    """p-value of the counts under dist; cells expecting < MIN_EXPECTED samples are pooled. 0 when a sequence the
+    target gives probability 0 was sampled."""
+    if not set(counts) <= set(dist):
+        return 0.0
     total = sum(dist.values())  # 1 up to float32 rounding, which scipy's own sum check would trip on
-    expected = [dist[c] / total * n for c in cells]
-    return chisquare(observed, expected).pvalue
+    observed, expected, pooled_observed, pooled_expected = [], [], 0, 0.0
+    for cell, mass in dist.items():
+        if mass / total * n >= MIN_EXPECTED:
+            observed.append(counts.get(cell, 0))
+            expected.append(mass / total * n)
+        else:
+            pooled_observed += counts.get(cell, 0)
+            pooled_expected += mass / total * n
+    return chisquare(observed + [pooled_observed], expected + [pooled_expected]).pvalue
 
 
 @pytest.fixture(scope="module")
@@ -185,10 +223,16 @@ def distribution_setup(tiny_model_path):
     return target, prompt_ids, exact_distribution(target, prompt_ids, SamplingParams(**TARGET_SAMPLING))
 
 
-def test_sampled_speculative_matches_target_distribution(distribution_setup):
+def test_sampled_speculative_matches_target_distribution(distribution_setup, monkeypatch):
     target, prompt_ids, dist = distribution_setup
-    assert math.isclose(sum(dist.values()), 1.0, rel_tol=1e-6)
-    counts = sample_sequences(target, prompt_ids, N_SAMPLES)
+    assert math.isclose(sum(dist.values()), 1.0, rel_tol=1e-6) and len(dist) == 3**N_GENERATED
+    counts, outcomes = sample_sequences(target, prompt_ids, N_SAMPLES, monkeypatch)
+    # Every row of verify_sampled decided some tokens: rejections at row 0 and at rows >= 1 (the residual after
+    # accepted drafts), and bonus tokens after 2, 3 and 4 accepted drafts.
+    drafted = sum(k * v for (k, _), v in outcomes.items())
+    accepted = sum(n * v for (_, n), v in outcomes.items())
+    assert drafted > 0 and 0 < accepted < drafted
+    assert all(outcomes.get((k, n), 0) > 20 for k in (2, 3, 4) for n in range(k + 1)), outcomes
     p = chi_square_pvalue(counts, dist, N_SAMPLES)
     assert p > 1e-3, f"speculative sampling departs from the target's distribution (p={p:.3g})"
 
@@ -213,16 +257,43 @@ def test_run_ahead_plain_sampling_matches_target_distribution(distribution_setup
     assert chi_square_pvalue(counts, dist, N_SAMPLES) > 1e-3
 
 
-def test_distribution_test_catches_biased_rule(distribution_setup, monkeypatch):
-    def biased(draft_tokens, draft_probs, target_probs, generator):
-        # Accept by min(1, p/q) but recover from p itself instead of the residual: over-weights draft tokens.
-        n, _ = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
-        return n, torch.multinomial(target_probs[n], 1, generator=generator).squeeze(-1)
+def residual_from_target(draft_tokens, draft_probs, target_probs, generator):
+    """Accepts by min(1, p/q) but recovers from p instead of the residual, at every row."""
+    n, _ = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+    return n, torch.multinomial(target_probs[n], 1, generator=generator).squeeze(-1)
 
+
+def residual_from_target_after_an_accept(draft_tokens, draft_probs, target_probs, generator):
+    """Right at row 0; recovers from p instead of the residual at rows >= 1 only."""
+    n, token = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+    if 0 < int(n) < draft_tokens.shape[0]:
+        token = torch.multinomial(target_probs[n], 1, generator=generator).squeeze(-1)
+    return n, token
+
+
+def bonus_from_the_draft(draft_tokens, draft_probs, target_probs, generator):
+    """Right but for the bonus token, drawn from the draft's last distribution instead of the target's last row."""
+    n, token = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+    if int(n) == draft_tokens.shape[0] > 0:
+        token = torch.multinomial(draft_probs[-1], 1, generator=generator).squeeze(-1)
+    return n, token
+
+
+def bonus_is_the_top_token(draft_tokens, draft_probs, target_probs, generator):
+    """Right but for the bonus token, the target's most likely one instead of a draw from its last row."""
+    n, token = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+    if int(n) == draft_tokens.shape[0] > 0:
+        token = target_probs[-1].argmax()
+    return n, token
+
+
+@pytest.mark.parametrize("wrong_rule", [residual_from_target, residual_from_target_after_an_accept,
+                                        bonus_from_the_draft, bonus_is_the_top_token])
+def test_distribution_test_catches_a_wrong_rule(distribution_setup, monkeypatch, wrong_rule):
     target, prompt_ids, dist = distribution_setup
-    counts = sample_sequences(target, prompt_ids, N_SAMPLES, monkeypatch, verify=biased)
+    counts, _ = sample_sequences(target, prompt_ids, N_SAMPLES, monkeypatch, verify=wrong_rule)
     p = chi_square_pvalue(counts, dist, N_SAMPLES)
-    assert p < 1e-4, f"the biased acceptance rule went unnoticed (p={p:.3g})"
+    assert p < 1e-4, f"{wrong_rule.__name__} went unnoticed (p={p:.3g})"
 
 
 # --- stopping --------------------------------------------------------------------------------------------------
@@ -237,18 +308,8 @@ def test_stop_token_ends_generation(pair64):
                                  stop_token_ids=[reference[stop_at]])
         got = [t for chunk in dec.run(ids) for t in chunk]
         assert got == reference[:stop_at] and dec.finish_reason == "stop"
-
-
-class CyclePolicy(FixedPolicy):
-    """Draft lengths in a fixed cycle: plain runs and drafting interleave (what the adaptive policy does)."""
-
-    def __init__(self, cycle):
-        super().__init__(0)
-        self.cycle, self.i = cycle, 0
-
-    def choose(self, lag=None):
-        self.i += 1
-        return self.cycle[(self.i - 1) % len(self.cycle)]
+        if proposer is not None:
+            assert_speculated(dec.stats)
 
 
 @pytest.mark.parametrize("run_ahead", [2, 8])
@@ -260,12 +321,14 @@ def test_run_ahead_plain_steps_change_no_token(pair64, run_ahead):
     for max_tokens, stop, expect in ((30, [], reference), (5, [], reference[:5]),
                                      (30, [reference[stop_at]], reference[:stop_at])):
         for proposer, policy in ((None, None), (DraftModelProposer(draft, SamplingParams(), target.vocab_size, "cpu"),
-                                                CyclePolicy([0, 3, 0, 0, 2]))):
+                                                CyclePolicy([0, 3, 2, 0, 4]))):
             dec = SpeculativeDecoder(target, SamplingParams(), proposer, policy, max_tokens=max_tokens,
                                      stop_token_ids=stop, run_ahead=run_ahead)
             got = [t for chunk in dec.run(ids) for t in chunk]
             assert got == expect, (max_tokens, stop, proposer)
             assert dec.finish_reason == ("stop" if stop else "length")
+            if proposer is not None and (max_tokens, stop) == (30, []):
+                assert_speculated(dec.stats)
     # Where the context ends mid-run, the run stops at it: the same tokens as one step at a time.
     small = tandem.load(target.path, dtype="float64", n_ctx=24)
     long_ids = (ids * 5)[:20]
@@ -302,7 +365,10 @@ def test_a_target_id_beyond_the_drafts_vocabulary_is_lossless(tiny_model_path):
     reference = run(target, ids, max_tokens=40).tokens
     assert max(reference) >= draft.vocab_size  # the case under test happens
     for k in (1, 4):
-        assert run(target, ids, draft=draft, k=k, max_tokens=40).tokens == reference
+        spec = run(target, ids, draft=draft, k=k, max_tokens=40)
+        assert spec.tokens == reference
+        # Other random weights (the vocabularies differ): the point is the draft's stand-in ids and the rejections.
+        assert_speculated(spec.stats, accepted=False, rejected=True)
 
 
 def test_stop_string(pair64):
@@ -312,6 +378,8 @@ def test_stop_string(pair64):
     for d in (None, draft):
         r = run(target, PROMPTS[2], draft=d, max_tokens=30, stop=[stop])
         assert r.text == full.text[: full.text.index(stop)] and r.finish_reason == "stop"
+        if d is not None:
+            assert_speculated(r.stats)
 
 
 def test_max_tokens(pair64):
@@ -320,6 +388,8 @@ def test_max_tokens(pair64):
         r = run(target, PROMPTS[0], draft=draft, k=8, max_tokens=max_tokens)
         assert len(r.tokens) == max_tokens and r.finish_reason == "length"
         assert r.stats.generated_tokens == max_tokens
+        if max_tokens > 2:  # one token comes from the prefill, and a draft needs room for the token after it
+            assert_speculated(r.stats)
 
 
 def test_context_limit(tiny_model_path):
@@ -331,6 +401,7 @@ def test_context_limit(tiny_model_path):
     assert plain.finish_reason == spec.finish_reason == "length"
     assert len(plain.tokens) == 32 - 20 + 1  # the last generated token need not enter the cache
     assert spec.tokens == plain.tokens
+    assert_speculated(spec.stats)
     with pytest.raises(ContextOverflowError, match="too many"):
         run(target, list(range(40)), max_tokens=4)
 
@@ -386,11 +457,13 @@ def test_a_tokens_logits_do_not_depend_on_its_batch(tiny_model_path, graphs):
 def test_padded_steps_keep_speculation_lossless(padded_bf16, k):
     # Padded rows write cache slots past the real tokens; nothing real may ever read them.
     target, draft = padded_bf16
+    stats = []
     for prompt in PROMPTS:
         plain = run(target, prompt, max_tokens=40)
         spec = run(target, prompt, draft=draft, k=k, max_tokens=40)
         assert spec.tokens == plain.tokens, (k, prompt)
-        assert spec.stats.draft_tokens > 0
+        stats.append(spec.stats)
+    assert_speculated(*stats, rejected=True)
 
 
 def test_padded_steps_compute_the_eager_forward(padded_bf16):

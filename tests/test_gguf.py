@@ -72,7 +72,10 @@ def test_load_every_qtype(tiny_model_path, qtype):
 
 @pytest.mark.parametrize("qtype", GGUF_PY_QUANTIZABLE)
 def test_dequantize_round_trip(tmp_path, qtype):
-    """Data quantised by gguf-py, written, read back through GGUFFile: error within the format's step."""
+    """Data quantised by gguf-py, written, read back through GGUFFile: error within the format's step.
+
+    tandem dequantises with gguf-py too, so this checks our writer and reader, not gguf-py's decoding: the hand
+    decodings below (Q8_0, Q6_K) are the independent references."""
     from tandem.loading.synthetic import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "rt.gguf", qtype=qtype, seed=3)
@@ -101,6 +104,38 @@ def test_q8_0_matches_manual_decode(tiny_model_path):
         gf.tensor_shape("blk.0.attn_k.weight")
     )
     assert np.array_equal(manual, gf.tensor("blk.0.attn_k.weight").numpy())
+
+
+def dequantize_q6_k_by_hand(raw: np.ndarray) -> np.ndarray:
+    """Q6_K per GGML's block layout (ggml-common.h block_q6_K; dequantize_row_q6_K in ggml-quants.c): 256 values a
+    block of 210 bytes = ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8, one per 16 values), d (f16).
+    Each half of 128 values: y[l + 32 j] = d * scales[l // 16 + 2 j] * (q - 32), for j = 0..3 and l = 0..31, with
+    q's low bits from ql[l] (j = 0, 2: low/high nibble) or ql[l + 32] (j = 1, 3), high bits from qh[l] >> 2 j."""
+    blocks = raw.reshape(-1, 210)
+    out = np.empty((blocks.shape[0], 256), dtype=np.float32)
+    for b, block in enumerate(blocks):
+        ql, qh = block[:128].astype(np.int32), block[128:192].astype(np.int32)
+        scales = block[192:208].view(np.int8).astype(np.float32)
+        d = np.float32(block[208:210].view(np.float16)[0])
+        for half in range(2):
+            low, high, sc = ql[64 * half : 64 * half + 64], qh[32 * half : 32 * half + 32], scales[8 * half :]
+            for i in range(32):
+                q = [(low[i] & 0xF) | ((high[i] >> 0) & 3) << 4, (low[i + 32] & 0xF) | ((high[i] >> 2) & 3) << 4,
+                     (low[i] >> 4) | ((high[i] >> 4) & 3) << 4, (low[i + 32] >> 4) | ((high[i] >> 6) & 3) << 4]
+                for j in range(4):
+                    out[b, 128 * half + i + 32 * j] = d * sc[i // 16 + 2 * j] * np.float32(q[j] - 32)
+    return out
+
+
+def test_q6_k_matches_manual_decode(tiny_model_path):
+    """The tiny K-quant files hold random Q6_K blocks: decoded by hand, value for value, as llama.cpp decodes them."""
+    gf = open_gguf(tiny_model_path("qwen2", "Q6_K"))
+    name = "blk.0.attn_k.weight"
+    assert gf.tensor_type(name) == "Q6_K"
+    manual = dequantize_q6_k_by_hand(gf.raw(name)).reshape(gf.tensor_shape(name))
+    got = gf.tensor(name).numpy()
+    assert np.isfinite(manual).all() and np.abs(manual).max() > 0
+    np.testing.assert_allclose(got, manual, rtol=1e-6, atol=0)
 
 
 # --- errors ---------------------------------------------------------------------------------------------------

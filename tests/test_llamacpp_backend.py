@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ import torch
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
 
-from conftest import K_QUANT_SHAPES  # noqa: E402
+from conftest import K_QUANT_SHAPES, assert_speculated  # noqa: E402
 
 from tandem.backends.base import ContextOverflowError  # noqa: E402
 from tandem.backends.llamacpp_backend import LlamaCppModel, load_llamacpp  # noqa: E402
@@ -18,7 +21,7 @@ from tandem.loading.tokenizer import Tokenizer  # noqa: E402
 
 MODEL_KINDS = [("qwen2", "F32"), ("qwen2", "Q8_0"), ("qwen2", "Q4_K"), ("llama", "F32")]
 IDS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 30, 201, 77, 8, 150, 23]
-REAL_TARGET = os.path.expanduser("~/.cache/tandem/models/qwen2.5-coder-1.5b-instruct.gguf")
+VERIFY_SIZES = (2, 4, 9, 17)  # rows of a verify: 4 and 8+ are where repacked and tiled matmuls change kernels
 
 
 @pytest.fixture(scope="module")
@@ -174,71 +177,140 @@ def test_agrees_with_torch_reference(load, tiny_model_path, arch):
     assert (got - expected).abs().max().item() < 1e-2
 
 
+def batch_dependent_rows(path: str, context: list[int], ids: list[int], sizes=VERIFY_SIZES, f16_kv: bool = False,
+                         **load_options) -> dict[int, float]:
+    """{n: largest difference} for each verify of n of `ids` after `context` whose logits differ, bit for bit, from
+    the same tokens fed one at a time; {} when every row is batch-invariant."""
+    model = load_llamacpp(path, n_ctx=1024, n_threads=2, **load_options)
+    if f16_kv:  # the cache llama.cpp would pick itself (flash attention stays on)
+        model.kv_q8 = False
+    seq = model.new_sequence()
+    seq.forward(context, logits="last")
+    differing = {}
+    for n in sizes:
+        seq.rewind(len(context))
+        batched = seq.forward(ids[:n]).clone()
+        seq.rewind(len(context))
+        single = torch.cat([seq.forward([t]).clone() for t in ids[:n]])
+        if not torch.equal(batched, single):
+            differing[n] = (batched - single).abs().max().item()
+    seq.close()
+    model.close()
+    return differing
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_quantized_rows_do_not_depend_on_their_batch(tiny_model_path, qtype):
     # A verify of n tokens must give each token the logits a plain one-token step gives it, bit for bit, or greedy
     # speculation could drift from plain decoding at near ties (see NUMERICS in the backend).
-    model = load_llamacpp(tiny_model_path(qtype=qtype, **K_QUANT_SHAPES), n_ctx=128, n_threads=2)
     ids = IDS + IDS
-    seq = model.new_sequence()
-    seq.forward(ids[:6], logits="last")
-    for n in (2, 4, 9, 17):
-        seq.rewind(6)
-        batched = seq.forward(ids[6 : 6 + n]).clone()
-        seq.rewind(6)
-        single = torch.cat([seq.forward([t]).clone() for t in ids[6 : 6 + n]])
-        assert torch.equal(batched, single), (qtype, n, (batched - single).abs().max().item())
-    seq.close()
-    model.close()
+    assert batch_dependent_rows(tiny_model_path(qtype=qtype, **K_QUANT_SHAPES), ids[:6], ids[6:]) == {}
 
 
-@pytest.mark.parametrize("target_qtype, draft_qtype", [("Q8_0", "Q4_0"), ("Q4_K", "Q4_K"), ("Q6_K", "Q4_K")])
-def test_greedy_speculative_equals_plain(tiny_model_path, target_qtype, draft_qtype):
+@pytest.mark.xfail(strict=True, reason="a known gap: llama.cpp's CPU matmul over F16/F32 weights gives a row other "
+                                      "logits in a batch (up to 1e-3 here), so greedy speculation on an F16 GGUF can "
+                                      "drift from plain decoding at a near tie; this test passes once that is fixed")
+@pytest.mark.parametrize("qtype", ["F16", "F32"])
+def test_float_rows_do_not_depend_on_their_batch(tiny_model_path, qtype):
+    ids = IDS + IDS
+    assert batch_dependent_rows(tiny_model_path(qtype=qtype, **K_QUANT_SHAPES), ids[:6], ids[6:]) == {}
+
+
+def test_batch_invariance_check_catches_repacked_weights(tiny_model_path):
+    # The negative control: with llama.cpp's repacked Q4_K layout (4-row groups) the same check finds rows that
+    # depend on their batch. (On this AVX2 build llama.cpp repacks Q4_K, not Q4_0/Q8_0.)
+    ids = IDS + IDS
+    assert batch_dependent_rows(tiny_model_path(qtype="Q4_K", **K_QUANT_SHAPES), ids[:6], ids[6:], repack=True)
+
+
+def test_batch_invariance_check_catches_the_tiled_matmul(tiny_model_path):
+    # The negative control: ggml reads GGML_CPU_TILED_MM once a process, so the tiled matmul (8+ rows) is switched
+    # on in a process of its own, which runs this file's batch_dependent_rows.
+    ids = IDS + IDS
+    for qtype in ("Q4_K", "Q6_K"):
+        path = tiny_model_path(qtype=qtype, **K_QUANT_SHAPES)
+        out = subprocess.run([sys.executable, __file__, path, json.dumps(ids)], capture_output=True, text=True,
+                             env={**os.environ, "GGML_CPU_TILED_MM": "1"}, cwd=os.path.dirname(__file__),
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        differing = json.loads(out.stdout.strip().splitlines()[-1])
+        assert differing and min(map(int, differing)) >= 8, (qtype, differing)  # tiled from 8 rows on
+
+
+LONG_IDS = [(i * 37) % 250 + 1 for i in range(620)]
+
+
+@pytest.mark.parametrize("context", [300, 600])
+def test_rows_stay_batch_invariant_past_256_and_512_tokens_of_context(tiny_model_path, context):
+    # From 256 tokens on, llama.cpp's CPU attention takes another kernel for one query than for a batch unless the
+    # KV cache is quantised (see NUMERICS): the default Q8_0 cache keeps verify and plain steps bit-identical.
+    path = tiny_model_path(qtype="Q4_K", context_length=2048, **K_QUANT_SHAPES)
+    ids = LONG_IDS[: context + 17]
+    assert batch_dependent_rows(path, ids[:context], ids[context:], sizes=(5, 17)) == {}
+
+
+def test_long_context_check_catches_an_f16_kv_cache(tiny_model_path):
+    # The negative control: with the F16 cache llama.cpp would choose, the same check finds rows that differ.
+    path = tiny_model_path(qtype="Q4_K", context_length=2048, **K_QUANT_SHAPES)
+    assert batch_dependent_rows(path, LONG_IDS[:300], LONG_IDS[300:], sizes=(5,), f16_kv=True)
+
+
+@pytest.mark.parametrize("target_qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_greedy_speculative_equals_plain(tiny_model_path, target_qtype):
     import tandem
 
     target = tandem.load(tiny_model_path(qtype=target_qtype, seed=5, **K_QUANT_SHAPES), backend="llama.cpp",
                          n_ctx=256)
-    draft = tandem.load(tiny_model_path(qtype=draft_qtype, seed=5, **K_QUANT_SHAPES), backend="llama.cpp",
-                        n_ctx=256)
-    drafted = 0
+    # A draft that agrees in part: the same weights in Q4_0; the tiny K-quant files hold random blocks, so there the
+    # same file with another RoPE base.
+    draft_file = (tiny_model_path(qtype=target_qtype, seed=5, rope_base=300_000.0, **K_QUANT_SHAPES)
+                  if target_qtype.endswith("_K") else tiny_model_path(qtype="Q4_0", seed=5, **K_QUANT_SHAPES))
+    draft = tandem.load(draft_file, backend="llama.cpp", n_ctx=256)
+    by_k, lookups = {}, []
     for prompt in ["def add(a, b):", "The quick brown fox", '{"name": "tandem",']:
         plain = tandem.generate(target, prompt=prompt, max_tokens=40)
         for k in (1, 3, 8):
             spec = tandem.generate(target, prompt=prompt, draft=draft, draft_max=k, draft_policy="fixed",
                                    max_tokens=40)
             assert spec.tokens == plain.tokens, (prompt, k)
-            drafted += spec.stats.draft_tokens
+            by_k.setdefault(k, []).append(spec.stats)
         ngram = tandem.generate(target, prompt=prompt, draft="ngram", draft_max=4, draft_policy="fixed",
                                 max_tokens=40)
         assert ngram.tokens == plain.tokens
-    assert drafted > 0
+        lookups.append(ngram.stats)
+    for stats in by_k.values():
+        assert_speculated(*stats, rejected=True)
+    assert_speculated(*lookups)
     target.close()
     draft.close()
 
 
 @pytest.mark.real
-@pytest.mark.skipif(not os.path.exists(REAL_TARGET), reason="real target model not assembled")
-def test_real_pair_speculative_equals_plain():
+def test_real_pair_speculative_equals_plain_past_256_tokens(real_pair):
     import tandem
-    from tandem.loading.registry import DEFAULT_DRAFT
 
-    target = tandem.load(REAL_TARGET, backend="llama.cpp", n_ctx=512)
-    draft = tandem.load(DEFAULT_DRAFT, backend="llama.cpp", n_ctx=512)
-    messages = [{"role": "user", "content": "Write a Python function that checks whether n is prime."}]
-    plain = tandem.generate(target, messages=messages, max_tokens=48)
-    for k in (3, 8):
-        spec = tandem.generate(target, messages=messages, draft=draft, draft_max=k, draft_policy="fixed",
-                               max_tokens=48)
-        assert spec.tokens == plain.tokens, k
-        assert spec.stats.accepted_tokens > 0
+    target_path, draft_path = real_pair
+    target = tandem.load(target_path, backend="llama.cpp", n_ctx=512)
+    draft = tandem.load(draft_path, backend="llama.cpp", n_ctx=512)
+    messages = [{"role": "user", "content": "Write a Python class for a binary search tree with insert, delete, "
+                                            "search and in-order traversal, with docstrings and unit tests."}]
+    # Past 256 tokens of context llama.cpp's attention changes kernels (see NUMERICS); ignore_eos keeps it going.
+    plain = tandem.generate(target, messages=messages, max_tokens=300, ignore_eos=True)
+    assert len(plain.tokens) == 300 and plain.stats.prompt_tokens + 300 > 256 + 64
+    spec = tandem.generate(target, messages=messages, draft=draft, draft_max=4, draft_policy="fixed",
+                           max_tokens=300, ignore_eos=True)
+    assert spec.tokens == plain.tokens
+    assert_speculated(spec.stats, rejected=True)
+    spec8 = tandem.generate(target, messages=messages, draft=draft, draft_max=8, draft_policy="fixed", max_tokens=48)
+    assert spec8.tokens == plain.tokens[:48]
+    assert_speculated(spec8.stats)
     target.close()
     draft.close()
 
 
 @pytest.mark.real
-@pytest.mark.skipif(not os.path.exists(REAL_TARGET), reason="real target model not assembled")
-def test_real_target_batched_verify_matches_single_steps():
-    model = load_llamacpp(REAL_TARGET, n_ctx=256)
+def test_real_target_batched_verify_matches_single_steps(real_pair):
+    model = load_llamacpp(real_pair[0], n_ctx=256)
     ids = model.tokenizer.encode_chat([{"role": "user", "content": "Write a Python function is_prime(n)."}])
     seq = model.new_sequence()
     last = seq.forward(ids, logits="last")[0]
@@ -253,17 +325,6 @@ def test_real_target_batched_verify_matches_single_steps():
     model.close()
     assert torch.equal(verify, torch.stack(steps))  # bit for bit: see NUMERICS in the backend
 
-
-def test_rows_stay_batch_invariant_past_256_tokens_of_context(tiny_model_path):
-    # From 256 tokens on, llama.cpp's CPU attention takes another kernel for one query than for a batch unless the
-    # KV cache is quantised (see NUMERICS): the default Q8_0 cache keeps verify and plain steps bit-identical.
-    model = load_llamacpp(tiny_model_path(qtype="Q4_K", **K_QUANT_SHAPES), n_ctx=512, n_threads=2)
-    ids = [(i * 37) % 250 + 1 for i in range(330)]
-    seq = model.new_sequence()
-    seq.forward(ids[:300], logits="last")
-    batched = seq.forward(ids[300:305]).clone()
-    seq.rewind(300)
-    single = torch.cat([seq.forward([t]).clone() for t in ids[300:305]])
-    seq.close()
-    model.close()
-    assert torch.equal(batched, single), (batched - single).abs().max().item()
+if __name__ == "__main__":  # python test_llamacpp_backend.py PATH IDS_JSON: batch_dependent_rows as JSON (see above)
+    ids = json.loads(sys.argv[2])
+    print(json.dumps(batch_dependent_rows(sys.argv[1], ids[:6], ids[6:])))

