@@ -18,6 +18,10 @@ K_QUANT_SHAPES = dict(d_model=256, d_ffn=512, n_heads=4, n_kv_heads=2, head_dim=
 def pytest_configure(config: pytest.Config) -> None:
     # Also declared in pyproject.toml; repeated so the marker is known when pytest runs without it.
     config.addinivalue_line("markers", "real: needs the real model pair from the registry (slow, ~1.6 GB)")
+    # Costs the adaptive policy measures for the tests' models stay out of the user's $TANDEM_HOME.
+    import tempfile
+
+    os.environ.setdefault("TANDEM_COSTS", tempfile.mkdtemp(prefix="tandem-costs-"))
 
 
 @pytest.fixture(scope="session")
