@@ -258,5 +258,5 @@ class SpeculativeDecoder:
             target_seq.close()
             if proposer is not None:
                 proposer.close()
-                self.policy.finish()
+                self.policy.finish(stats.generated_tokens, stopped=self.finish_reason == "stop")
                 stats.belief = self.policy.belief()

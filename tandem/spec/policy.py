@@ -220,8 +220,9 @@ class DraftPolicy(ABC):
         """What the policy believes now (acceptance per source), for stats and `timings`."""
         return {}
 
-    def finish(self) -> None:
-        """The request is over: hand what it showed to whatever outlives it (the shared prior)."""
+    def finish(self, generated_tokens: int = 0, stopped: bool = False) -> None:
+        """The request is over: hand what it showed to whatever outlives it (the shared prior). stopped: it ended
+        by itself (a stop token), so generated_tokens is a reply's natural length, not a cut one."""
 
 
 class FixedPolicy(DraftPolicy):
@@ -443,8 +444,10 @@ class AdaptivePolicy(DraftPolicy):
             "predicted_speedup": sum(self._predicted) / len(self._predicted) if self._predicted else 1.0,
         }
 
-    def finish(self) -> None:
+    def finish(self, generated_tokens: int = 0, stopped: bool = False) -> None:
         if self.shared is None:
             return
         for name, src in self.sources.items():
             self.shared.record(name, src.request_accepted, src.request_attempted)
+        if stopped:
+            self.shared.record_reply(generated_tokens)
