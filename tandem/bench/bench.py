@@ -70,6 +70,8 @@ class ConfigResult:
     k_counts: dict[str, int]  # draft length -> iterations that used it
     finish_reason: str
     lossless: bool | None  # tokens == plain's tokens (greedy); None for plain itself and synthetic acceptance
+    sources: dict[str, dict] = field(default_factory=dict)  # per draft source: iterations, drafted, accepted, ...
+    belief: dict = field(default_factory=dict)  # what the adaptive policy believed (GenerationStats.belief)
     predicted_speedup: float | None = None  # E(k)/(k c_d + V(k+1)) over 1/V(1), from measured costs and a
     fraction_of_prediction: float | None = None  # speedup / predicted_speedup
 
@@ -335,7 +337,7 @@ def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: b
         first_position_acceptance=first_position_acceptance(s), mean_accepted_len=s.mean_accepted_len,
         draft_ms_per_token=s.draft_ms_per_token, verify_ms=s.verify_ms_per_iteration, prefill_ms=s.prefill_ms,
         decode_ms=s.decode_ms, k_counts={str(k): v for k, v in s.draft_len_counts.items()},
-        finish_reason=run.finish_reason, lossless=lossless,
+        finish_reason=run.finish_reason, lossless=lossless, sources=s.sources, belief=s.belief,
     )
 
 

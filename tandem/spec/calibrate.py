@@ -203,9 +203,9 @@ def cached_costs(target: Model, draft: Model | None, k_max: int, refresh: bool =
         return copy.deepcopy(cache[key])
 
 
-def shared_prior(target: Model, draft: Model | None) -> AcceptancePrior:
-    """The process-wide acceptance prior of a pair (kept on the target, like its costs): per source, so prompt
-    lookup alone and mixed with a draft share what lookup accepted."""
+def shared_prior(target: Model) -> AcceptancePrior:
+    """The process-wide acceptance prior of a target's requests (kept on the target, like its costs): per source,
+    so prompt lookup alone and mixed with a draft share what lookup accepted."""
     priors = target.__dict__.setdefault("_tandem_priors", {})
     with _lock:
         if "shared" not in priors:
@@ -227,4 +227,4 @@ def policy_for(target: Model, proposer: Proposer, draft_max: int) -> AdaptivePol
         else:
             costs[source] = copy.deepcopy(lookup_costs)
     evidence = DraftModelProposer.name in costs
-    return AdaptivePolicy(costs, draft_max, shared=shared_prior(target, None), evidence=evidence)
+    return AdaptivePolicy(costs, draft_max, shared=shared_prior(target), evidence=evidence)

@@ -267,13 +267,13 @@ class AdaptivePolicy(DraftPolicy):
     def __init__(self, costs: CostModel | dict[str, CostModel], k_max: int,
                  prior: tuple[float, float] = ACCEPTANCE_PRIOR, shared: AcceptancePrior | None = None,
                  evidence: bool = False) -> None:
-        """costs: one CostModel (a single source, named "draft") or source -> CostModel, the first the primary;
+        """costs: one CostModel (a single source, "draft-model") or source -> CostModel, the first the primary;
         their verify costs are the same target's, so all sources share the first one's. prior: pseudo-counts where
         `shared` has none. evidence: the proposer reports teacher-forced acceptance when it catches up (see
         EVIDENCE_TOKENS); without it a first switch-on is a plain probe."""
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
-        by_source = costs if isinstance(costs, dict) else {"draft": costs}
+        by_source = costs if isinstance(costs, dict) else {"draft-model": costs}
         if not by_source:
             raise ValueError("the adaptive policy needs the costs of at least one source")
         self.k_max = k_max
