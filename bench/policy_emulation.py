@@ -24,6 +24,8 @@ import os
 import tempfile
 import time
 
+import torch
+
 import tandem
 from tandem.bench.suite import load_suite
 from tandem.sampling import SamplingParams
@@ -61,6 +63,30 @@ class EmulatedSequence:
         return getattr(self.seq, name)
 
 
+class OracleSequence:
+    """The target's sequence once its greedy reply is known: each row's logits are one-hot on the next token of
+    that reply. Exact for greedy verification, which reads a row only while every token before it is the reply's
+    own, and it spares recomputing the target per config (minutes a prompt on a busy 2-core CPU)."""
+
+    def __init__(self, reply: list[int], vocab: int, capacity: int) -> None:
+        self.reply, self.vocab, self.capacity, self.length = reply, vocab, capacity, 0
+
+    def forward(self, tokens, logits="all"):
+        n = len(tokens)
+        out = torch.zeros(n, self.vocab)
+        for i in range(n):
+            position = self.length + i + 1
+            out[i, self.reply[position] if position < len(self.reply) else 0] = 1.0
+        self.length += n
+        return out if logits == "all" else out[-1:]
+
+    def rewind(self, length):
+        self.length = length
+
+    def close(self):
+        pass
+
+
 def emulate(model, clock: VirtualClock, step_ms: float, sync_ms: float) -> None:
     new_sequence = model.new_sequence
     model.new_sequence = lambda *a, **k: EmulatedSequence(new_sequence(*a, **k), clock, step_ms, sync_ms)
@@ -96,6 +122,17 @@ def main() -> None:
         (id(draft), 8): CostModel(args.draft_step_ms, dict(verify_ms), args.draft_step_ms / 8),
     }
 
+    real_sequence = model.new_sequence
+    oracle: list[list[int]] = []  # the prompt's full greedy sequence once plain decoding has computed it
+
+    def target_sequence(*a, **k):
+        if not oracle:
+            return real_sequence(*a, **k)
+        return EmulatedSequence(OracleSequence(oracle[0], model.vocab_size, model.n_ctx), clock, args.step_ms,
+                                args.sync_ms)
+
+    model.new_sequence = target_sequence
+
     def decode(ids: list[int], config: str):
         params = SamplingParams()
         lookup = NgramProposer("cpu")
@@ -119,7 +156,10 @@ def main() -> None:
     ratios: dict[str, list[float]] = {c: [] for c in configs}
     for name, prompt in prompts.items():
         ids = model.tokenizer.encode_chat(list(prompt.messages))
-        plain, base, _ = decode(ids, "plain")
+        oracle.clear()
+        plain, base, plain_stats = decode(ids, "plain")
+        eos = list(model.tokenizer.eos_token_ids)[:1] if plain_stats.generated_tokens < args.max_tokens else []
+        oracle.append(ids + plain + eos)
         cells = []
         for config in configs:
             tokens, rate, s = decode(ids, config)
