@@ -44,7 +44,8 @@ PROBE_VALUE_MARGIN = 2.0
 EVIDENCE_TOKENS = 6
 LEARNING_ITERATIONS = 4  # drafting iterations a policy without that evidence spends learning that a draft is poor
 # A draft that must catch up on more than STEADY_CATCH_UP tokens after another source drafted charges the catch-up
-# to the tokens it expects to draft before it next has to (this many).
+# to the tokens it expects to yield before another source takes over again: this many at first, then the mean of
+# its runs so far in the request (short where prompt lookup keeps taking over, as on a summary).
 PAYBACK_TOKENS = 32
 STEADY_CATCH_UP = 2  # a draft that catches up on at most this many tokens is drafting steadily (see observe)
 DEFAULT_REPLY_TOKENS = 128  # the reply length a fresh process expects (the value of drafting is per token left)
@@ -250,6 +251,8 @@ class SourceState:
     started: bool = False  # it has taken in this request's prompt (or decided against it)
     request_accepted: float = 0.0  # this request's totals, for the shared prior
     request_attempted: float = 0.0
+    run_tokens: int = 0  # tokens its current run of drafting iterations has yielded
+    mean_run_tokens: float = PAYBACK_TOKENS  # EWMA over its finished runs: what a catch-up is repaid over
 
     def __post_init__(self) -> None:
         self.accepted, self.drafted = self.prior
@@ -357,10 +360,10 @@ class AdaptivePolicy(DraftPolicy):
         if src.idle > 0 and self.switch_on_cost_ms(lag, src) > PROBE_BUDGET * src.idle * costs.verify(1):
             return 0, plain_rate
         a = src.acceptance
-        # A catch-up after another source drafted is charged to the PAYBACK_TOKENS it buys.
+        # A catch-up after another source drafted is charged to the tokens its run is expected to yield.
         best_k, best_rate = 0, plain_rate
         for k in range(1, self.k_max + 1):
-            rate = costs.tokens_per_ms(a, k, catch_up_ms * expected_tokens(a, k) / PAYBACK_TOKENS)
+            rate = costs.tokens_per_ms(a, k, catch_up_ms * expected_tokens(a, k) / max(src.mean_run_tokens, 1.0))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
@@ -413,6 +416,11 @@ class AdaptivePolicy(DraftPolicy):
         if not steady:
             src.costs.observe_catch_up(catch_up, max(0.0, draft_ms - (k - 1) * src.costs.draft_step_ms))
         src.idle, src.started = 0, True
+        for other in self.sources.values():  # another source's run of drafting ends here
+            if other is not src and other.run_tokens:
+                other.mean_run_tokens += EWMA_WEIGHT * 2 * (other.run_tokens - other.mean_run_tokens)
+                other.run_tokens = 0
+        src.run_tokens += n_accepted + 1
         # Positions reached: every accepted one, plus the rejected one if the run stopped early.
         attempted = n_accepted + (1 if n_accepted < k else 0)
         src.accepted = ACCEPTANCE_DECAY * src.accepted + n_accepted
