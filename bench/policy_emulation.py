@@ -160,13 +160,21 @@ def main() -> None:
         plain, base, plain_stats = decode(ids, "plain")
         eos = list(model.tokenizer.eos_token_ids)[:1] if plain_stats.generated_tokens < args.max_tokens else []
         oracle.append(ids + plain + eos)
-        cells = []
+        cells, last_stats = [], {}
         for config in configs:
             tokens, rate, s = decode(ids, config)
+            if config == "adaptive":
+                last_stats[config] = s
             assert tokens == plain, f"{name}/{config}: output differs from plain decoding"
             ratios[config].append(rate / base)
             cells.append(f"{config} {rate / base:.3f} ({s.acceptance_rate:.2f})")
         print(f"{name:10s} " + " | ".join(cells), flush=True)
+        if details := {c: st for c, st in last_stats.items() if st.sources}:
+            for config, st in details.items():
+                used = ", ".join(f"{src} {v['iterations']} it {v['accepted_tokens']}/{v['draft_tokens']}"
+                                 + (f" ev {v['evidence_matches']}/{v['evidence_positions']}"
+                                    if v["evidence_positions"] else "") for src, v in st.sources.items())
+                print(f"{'':10s}   {config}: k {st.draft_len_counts}; {used}", flush=True)
     geomeans = {c: math.exp(sum(math.log(r) for r in rs) / len(rs)) for c, rs in ratios.items()}
     print("geomean    " + " | ".join(f"{c} {g:.3f}" for c, g in geomeans.items()), flush=True)
 
