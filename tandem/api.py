@@ -12,7 +12,7 @@ from tandem.sampling import SamplingParams
 from tandem.spec.compat import check_compatible
 from tandem.spec.decoder import SpeculativeDecoder
 from tandem.spec.policy import DraftPolicy, FixedPolicy
-from tandem.spec.proposer import DraftModelProposer, NgramProposer, Proposer
+from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposer
 
 BACKENDS = ("torch", "llama.cpp", "auto")
 DEFAULT_DRAFT_MAX = 8
@@ -104,15 +104,18 @@ def _as_model(model: Model | str, **load_options) -> Model:
 
 
 def make_proposer(
-    target: Model, draft: Model | str | None, sampling: SamplingParams, n_ctx: int | None
+    target: Model, draft: Model | str | None, sampling: SamplingParams, n_ctx: int | None, prompt_lookup: bool = True
 ) -> Proposer | None:
+    """None (plain), prompt lookup ("ngram"), or a draft model: mixed with prompt lookup unless prompt_lookup=False."""
     if draft is None:
         return None
+    device = getattr(target, "torch_device", "cpu")
     if isinstance(draft, str) and draft == "ngram":
-        return NgramProposer(getattr(target, "torch_device", "cpu"))
+        return NgramProposer(device)
     draft = _as_model(draft, device=target.device, backend=target.backend)
     check_compatible(target, draft)
-    return DraftModelProposer(draft, sampling, target.vocab_size, getattr(target, "torch_device", "cpu"), n_ctx)
+    model = DraftModelProposer(draft, sampling, target.vocab_size, device, n_ctx)
+    return MixedProposer(model, NgramProposer(device)) if prompt_lookup else model
 
 
 def make_policy(name: str, draft_max: int, target: Model, proposer: Proposer | None) -> DraftPolicy:
@@ -154,13 +157,16 @@ def stream_generate(
     n_ctx: int | None = None,
     synthetic_acceptance: float | None = None,
     ignore_eos: bool = False,
+    prompt_lookup: bool | None = None,
 ) -> Iterator[GenerationChunk]:
     """Like `generate`, but yields text as the target accepts it; the last chunk has finish_reason and stats."""
     target = _as_model(target)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     ids = prompt_ids(target, prompt, messages)
-    proposer = make_proposer(target, draft, sampling, n_ctx)
+    if prompt_lookup is None:  # mixed where a policy picks the source; a fixed k means the draft model's
+        prompt_lookup = draft_policy == "adaptive"
+    proposer = make_proposer(target, draft, sampling, n_ctx, prompt_lookup)
     policy = make_policy(draft_policy, draft_max, target, proposer)
     decoder = SpeculativeDecoder(target, sampling, proposer, policy, max_tokens=max_tokens,
                                  stop_token_ids=() if ignore_eos else target.tokenizer.eos_token_ids, n_ctx=n_ctx,
@@ -194,6 +200,9 @@ def generate(target: Model | str, prompt: str | Seq[int] | None = None, messages
         draft: None (plain decoding), a Model of the same tokenizer, a path/name, or "ngram" (prompt lookup).
         max_tokens, temperature (0 = greedy), top_p, top_k, min_p, seed: as in OpenAI's API; top_k = 0 is off.
         draft_max: the most draft tokens per iteration; draft_policy: "adaptive" (cost model) or "fixed".
+        prompt_lookup: with a draft model, also draft by prompt lookup where the text repeats (the policy picks
+            the source per iteration; a fixed policy takes lookup where it matches); False: the draft model alone;
+            None (default): True under the adaptive policy, False under a fixed one.
         stop: strings that end the generation (not included in the text).
     Returns:
         GenerationResult with .text, .tokens, .finish_reason and .stats (a list of them for prompts=).

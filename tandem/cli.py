@@ -21,11 +21,26 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
         p.add_argument("--draft-policy", choices=["adaptive", "fixed"], default="adaptive",
                        help="adaptive: pick k (or none) from measured costs; fixed: always --draft-max [adaptive]")
         p.add_argument("--draft-device", default=None, help="device of the draft [same as --device]")
+        p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false", default=None,
+                       help="with a draft model, draft with it alone [adaptive: prompt lookup where it matches, "
+                       "the draft model elsewhere]")
+        p.add_argument("--recalibrate", action="store_true",
+                       help="measure the pair's costs afresh instead of reusing those kept in $TANDEM_HOME/costs")
     p.add_argument("--backend", choices=["auto", "torch", "llama.cpp"], default="auto",
                    help="auto: llama.cpp for GGUF on CPU/Vulkan/Metal when installed, else torch [auto]")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (torch); cpu, vulkan, metal (llama.cpp)")
     p.add_argument("--dtype", default=None, help="torch compute dtype [float32 on cpu, bfloat16 on cuda]")
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens [min(4096, trained)]")
+
+
+def apply_recalibrate(args: argparse.Namespace) -> None:
+    """--recalibrate: the calibration (tandem.spec.calibrate) reads it from the environment, as a user may set it."""
+    if getattr(args, "recalibrate", False):
+        import os
+
+        from tandem.spec.calibrate import RECALIBRATE_ENV
+
+        os.environ[RECALIBRATE_ENV] = "1"
 
 
 def load_pair(args: argparse.Namespace):
@@ -47,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = dict(
         draft=draft, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, draft_max=args.draft_max, draft_policy=args.draft_policy,
-        stop=args.stop or None, n_ctx=args.ctx,
+        stop=args.stop or None, n_ctx=args.ctx, prompt_lookup=args.prompt_lookup,
     )
     if args.chat is not None:
         options["messages"] = [{"role": "user", "content": args.chat}]
@@ -69,6 +84,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{s.prefill_ms:.0f} ms; drafted {s.draft_tokens}, accepted {s.accepted_tokens} "
           f"({100 * s.acceptance_rate:.0f}%); draft {s.draft_ms:.0f} ms, verify {s.verify_ms:.0f} ms in total",
           file=sys.stderr)
+    if s.belief:
+        believed = ", ".join(f"{k} {v:.2f}" for k, v in s.belief["acceptance"].items())
+        print(f"policy: acceptance believed {believed}; predicted {s.belief['predicted_speedup']:.2f}x plain",
+              file=sys.stderr)
     return 0
 
 
@@ -181,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peer", action="append", default=[],
                    help="also run a peer: hf (transformers eager, plain and assisted), hf-static (static cache, "
                    "compiled on CUDA)")
-    b.add_argument("--configs", default=None, help="comma list: plain,adaptive,fixed3,fixed8,ngram")
+    b.add_argument("--configs", default=None,
+                   help="comma list: plain,adaptive (mixed: lookup and the draft),draft (the draft alone),fixed3,ngram")
     b.add_argument("--synthetic-acceptance", type=float, default=None, metavar="RATE",
                    help="accept each draft position with this probability (benchmarks only, not lossless)")
     b.add_argument("--synthetic-shape", default=None, metavar="TARGET[,DRAFT]",
@@ -206,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    apply_recalibrate(args)
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:  # our errors name the problem; no traceback for bad input

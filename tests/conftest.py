@@ -23,6 +23,10 @@ REQUIRE_REAL_ENV = "TANDEM_REQUIRE_REAL"
 def pytest_configure(config: pytest.Config) -> None:
     # Also declared in pyproject.toml; repeated so the marker is known when pytest runs without it.
     config.addinivalue_line("markers", "real: needs the real model pair from the registry (slow, ~1.6 GB)")
+    # Costs the adaptive policy measures for the tests' models stay out of the user's $TANDEM_HOME.
+    import tempfile
+
+    os.environ.setdefault("TANDEM_COSTS", tempfile.mkdtemp(prefix="tandem-costs-"))
 
 
 _REAL_OUTCOMES: dict[str, str] = {}  # nodeid -> "passed" | "failed" | "skipped" of each real-model test run

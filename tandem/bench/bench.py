@@ -42,7 +42,9 @@ SYNTHETIC_CTX = 4096
 @dataclass(frozen=True)
 class BenchConfig:
     name: str  # as given in --configs
-    draft: str | None  # "model" (the draft model), "ngram" (prompt lookup) or None (plain)
+    # "mixed" (the draft model and prompt lookup, the policy picking per iteration), "model" (the draft model
+    # alone), "ngram" (prompt lookup alone) or None (plain)
+    draft: str | None
     policy: str  # "adaptive" | "fixed"
     draft_max: int
 
@@ -69,6 +71,8 @@ class ConfigResult:
     k_counts: dict[str, int]  # draft length -> iterations that used it
     finish_reason: str
     lossless: bool | None  # tokens == plain's tokens (greedy); None for plain itself and synthetic acceptance
+    sources: dict[str, dict] = field(default_factory=dict)  # per draft source: iterations, drafted, accepted, ...
+    belief: dict = field(default_factory=dict)  # what the adaptive policy believed (GenerationStats.belief)
     predicted_speedup: float | None = None  # E(k)/(k c_d + V(k+1)) over 1/V(1), from measured costs and a
     fraction_of_prediction: float | None = None  # speedup / predicted_speedup
 
@@ -191,10 +195,14 @@ def git_commit() -> str | None:
 
 
 def parse_configs(spec: str | None, draft: Model | str | None, draft_max: int) -> list[BenchConfig]:
-    """plain, adaptive, fixed, fixedN, ngram; plain always runs first (every speedup is against it)."""
+    """plain, adaptive, draft, fixed, fixedN, ngram; plain always runs first (every speedup is against it).
+
+    adaptive: what `tandem generate` does by default (with a draft model, mixed with prompt lookup); draft: the
+    draft model alone, adaptive; fixedN: the draft model alone, N tokens every iteration; ngram: prompt lookup
+    alone, adaptive."""
     has_model = isinstance(draft, Model)
     if spec is None:
-        names = ["plain", "adaptive", "ngram"] if has_model else ["plain", "ngram"]
+        names = ["plain", "adaptive", "draft", "ngram"] if has_model else ["plain", "ngram"]
     else:
         names = [n.strip() for n in spec.split(",") if n.strip()]
     configs = [BenchConfig("plain", None, "fixed", 0)]
@@ -204,13 +212,14 @@ def parse_configs(spec: str | None, draft: Model | str | None, draft_max: int) -
         fixed = re.fullmatch(r"fixed(\d*)", name)
         if name == "ngram":
             configs.append(BenchConfig(name, "ngram", "adaptive", draft_max))
-        elif name == "adaptive" or fixed:
+        elif name in ("adaptive", "draft") or fixed:
             if not has_model:
                 raise ValueError(f"config {name!r} needs a draft model (--draft PATH or --synthetic-shape T,D)")
             k = int(fixed.group(1)) if fixed and fixed.group(1) else draft_max
-            configs.append(BenchConfig(name, "model", "adaptive" if name == "adaptive" else "fixed", k))
+            kind = "mixed" if name == "adaptive" else "model"
+            configs.append(BenchConfig(name, kind, "fixed" if fixed else "adaptive", k))
         else:
-            raise ValueError(f"unknown config {name!r}; use plain, adaptive, fixed, fixedN (e.g. fixed3), ngram")
+            raise ValueError(f"unknown config {name!r}; use plain, adaptive, draft, fixed, fixedN (e.g. fixed3), ngram")
     if len({c.name for c in configs}) != len(configs):
         raise ValueError(f"a config is named twice in {spec!r}")
     return configs
@@ -251,12 +260,12 @@ class Bench:
         self.ignore_eos = ignore_eos or synthetic_acceptance is not None
 
     def options(self, config: BenchConfig, prompt: BenchPrompt) -> dict:
-        draft = {"model": self.draft, "ngram": "ngram", None: None}[config.draft]
+        draft = {"mixed": self.draft, "model": self.draft, "ngram": "ngram", None: None}[config.draft]
         # seed: greedy decoding draws nothing, but synthetic acceptance does. Seeded per prompt, a run repeats and
         # prompts draw apart (unseeded, the CI test of the acceptance it yields failed one run in ~50).
         return dict(draft=draft, draft_max=config.draft_max, draft_policy=config.policy, temperature=0.0,
                     seed=zlib.crc32(prompt.name.encode()), synthetic_acceptance=self.synthetic_acceptance,
-                    ignore_eos=self.ignore_eos)
+                    ignore_eos=self.ignore_eos, prompt_lookup=config.draft == "mixed")
 
     def generate(self, prompt: BenchPrompt, config: BenchConfig, max_tokens: int) -> Run:
         self.target.synchronize()
@@ -297,8 +306,21 @@ def costs_for(target: Model, draft: Model | str | None, configs: list[BenchConfi
     out = {}
     for kind in {c.draft for c in configs if c.draft is not None}:
         k_max = max(c.draft_max for c in configs if c.draft == kind)
-        out[kind] = cached_costs(target, draft if kind == "model" else None, k_max)
+        # mixed: predicted as the draft model's; its lookup iterations cost the same verify and nearly no draft
+        out[kind] = cached_costs(target, draft if kind in ("model", "mixed") else None, k_max)
     return out
+
+
+def fitting_prompts(target: Model, prompts: list[BenchPrompt]) -> tuple[list[BenchPrompt], list[str]]:
+    """The prompts whose chat leaves the target's context room for a generated token, and a line for each other."""
+    fits, skipped = [], []
+    for prompt in prompts:
+        n = len(target.tokenizer.encode_chat(list(prompt.messages)))
+        if n < target.n_ctx:
+            fits.append(prompt)
+        else:
+            skipped.append(f"{prompt.name}: {n} prompt tokens, the context holds {target.n_ctx}")
+    return fits, skipped
 
 
 def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: bool, speedup: float) -> ConfigResult:
@@ -314,7 +336,7 @@ def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: b
         first_position_acceptance=first_position_acceptance(s), mean_accepted_len=s.mean_accepted_len,
         draft_ms_per_token=s.draft_ms_per_token, verify_ms=s.verify_ms_per_iteration, prefill_ms=s.prefill_ms,
         decode_ms=s.decode_ms, k_counts={str(k): v for k, v in s.draft_len_counts.items()},
-        finish_reason=run.finish_reason, lossless=lossless,
+        finish_reason=run.finish_reason, lossless=lossless, sources=s.sources, belief=s.belief,
     )
 
 
@@ -367,6 +389,11 @@ def run_bench(args: argparse.Namespace) -> int:
     target = load_target(args)
     draft = load_draft(args, backend=target.backend)
     configs = parse_configs(args.configs, draft, args.draft_max)
+    prompts, skipped = fitting_prompts(target, prompts)
+    for line in skipped:
+        print(f"tandem bench: skipping {line}", file=sys.stderr)
+    if not prompts:
+        raise ValueError(f"no prompt of the suite fits the context ({target.n_ctx} tokens): {'; '.join(skipped)}")
     bench = Bench(target, draft, configs, args.max_tokens, args.synthetic_acceptance,
                   getattr(args, "ignore_eos", False), repeats)
     peers = _load_peers(args, target, draft, shapes)
@@ -379,6 +406,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "synthetic_acceptance": args.synthetic_acceptance, "shapes": shapes,
         "weight_bytes": {"target": target_bytes, "draft": weight_bytes(draft) if isinstance(draft, Model) else None},
         "peers": {name: peer.describe() for name, peer in peers.items()},
+        "skipped_prompts": skipped,
     }
 
     console = Console(stderr=True)

@@ -221,7 +221,9 @@ def timings(stats: GenerationStats, queue_ms: float = 0.0) -> dict[str, Any]:
     returned and the decode time after the first token (as llama-server counts them). draft_n / draft_n_accepted:
     draft tokens proposed to the verifier / accepted by it. draft_ms / verify_ms: total time drafting / in the
     target's verify (or plain) forwards; iterations: target forwards after the prefill; queue_ms: time waiting
-    for a slot before the prefill began.
+    for a slot before the prefill began. policy_acceptance / policy_predicted_speedup: what the adaptive policy
+    believed at the end (acceptance per draft source; the mean speed-up over plain it predicted for its plans), so
+    a user can see why it drafted or did not; sources: per source, iterations, drafted and accepted tokens.
     """
     def per_second(n: int, ms: float) -> float:
         return 1000.0 * n / ms if ms > 0 else 0.0
@@ -241,6 +243,9 @@ def timings(stats: GenerationStats, queue_ms: float = 0.0) -> dict[str, Any]:
         "acceptance_rate": stats.acceptance_rate,
         "iterations": stats.iterations,
         "queue_ms": queue_ms,
+        "policy_acceptance": stats.belief.get("acceptance", {}),
+        "policy_predicted_speedup": stats.belief.get("predicted_speedup"),
+        "sources": stats.sources,
     }
 
 

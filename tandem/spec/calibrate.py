@@ -1,26 +1,42 @@
 """Measure a pair's costs on the device it runs on, once per (target, proposer kind), for the adaptive policy.
 
 A few forwards on scratch sequences: the draft's one-token step, and the target's forward over n = 1, 2 and
-k_max + 1 tokens (a forward's cost is affine in n, so the policy interpolates the rest). The decode loop then
-refines every figure from the iterations it really runs.
+k_max + 1 tokens (a forward's cost is affine in n, so the policy interpolates the rest), repeated until two rounds
+agree: near break-even a cost read off a cold or busy device decides differently from one start to the next. The
+result is kept on disk per device and pair (`$TANDEM_HOME/costs/`, or $TANDEM_COSTS), so later starts decide alike;
+TANDEM_RECALIBRATE=1 (or `--recalibrate`) measures afresh. The decode loop then refines every figure from the
+iterations it really runs.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
+import platform
 import statistics
+import threading
 import time
 from collections.abc import Iterable
+from dataclasses import asdict
 
 from tandem.backends.base import Model, Sequence
-from tandem.spec.policy import AdaptivePolicy, CostModel
-from tandem.spec.proposer import DraftModelProposer, Proposer
+from tandem.spec.policy import AcceptancePrior, AdaptivePolicy, CostModel
+from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposer
 
 WARMUP_TOKENS = 16  # context the timed forwards attend over, and a warm-up of kernels and caches
 REPEATS = 3
 NGRAM_STEP_MS = 0.01  # a dictionary lookup; measured online from there
-NGRAM_PRIOR = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations until the request shows otherwise
+NGRAM_PRIOR = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations until the request shows otherwise ...
+LONG_MATCH_PRIOR = (1.0, 2.0)  # ... less so after a match of its longest n-gram
 CATCH_UP_TOKENS = 8  # a draft's forward over this many tokens prices its catch-up after plain steps
+STABLE_ROUNDS = 5  # at most this many measuring rounds ...
+STABLE_TOLERANCE = 0.05  # ... until two in a row agree within this on every figure
+COSTS_VERSION = 1  # of the on-disk format; a file of another version is measured afresh
+RECALIBRATE_ENV = "TANDEM_RECALIBRATE"
+COSTS_DIR_ENV = "TANDEM_COSTS"  # where measured costs are kept [$TANDEM_HOME/costs]
+_lock = threading.Lock()  # one measurement at a time: two requests must not time forwards against each other
 
 
 def warm_up(model: Model, seq: Sequence, context: int, seconds: float) -> None:
@@ -69,8 +85,7 @@ def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
         seq.close()
 
 
-def measure_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
-    k_max = max(0, min(k_max, target.n_ctx - 2))  # a verify of k_max + 1 tokens must fit in the context
+def _measure_once(target: Model, draft: Model | None, k_max: int) -> CostModel:
     verify_ms = time_forwards_ms(target, {1, 2, k_max + 1})
     if draft is None:
         return CostModel(draft_step_ms=NGRAM_STEP_MS, verify_ms=verify_ms, catch_up_ms_per_token=0.0)
@@ -79,16 +94,137 @@ def measure_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
                      catch_up_ms_per_token=draft_ms[CATCH_UP_TOKENS] / CATCH_UP_TOKENS)
 
 
-def cached_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
-    """Costs measured once per pair and k_max; each request gets its own copy to refine."""
+def _figures(costs: CostModel) -> list[float]:
+    return [costs.draft_step_ms, costs.catch_up_ms_per_token or 0.0, *costs.verify_ms.values()]
+
+
+def _agree(a: CostModel, b: CostModel) -> bool:
+    return all(abs(x - y) <= STABLE_TOLERANCE * max(x, y, 1e-9) for x, y in zip(_figures(a), _figures(b), strict=True))
+
+
+def measure_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
+    """Rounds of measurement until two in a row agree within STABLE_TOLERANCE on every figure (at most
+    STABLE_ROUNDS); each figure the lower of those two rounds' (noise on a shared machine only ever adds time)."""
+    k_max = max(0, min(k_max, target.n_ctx - 2))  # a verify of k_max + 1 tokens must fit in the context
+    last = _measure_once(target, draft, k_max)
+    for _ in range(STABLE_ROUNDS - 1):
+        new = _measure_once(target, draft, k_max)
+        stable, previous, last = _agree(last, new), last, new
+        if stable:
+            break
+    return CostModel(draft_step_ms=min(previous.draft_step_ms, last.draft_step_ms),
+                     verify_ms={n: min(v, last.verify_ms[n]) for n, v in previous.verify_ms.items()},
+                     catch_up_ms_per_token=min(previous.catch_up_ms_per_token or 0.0,
+                                               last.catch_up_ms_per_token or 0.0))
+
+
+def _file_id(path: str) -> str | None:
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError):
+        return None
+    return f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def device_id(model: Model) -> str:
+    """The device a model runs on, as specific as we can name it cheaply (a CPU's model, a GPU's name)."""
+    device = str(getattr(model, "device", "cpu"))
+    name = platform.processor() or platform.machine()
+    try:
+        if device.startswith("cuda") and model.backend == "torch":
+            import torch
+
+            name = torch.cuda.get_device_name(torch.device(device))
+        else:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except (OSError, RuntimeError, AssertionError):
+        pass
+    return f"{model.backend}:{device}:{getattr(model, 'dtype', '')}:{name}:{os.cpu_count()}"
+
+
+def costs_path(target: Model, draft: Model | None, k_max: int) -> str | None:
+    """Where the pair's measured costs are kept, or None where a model is not a file (random weights, tests)."""
+    from tandem.loading.registry import tandem_home
+
+    target_id = _file_id(getattr(target, "path", None))
+    draft_id = "ngram" if draft is None else _file_id(getattr(draft, "path", None))
+    if target_id is None or draft_id is None:
+        return None
+    key = json.dumps([COSTS_VERSION, device_id(target), target_id, draft_id, target.n_ctx, k_max])
+    folder = os.environ.get(COSTS_DIR_ENV) or os.path.join(tandem_home(), "costs")
+    return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def _read(path: str | None) -> CostModel | None:
+    if path is None or os.environ.get(RECALIBRATE_ENV, "") not in ("", "0"):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if doc.get("version") != COSTS_VERSION:
+            return None
+        c = doc["costs"]
+        return CostModel(float(c["draft_step_ms"]), {int(n): float(v) for n, v in c["verify_ms"].items()},
+                         None if c["catch_up_ms_per_token"] is None else float(c["catch_up_ms_per_token"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(path: str | None, costs: CostModel, target: Model, draft: Model | None) -> None:
+    if path is None:
+        return
+    doc = {"version": COSTS_VERSION, "device": device_id(target), "target": target.path,
+           "draft": "ngram" if draft is None else draft.path, "costs": asdict(costs),
+           "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home costs a measurement per start, nothing else
+
+
+def cached_costs(target: Model, draft: Model | None, k_max: int, refresh: bool = False) -> CostModel:
+    """Costs measured once per pair and k_max (kept on the target, and on disk for the next start); each request
+    gets its own copy to refine. refresh: measure again, and replace what is on disk."""
     cache = target.__dict__.setdefault("_tandem_costs", {})
     key = (id(draft), k_max)
-    if key not in cache:
-        cache[key] = measure_costs(target, draft, k_max)
-    return copy.deepcopy(cache[key])
+    with _lock:
+        if key not in cache or refresh:
+            path = costs_path(target, draft, k_max)
+            costs = None if refresh else _read(path)
+            if costs is None:
+                costs = measure_costs(target, draft, k_max)
+                _write(path, costs, target, draft)
+            cache[key] = costs
+        return copy.deepcopy(cache[key])
+
+
+def shared_prior(target: Model) -> AcceptancePrior:
+    """The process-wide acceptance prior of a target's requests (kept on the target, like its costs): per source,
+    so prompt lookup alone and mixed with a draft share what lookup accepted."""
+    priors = target.__dict__.setdefault("_tandem_priors", {})
+    with _lock:
+        if "shared" not in priors:
+            lookup = NgramProposer()
+            defaults = {s: NGRAM_PRIOR for s in lookup.sources}
+            defaults[lookup.sources[0]] = LONG_MATCH_PRIOR
+            priors["shared"] = AcceptancePrior(defaults)
+        return priors["shared"]
 
 
 def policy_for(target: Model, proposer: Proposer, draft_max: int) -> AdaptivePolicy:
-    if isinstance(proposer, DraftModelProposer):
-        return AdaptivePolicy(cached_costs(target, proposer.draft, draft_max), draft_max)
-    return AdaptivePolicy(cached_costs(target, None, draft_max), draft_max, prior=NGRAM_PRIOR)
+    """The adaptive policy for one request of `proposer`: a source per way it drafts, all from measured costs."""
+    lookup_costs = cached_costs(target, None, draft_max) if not isinstance(proposer, DraftModelProposer) else None
+    costs = {}
+    for source in proposer.sources:
+        if source == DraftModelProposer.name:
+            draft = proposer.draft.draft if isinstance(proposer, MixedProposer) else proposer.draft
+            costs[source] = cached_costs(target, draft, draft_max)
+        else:
+            costs[source] = copy.deepcopy(lookup_costs)
+    evidence = DraftModelProposer.name in costs
+    return AdaptivePolicy(costs, draft_max, shared=shared_prior(target), evidence=evidence)

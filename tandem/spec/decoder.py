@@ -15,7 +15,7 @@ import torch
 
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.sampling import SamplingParams, make_generator, next_token, probs_from_logits
-from tandem.spec.policy import DraftPolicy, FixedPolicy
+from tandem.spec.policy import STEADY_CATCH_UP, DraftPolicy, FixedPolicy, Plan
 from tandem.spec.proposer import Proposer
 from tandem.spec.stats import GenerationStats
 from tandem.spec.verify import verify_greedy, verify_sampled, verify_synthetic
@@ -78,6 +78,7 @@ class SpeculativeDecoder:
             self._landing = torch.empty(self.run_ahead, dtype=torch.long, pin_memory=True)
             self._landed_events = [torch.cuda.Event() for _ in range(self.run_ahead)]
         self.finish_reason: str | None = None
+        self._drafted_by: str | None = None  # the source of the last iteration's drafts, if it drafted
         self.stats = GenerationStats(
             proposer=proposer.name if proposer else "none", policy=self.policy.name if proposer else "none"
         )
@@ -94,12 +95,39 @@ class SpeculativeDecoder:
         self.finish_reason = finish or self.finish_reason
         return out
 
-    def _speculate(self, target_seq, pending: torch.Tensor, tokens: list[int], k: int, generator, clock):
+    def _plan(self, tokens: list[int], emitted: int) -> tuple[Plan, float]:
+        """The policy's plan for the next iteration, and the ms spent catching a source up first.
+
+        A source that must take in more than a steady draft's 1-2 tokens (the prompt, at its first use; everything
+        decoded while it was off) does so before the plan is final: the catch-up shows, teacher-forced, how much of
+        the text since it would have predicted, and the policy re-plans on that evidence, so that a draft that turns
+        out poor costs its catch-up but no verified draft."""
+        proposer, remaining = self.proposer, self.max_tokens - emitted
+        lags = proposer.lags(tokens)
+        # Free evidence on the tokens of the last iteration (prompt lookup in hindsight), but from a source that
+        # drafted them, whose outcome the policy has already seen.
+        for source, matched in proposer.hindsight().items():
+            if source != self._drafted_by:
+                self.policy.observe_evidence(source, matched)
+        plan = self.policy.plan(lags, remaining, emitted)
+        if plan.k == 0 or not self.policy.wants_evidence or (lags.get(plan.source) or 0) <= STEADY_CATCH_UP:
+            return plan, 0.0
+        started = time.perf_counter()
+        caught = proposer.catch_up(tokens, plan.source)
+        if caught is None:
+            return plan, 0.0
+        catch_up_ms = 1000.0 * (time.perf_counter() - started)  # synchronous: the evidence was read back
+        self.policy.observe_catch_up(plan.source, caught.tokens, catch_up_ms, caught.matched)
+        self.stats.record_catch_up(plan.source, catch_up_ms, caught.matches, caught.positions)
+        return self.policy.plan(proposer.lags(tokens), remaining, emitted), catch_up_ms
+
+    def _speculate(self, target_seq, pending: torch.Tensor, tokens: list[int], k: int, generator, clock,
+                   source: str | None = None):
         """One iteration: draft k tokens, verify them and the pending token in one target forward, keep n + 1."""
         catch_up = 0
         clock.mark()
         if k > 0:
-            proposal = self.proposer.propose(tokens, k)
+            proposal = self.proposer.propose(tokens, k, source)
             draft_tokens, draft_probs, catch_up = proposal.tokens, proposal.probs, proposal.catch_up
         else:
             draft_tokens, draft_probs = torch.empty(0, dtype=torch.long, device=self.device), None
@@ -193,10 +221,10 @@ class SpeculativeDecoder:
                 if room < 1:
                     self.finish_reason = "length"
                     break
-                k = self.policy.choose(proposer.lag(len(tokens))) if proposer is not None else 0
-                k = max(0, min(k, self.max_tokens - emitted - 1, room - 1))
+                plan, catch_up_ms = self._plan(tokens, emitted) if proposer is not None else (Plan(None, 0), 0.0)
+                k = max(0, min(plan.k, self.max_tokens - emitted - 1, room - 1))
                 run_ahead = self.run_ahead
-                lookup_miss = k > 0 and not proposer.ready(tokens)
+                lookup_miss = plan.miss and plan.k == 0
                 if lookup_miss:
                     # Nothing to propose (prompt lookup found no match): verifying the pending token alone would be
                     # a plain step paying a host sync of its own, 0.2 ms of a 1.6 ms step on an H200, where prompt
@@ -207,20 +235,24 @@ class SpeculativeDecoder:
                     steps = min(run_ahead, self.max_tokens - emitted, room)
                     new_tokens, pending, iterations = self._plain_steps(target_seq, pending, steps, generator, clock)
                 else:
-                    new_tokens, pending, iterations = self._speculate(target_seq, pending, tokens, k, generator, clock)
+                    new_tokens, pending, iterations = self._speculate(target_seq, pending, tokens, k, generator, clock,
+                                                                      plan.source)
                 # Host sync to host sync: what the iteration really cost. The policy is charged that, not only the
                 # device's spans: while the host proposes, launches and reads back, a GPU idles, except under plain
                 # steps queued RUN_AHEAD to a sync (H200: ~0.2 ms of a 1.85 ms step, which made prompt lookup's
                 # 2-token verifies look nearly free and kept it probing at 0.85x).
-                cycle_ms = 1000.0 * (time.perf_counter() - iteration_started) / len(iterations)
+                # A catch-up ahead of the plan is charged on its own (observe_catch_up), not to this iteration.
+                cycle_ms = (1000.0 * (time.perf_counter() - iteration_started) - catch_up_ms) / len(iterations)
+                stats.draft_ms += catch_up_ms
                 for k, n, draft_ms, verify_ms, catch_up in iterations:
                     stats.draft_ms += draft_ms
                     stats.verify_ms += verify_ms
-                    stats.record_iteration(k, n)
+                    stats.record_iteration(k, n, plan.source if k else None)
                     self.policy.observe(k, n, draft_ms, max(verify_ms, cycle_ms - draft_ms), catch_up,
-                                        chosen=not lookup_miss)
+                                        chosen=not lookup_miss, source=plan.source if k else None)
                 if proposer is not None:
                     proposer.accept(len(tokens) + len(new_tokens) - 1)  # all but the pending token are final
+                    self._drafted_by = plan.source if k else None
                 tokens += new_tokens
                 out = self._emit(new_tokens, emitted)
                 emitted += len(out)
@@ -232,3 +264,5 @@ class SpeculativeDecoder:
             target_seq.close()
             if proposer is not None:
                 proposer.close()
+                self.policy.finish(stats.generated_tokens, stopped=self.finish_reason == "stop")
+                stats.belief = self.policy.belief()

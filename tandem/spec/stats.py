@@ -26,6 +26,13 @@ class GenerationStats:
     policy: str = "none"  # "fixed", "adaptive", "none"
     draft_len_counts: dict[int, int] = field(default_factory=dict)  # k chosen -> iterations that used it
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = iterations that accepted draft token i
+    # Per proposer source ("draft-model", "ngram"): iterations it drafted, tokens drafted and accepted, and its
+    # catch-ups (tokens taken in at once, with the ms they cost and how many generated tokens the draft would have
+    # predicted among them: `evidence_matches` of `evidence_positions`).
+    sources: dict[str, dict[str, float]] = field(default_factory=dict)
+    # What the adaptive policy believed at the end: acceptance per source, the prior it started from, and the mean
+    # speed-up over plain it predicted for the iterations it planned (see DraftPolicy.belief).
+    belief: dict = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,7 +63,22 @@ class GenerationStats:
     def verify_ms_per_iteration(self) -> float:
         return self.verify_ms / self.iterations if self.iterations else 0.0
 
-    def record_iteration(self, k: int, n_accepted: int) -> None:
+    def _source(self, source: str) -> dict[str, float]:
+        return self.sources.setdefault(source, {"iterations": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                                                "catch_up_ms": 0.0, "evidence_matches": 0, "evidence_positions": 0})
+
+    def record_catch_up(self, source: str, ms: float, matches: int, positions: int) -> None:
+        entry = self._source(source)
+        entry["catch_up_ms"] += ms
+        entry["evidence_matches"] += matches
+        entry["evidence_positions"] += positions
+
+    def record_iteration(self, k: int, n_accepted: int, source: str | None = None) -> None:
+        if source is not None and k > 0:
+            entry = self._source(source)
+            entry["iterations"] += 1
+            entry["draft_tokens"] += k
+            entry["accepted_tokens"] += n_accepted
         self.iterations += 1
         self.draft_tokens += k
         self.accepted_tokens += n_accepted

@@ -1,0 +1,175 @@
+"""Prompt lookup mixed with a draft model, the draft's teacher-forced catch-up, and costs kept on disk."""
+
+import json
+import os
+
+import pytest
+import test_decoder
+from test_decoder import N_SAMPLES, TARGET_SAMPLING, SkewedDraft, chi_square_pvalue, exact_distribution
+
+import tandem
+from tandem.sampling import SamplingParams
+from tandem.spec import calibrate
+from tandem.spec.decoder import SpeculativeDecoder
+from tandem.spec.policy import CostModel, FixedPolicy
+from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposal
+
+PROMPTS = ["abc abc abc abc xyz def abc", "def add(a, b):\n    return a + b\n\ndef add(", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def pair64(tiny_model_path):
+    target = tandem.load(tiny_model_path(seed=0), dtype="float64")
+    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64")
+    return target, draft
+
+
+def decode(target, proposer, policy, ids, max_tokens=32, params=None):
+    decoder = SpeculativeDecoder(target, params or SamplingParams(), proposer, policy, max_tokens=max_tokens)
+    return [t for chunk in decoder.run(ids) for t in chunk], decoder.stats
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_mixed_greedy_equals_plain(pair64, policy):
+    target, draft = pair64
+    for prompt in PROMPTS:
+        plain = tandem.generate(target, prompt=prompt, max_tokens=32)
+        mixed = tandem.generate(target, prompt=prompt, draft=draft, draft_max=4, draft_policy=policy,
+                                prompt_lookup=True, max_tokens=32)
+        assert mixed.tokens == plain.tokens, (policy, prompt)
+        assert mixed.stats.proposer == "mixed"
+
+
+def test_fixed_mixed_uses_both_sources(pair64):
+    target, draft = pair64
+    ids = target.tokenizer.encode(PROMPTS[0])
+    proposer = MixedProposer(DraftModelProposer(draft, SamplingParams(), target.vocab_size, "cpu"), NgramProposer())
+    tokens, stats = decode(target, proposer, FixedPolicy(3), ids, max_tokens=48)
+    plain, _ = decode(target, None, None, ids, max_tokens=48)
+    assert tokens == plain
+    lookup = sum(v["iterations"] for s, v in stats.sources.items() if s.startswith("ngram"))
+    assert lookup > 0 and stats.sources["draft-model"]["iterations"] > 0, stats.sources
+
+
+def test_catch_up_reports_what_the_draft_would_have_predicted(pair64):
+    target, _ = pair64
+    ids = target.tokenizer.encode(PROMPTS[1])
+    plain, _ = decode(target, None, None, ids, max_tokens=10)
+    proposer = DraftModelProposer(target, SamplingParams(), target.vocab_size, "cpu")  # the target as its own draft
+    proposer.start(ids)
+    caught = proposer.catch_up(ids + plain)
+    assert caught.tokens == len(ids) + len(plain) and caught.matched == [True] * len(plain)
+    # The row kept from the catch-up drafts the same token a fresh forward would.
+    drafted = proposer.propose(ids + plain, 3).tokens.tolist()
+    fresh = DraftModelProposer(target, SamplingParams(), target.vocab_size, "cpu")
+    fresh.start(ids)
+    assert drafted == fresh.propose(ids + plain, 3).tokens.tolist()
+
+
+def test_lookup_hindsight():
+    proposer = NgramProposer(max_ngram=2)
+    proposer.start([5, 6, 7])
+    proposer.ready([5, 6, 7, 5, 6, 7, 9, 1])
+    # generated positions 3..6: 5 (1-gram 7 never seen before it: no match), 6 (after (7, 5)? no; 5 -> 6: right),
+    # 7 ((5, 6) -> 7: right), 9 ((6, 7) -> 5: wrong)
+    assert proposer.hindsight() == {"ngram1": [True], "ngram2": [True, False]}
+    assert proposer.hindsight() == {}
+
+
+class OneHotLookup(NgramProposer):
+    """A deterministic proposer that has a guess every other iteration, starting with the first: the target's
+    second choice, so that deterministic proposals are often rejected and the residual decides."""
+
+    def __init__(self, target, first: bool):
+        super().__init__()
+        self.target, self.iteration = target, 0 if first else 1
+
+    def lags(self, tokens):
+        self.iteration += 1
+        return {"ngram3": 0 if self.iteration % 2 else None, "ngram2": None, "ngram1": None}
+
+    def propose(self, tokens, k, source=None):
+        logits = self.target.logits(tokens)[-1]
+        return Proposal(logits.topk(2).indices[1:2].long(), None)
+
+
+def test_mixing_deterministic_and_sampled_drafts_keeps_the_target_distribution(tiny_model_path, monkeypatch):
+    # Each iteration verifies one source's proposal against that source's own q (one-hot for the lookup, the
+    # draft's distribution otherwise), chosen from the past alone: the output must follow p exactly. Four tokens,
+    # so that a request drafts twice (never on its last token), one source after the other, either order.
+    n_generated = 4
+    monkeypatch.setattr(test_decoder, "N_GENERATED", n_generated)
+    target = tandem.load(tiny_model_path(seed=11), dtype="float32")
+    ids = target.tokenizer.encode("Once upon")
+    dist = exact_distribution(target, ids, SamplingParams(**TARGET_SAMPLING))
+    counts, by_source, mixed = {}, {}, 0
+    for seed in range(N_SAMPLES):
+        params = SamplingParams(seed=seed, **TARGET_SAMPLING)
+        proposer = MixedProposer(SkewedDraft(target, params, target.vocab_size, "cpu"),
+                                 OneHotLookup(target, first=seed % 2 == 0))
+        tokens, stats = decode(target, proposer, FixedPolicy(2), ids, max_tokens=n_generated, params=params)
+        mixed += len(stats.sources) == 2
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+        for source, entry in stats.sources.items():
+            by_source[source] = by_source.get(source, 0) + entry["iterations"]
+    assert mixed > N_SAMPLES / 4 and by_source.get("ngram3", 0) > N_SAMPLES / 2, (mixed, by_source)
+    assert by_source.get("draft-model", 0) > N_SAMPLES / 2, by_source
+    p = chi_square_pvalue(counts, dist, N_SAMPLES)
+    assert p > 1e-3, f"mixed speculative sampling departs from the target's distribution (p={p:.3g})"
+
+
+def test_costs_are_kept_on_disk_and_refreshed(pair64, tmp_path, monkeypatch):
+    target, draft = pair64
+    monkeypatch.setenv("TANDEM_COSTS", str(tmp_path))
+    measured = []
+
+    def measure(t, d, k_max):
+        measured.append(k_max)
+        return CostModel(1.0 + len(measured), {1: 3.0, 2: 3.5, k_max + 1: 6.0}, 0.25)
+
+    monkeypatch.setattr(calibrate, "measure_costs", measure)
+    target.__dict__.pop("_tandem_costs", None)
+    first = calibrate.cached_costs(target, draft, 5)
+    assert measured == [5] and first.draft_step_ms == 2.0
+    path = calibrate.costs_path(target, draft, 5)
+    assert path.startswith(str(tmp_path)) and json.load(open(path))["costs"]["draft_step_ms"] == 2.0
+    target.__dict__.pop("_tandem_costs")  # a new start of the process
+    assert calibrate.cached_costs(target, draft, 5).draft_step_ms == 2.0 and measured == [5]
+    target.__dict__.pop("_tandem_costs")
+    monkeypatch.setenv(calibrate.RECALIBRATE_ENV, "1")
+    assert calibrate.cached_costs(target, draft, 5).draft_step_ms == 3.0 and measured == [5, 5]
+    monkeypatch.delenv(calibrate.RECALIBRATE_ENV)
+    target.__dict__.pop("_tandem_costs")
+    assert calibrate.cached_costs(target, draft, 5).draft_step_ms == 3.0  # the refreshed measurement was kept
+    target.__dict__.pop("_tandem_costs")
+
+
+def test_measure_costs_repeats_until_stable(pair64, monkeypatch):
+    target, draft = pair64
+    rounds = iter([1.0, 2.0, 1.5, 1.52, 9.0])
+    monkeypatch.setattr(calibrate, "_measure_once",
+                        lambda t, d, k: CostModel(next(rounds), {1: 3.0, 2: 3.0, k + 1: 4.0}, 0.1))
+    costs = calibrate.measure_costs(target, draft, 4)
+    assert costs.draft_step_ms == 1.5  # four rounds (the last two agree), each figure the lower of those two
+    assert next(rounds) == 9.0
+
+
+def test_bench_skips_a_prompt_that_does_not_fit(tiny_model_path, tmp_path, capsys):
+    from tandem.cli import main
+
+    suite = tmp_path / "suite.json"
+    suite.write_text(json.dumps([{"name": "short", "prompt": "hi"}, {"name": "long", "prompt": "word " * 400}]))
+    out = tmp_path / "bench.json"
+    model = tiny_model_path(seed=0, context_length=128)
+    assert main(["bench", "--model", model, "--draft", "ngram", "--ctx", "128", "--suite", str(suite),
+                 "--max-tokens", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [p["name"] for p in result["prompts"]] == ["short"]
+    assert "long" in result["meta"]["skipped_prompts"][0]
+    assert "skipping long" in capsys.readouterr().err
+
+
+def test_costs_dir_follows_the_environment(pair64, tmp_path, monkeypatch):
+    target, draft = pair64
+    monkeypatch.setenv("TANDEM_COSTS", str(tmp_path / "elsewhere"))
+    assert os.path.dirname(calibrate.costs_path(target, draft, 8)) == str(tmp_path / "elsewhere")
