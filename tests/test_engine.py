@@ -363,3 +363,20 @@ def test_logprobs_are_the_targets_own_for_drafted_and_plain_tokens(pair64, draft
                     assert entry.top[0][0] == entry.token
     with pytest.raises(ValueError, match="logprobs must be in"):
         Request([1, 2], logprobs=21)
+
+
+def test_new_requests_start_from_what_completed_ones_accepted(tiny_model_path):
+    """The shared prior: after requests whose drafts were all rejected, a new sequence's acceptance estimate starts
+    low (so the planner does not spend a batch's steps drafting at no acceptance), not at the fixed 0.7."""
+    target = tandem.load(tiny_model_path(seed=21), dtype="float64")
+    stranger = tandem.load(tiny_model_path(seed=22), dtype="float64")  # another random model: it rarely agrees
+    engine = Engine(target, stranger, slots=2, draft_max=4)
+    fresh = engine.add(Request(target.tokenizer.encode(PROMPTS[0]), max_tokens=4))
+    assert fresh.acceptance == pytest.approx(0.7)
+    engine.cancel(fresh)
+    results = engine.generate(requests(target, PROMPTS[:2], max_tokens=40, draft_policy="fixed"))
+    drafted = sum(r.stats.draft_tokens for r in results)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert drafted > 0 and accepted / drafted < 0.3
+    later = engine.add(Request(target.tokenizer.encode(PROMPTS[2]), max_tokens=4))
+    assert later.acceptance < 0.4

@@ -25,8 +25,17 @@ import torch
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
 from tandem.engine.kv_pool import SlotTable, common_prefix
-from tandem.engine.sequence import Generation, GenerationChunk, GenerationResult, Request, TokenLogprob
+from tandem.engine.sequence import (
+    DRAFT_MODEL_PRIOR,
+    NGRAM_PRIOR,
+    Generation,
+    GenerationChunk,
+    GenerationResult,
+    Request,
+    TokenLogprob,
+)
 from tandem.sampling import make_generator, probs_from_logits, sample
+from tandem.spec.calibrate import shared_prior
 from tandem.spec.compat import check_compatible
 from tandem.spec.verify import verify_greedy, verify_sampled, verify_synthetic
 
@@ -83,6 +92,10 @@ class Engine:
         self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
+        # What completed requests accepted, shared with the batch-1 policy's requests on this target: a new
+        # sequence's estimate starts there, not at a constant that may keep it drafting at no acceptance.
+        self.prior = shared_prior(target)
+        self._prior_source = self.proposer  # "draft-model" (shared with the batch-1 policy) or "ngram"
         self.costs = None
         if self.proposer and draft_max > 0 and measure_costs:
             self.costs = planner.measure(self.target_kv, self.draft_kv, draft_max, self._synchronize)
@@ -115,8 +128,12 @@ class Engine:
         bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is out of range [0, {vocab})")
+        prior = None
+        if self.proposer is not None:
+            default = NGRAM_PRIOR if self.proposer == "ngram" else DRAFT_MODEL_PRIOR
+            prior = self.prior.counts(self._prior_source, default)
         gen = Generation(request, self.target.tokenizer, self.device, self.draft_max, self.stop_token_ids,
-                         self.proposer)
+                         self.proposer, prior)
         gen.stats.prompt_tokens = n
         if self.synthetic_acceptance is not None and gen.generator is None:  # greedy, but acceptance is drawn
             gen.generator = make_generator(request.sampling.seed, self.device)
@@ -250,6 +267,8 @@ class Engine:
     def _retire(self, gen: Generation) -> None:
         """The sequence leaves the batch; its slot keeps the KV of its tokens for a later prompt to reuse."""
         self.running.remove(gen)
+        if gen.proposer is not None and not gen.cancelled:
+            self.prior.record(self._prior_source, *gen.positions)
         self.table.release(gen.slot, self.target_kv.length(gen.slot))
 
     # --- drafting and verification -----------------------------------------------------------------------

@@ -14,7 +14,8 @@ from tandem.spec.decoder import cut_tokens
 from tandem.spec.proposer import NgramProposer
 from tandem.spec.stats import GenerationStats
 
-# Pseudo-counts (accepted, drafted) a sequence's acceptance estimate starts from and decays back to while it does
+# Pseudo-counts (accepted, drafted) a sequence's acceptance estimate starts from, before the process has seen any
+# request (the engine's shared AcceptancePrior then learns from completed ones), and decays back to while it does
 # not draft (the values tandem.spec.policy uses for one request).
 DRAFT_MODEL_PRIOR = (1.4, 2.0)
 NGRAM_PRIOR = (0.5, 2.0)
@@ -135,7 +136,10 @@ class Generation:
     but the last (the pending token, which the next forward feeds first); the draft's slot holds a prefix of them."""
 
     def __init__(self, request: Request, tokenizer: Tokenizer, device: torch.device, draft_max: int,
-                 stop_token_ids: frozenset[int], proposer: str | None) -> None:
+                 stop_token_ids: frozenset[int], proposer: str | None,
+                 prior: tuple[float, float] | None = None) -> None:
+        """prior: the (accepted, drafted) pseudo-counts this request's acceptance estimate starts from (default: the
+        proposer's fixed prior)."""
         self.id = next(_ids)
         self.request = request
         self.sampling = request.sampling
@@ -157,8 +161,9 @@ class Generation:
         self.generator = make_generator(self.sampling.seed, device) if random else None
         seed = None if self.sampling.seed is None else self.sampling.seed + 1
         self.draft_generator = make_generator(seed, device) if random else None
-        self.prior = NGRAM_PRIOR if self.proposer == "ngram" else DRAFT_MODEL_PRIOR
+        self.prior = prior or (NGRAM_PRIOR if self.proposer == "ngram" else DRAFT_MODEL_PRIOR)
         self.accepted, self.drafted = self.prior  # decayed counts of accepted and reached draft positions
+        self.positions = [0, 0]  # accepted and reached draft positions over the request (for the shared prior)
 
     @property
     def prefilling(self) -> bool:
@@ -175,6 +180,8 @@ class Generation:
             self.drafted = self.prior[1] + IDLE_DECAY * (self.drafted - self.prior[1])
             return
         reached = n_accepted + (1 if n_accepted < k else 0)
+        self.positions[0] += n_accepted
+        self.positions[1] += reached
         self.accepted = ACCEPTANCE_DECAY * self.accepted + n_accepted
         self.drafted = ACCEPTANCE_DECAY * self.drafted + reached
 
