@@ -380,3 +380,13 @@ def test_new_requests_start_from_what_completed_ones_accepted(tiny_model_path):
     assert drafted > 0 and accepted / drafted < 0.3
     later = engine.add(Request(target.tokenizer.encode(PROMPTS[2]), max_tokens=4))
     assert later.acceptance < 0.4
+
+
+def test_planner_interpolates_costs_over_arrays_as_the_cost_model_does():
+    import numpy as np
+
+    table = {4: {4: 2.0, 8: 1.9, 36: 3.0}, 1: {1: 1.0}}
+    c = costs(table, draft_ms=0.5)
+    rows = np.arange(1, 200)
+    for batch in (1, 3, 4, 9):
+        assert c.target_ms_array(batch, rows).tolist() == [c.target_ms(batch, int(r)) for r in rows]
