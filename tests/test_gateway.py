@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from test_serve import ServeProcess
-from test_server import wait_for
+from test_server import wait_value as wait_for
 
 pytest.importorskip("sglang_router", reason="sglang-router (SGLang Model Gateway) is not installed on this platform")
 

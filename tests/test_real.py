@@ -9,6 +9,7 @@ import torch
 from conftest import assert_speculated
 
 import tandem
+import tandem.api
 from tandem.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET, resolve
 
 pytestmark = pytest.mark.real
@@ -69,8 +70,8 @@ def test_the_readmes_generate_command(real_pair, monkeypatch, capsys):
     monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(
         draft_step_ms=1e-3, verify_ms={1: 1.0, k_max + 1: 1.0}, catch_up_ms_per_token=1e-3))
     monkeypatch.setattr(CostModel, "observe", lambda self, k, draft_ms, verify_ms: None)
-    loaded, load = [], tandem.load
-    monkeypatch.setattr(tandem, "load", lambda *a, **kw: loaded.append(load(*a, **kw)) or loaded[-1])
+    loaded, load = [], tandem.api.load
+    monkeypatch.setattr(tandem.api, "load", lambda *a, **kw: loaded.append(load(*a, **kw)) or loaded[-1])
     chat = ["--chat", "Write a Python function that merges two sorted lists.", "--json", "--max-tokens", "48"]
     assert main(["generate", *chat]) == 0
     spec = json.loads(capsys.readouterr().out)
@@ -78,7 +79,7 @@ def test_the_readmes_generate_command(real_pair, monkeypatch, capsys):
     auto = "llama.cpp" if importlib.util.find_spec("llama_cpp") else "torch"
     assert target.backend == draft.backend == auto
     assert (target.path, draft.path) == real_pair
-    assert spec["stats"]["proposer"] == "draft-model" and spec["stats"]["policy"] == "adaptive"
+    assert spec["stats"]["proposer"] == "mixed" and spec["stats"]["policy"] == "adaptive"  # draft + lookup
     assert_speculated(spec["stats"])
     assert main(["generate", "--no-draft", *chat]) == 0
     plain = json.loads(capsys.readouterr().out)

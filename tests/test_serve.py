@@ -12,7 +12,7 @@ import threading
 
 import httpx
 import pytest
-from test_server import wait_for
+from test_server import wait_value as wait_for
 
 # Slow enough (8 layers, d_model 256: ~100 tokens/s on one CPU thread) that a stream is still running when the
 # test's SIGTERM lands right after its first token.
