@@ -120,6 +120,14 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
 
     best_rate = fixed_tokens / ms(steps_fixed, fixed_drafters, 0, fixed_rows)
     best = (0, 0)
+    if steps_fixed == 0:
+        # A quick bound first, the common case under load: drafting adds at most a/(1-a) tokens a sequence (any K)
+        # and costs at least one draft step; when even that cannot beat plain, the search is skipped (a sequence's
+        # planning is then a few us, not a numpy grid, at every step of a batch that does not draft).
+        most = sum(k if a >= 1.0 else min(k, a / (1.0 - a))
+                   for a, k in ((candidates[i].acceptance, candidates[i].k_max) for i in adaptive))
+        if (fixed_tokens + most) / (ms(0, 0, 0, fixed_rows) + costs.draft_ms(1)) <= best_rate:
+            return ks
     # Every K, and for each the n most accepting candidates drafting min(K, their k_max), for n on a grid (all n up
     # to 8, then about 12% apart), as [K, n] arrays: a step of 64 sequences takes ~4 ms on an H200, and trying
     # every (K, n) in Python cost more than half of that.
