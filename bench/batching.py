@@ -40,6 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model"), ap.add_argument("--draft")
     ap.add_argument("--device", default="cpu"), ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"])
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads [every core]")
     ap.add_argument("--synthetic-shape", help="TARGET[,DRAFT]: random weights of these shapes (tandem.models.shapes)")
     ap.add_argument("--requests", default="8", help="comma-separated: one run of each count")
     ap.add_argument("--configs", default="plain,fixed,adaptive", help="of plain, fixed, adaptive")
@@ -47,7 +49,7 @@ def main() -> None:
     ap.add_argument("--draft-max", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="median of this many runs each way")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1)))
     if args.synthetic_shape:
         from tandem.models.shapes import random_model
 
@@ -59,12 +61,15 @@ def main() -> None:
         from tandem.loading.synthetic import write_tiny_gguf
 
         folder = tempfile.mkdtemp(prefix="tandem-bench-")
-        args.model = write_tiny_gguf(os.path.join(folder, "t.gguf"), seed=0)
+        quantized = args.backend == "llama.cpp"  # llama.cpp's CPU rows are batch-invariant for quantized weights
+        args.model = write_tiny_gguf(os.path.join(folder, "t.gguf"), qtype="Q8_0" if quantized else "F32", seed=0)
         args.draft = write_tiny_gguf(os.path.join(folder, "d.gguf"), qtype="Q4_0", seed=0)
-        print("models: tiny random (synthetic), target F32, draft the same weights in Q4_0")
+        print(f"models: tiny random (synthetic), target {'Q8_0' if quantized else 'F32'}, draft the same weights "
+              "in Q4_0")
     if not args.synthetic_shape:
-        target = tandem.load(args.model, device=args.device, dtype=args.dtype, backend="torch")
-        draft = tandem.load(args.draft, device=args.device, dtype=args.dtype, backend="torch") if args.draft else None
+        target = tandem.load(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
+        draft = tandem.load(args.draft, device=args.device, dtype=args.dtype, backend=args.backend) \
+            if args.draft else None
     for n in (int(r) for r in args.requests.split(",")):
         compare(target, draft, n, args)
 
