@@ -13,6 +13,7 @@ start-up (`measure`) and refined from every step the engine runs.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -133,8 +134,7 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     # every (K, n) in Python cost more than half of that.
     acceptance = np.array([candidates[i].acceptance for i in order])
     k_caps = np.array([candidates[i].k_max for i in order])
-    grid = np.array(sorted({n for n in range(1, min(8, len(order)) + 1)} | {len(order)} | {
-        int(round(len(order) * f)) for f in np.geomspace(min(1.0, 8 / len(order)), 1.0, 12)}))
+    grid = _grid(len(order))
     Ks = np.arange(1, int(k_caps.max()) + 1)[:, None]  # [K, 1]
     k = np.minimum(Ks, k_caps[None, :])  # [K, n]
     tail = (acceptance - acceptance ** (k + 1)) / np.maximum(1.0 - acceptance, 1e-12)  # E(a, k) - 1
@@ -153,6 +153,14 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     for i in order[:n]:
         ks[i] = min(K, candidates[i].k_max)
     return ks
+
+
+@functools.cache
+def _grid(n: int) -> np.ndarray:
+    """The prefix sizes plan() tries out of n candidates: all up to 8, then about 12% apart, and n."""
+    sizes = {m for m in range(1, min(8, n) + 1)} | {n}
+    sizes |= {int(round(n * f)) for f in np.geomspace(min(1.0, 8 / n), 1.0, 12)}
+    return np.array(sorted(m for m in sizes if 1 <= m <= n))
 
 
 def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchronize) -> BatchCosts:
