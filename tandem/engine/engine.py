@@ -37,7 +37,7 @@ from tandem.engine.sequence import (
 from tandem.sampling import make_generator, probs_from_logits, sample
 from tandem.spec.calibrate import shared_prior
 from tandem.spec.compat import check_compatible
-from tandem.spec.verify import verify_greedy, verify_sampled, verify_synthetic
+from tandem.spec.verify import verify_sampled, verify_synthetic
 
 log = logging.getLogger("tandem.engine")
 
@@ -359,9 +359,12 @@ class Engine:
         greedy, sampled, scored = [], [], {}  # greedy: (gen, drafts, rows); sampled: (gen, drafts, [n, token])
         for gen, rows in decoding + firsts:
             drafts, draft_probs = proposals.get(gen.id, ([], None))  # a prompt just read in has none
-            draft_tokens = torch.tensor(drafts, dtype=torch.long, device=self.device)
+            greedy_step = gen.sampling.greedy and (self.synthetic_acceptance is None or not drafts)
+            # On the device only where a verifier or the logprobs need them: a greedy step compares on the host.
+            draft_tokens = None if greedy_step and gen.request.logprobs is None else \
+                torch.tensor(drafts, dtype=torch.long, device=self.device)
             own = None
-            if gen.sampling.greedy and (self.synthetic_acceptance is None or not drafts):
+            if greedy_step:
                 greedy.append((gen, drafts, rows))
             else:
                 n_accepted, own = self._verify(gen, draft_tokens, draft_probs, rows)
@@ -387,10 +390,10 @@ class Engine:
 
     def _verify(self, gen: Generation, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                 logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled sequence's (accepted drafts, next token), or a greedy one's at synthetic acceptance (greedy
+        sequences are otherwise verified together, in _outcomes)."""
         if self.synthetic_acceptance is not None and draft_tokens.shape[0]:
             return verify_synthetic(draft_tokens, logits, self.synthetic_acceptance, gen.generator)
-        if gen.sampling.greedy:
-            return verify_greedy(draft_tokens, logits)
         return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, gen.sampling), gen.generator)
 
 
