@@ -99,6 +99,32 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+@pytest.fixture(scope="module")
+def pair64(tiny_model_path):
+    """float64 target and a draft that mostly agrees with it (same weights, quantized to Q4_0); one per module."""
+    import tandem
+
+    target = tandem.load(tiny_model_path(seed=0), dtype="float64")
+    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64")
+    return target, draft
+
+
+def exact_distribution(target, prompt_ids: list[int], params, n_tokens: int) -> dict[tuple[int, ...], float]:
+    """P(t1, ..., tn) of the target's next n_tokens under sampling params, by enumerating the tree of the tokens
+    each position may sample (top-k keeps it small): {sequence: probability}."""
+    from tandem.sampling import probs_from_logits
+
+    dist = {(): 1.0}
+    for _ in range(n_tokens):
+        grown = {}
+        for prefix, mass in dist.items():
+            probs = probs_from_logits(target.logits(prompt_ids + list(prefix))[-1:], params)[0]
+            for token in torch.nonzero(probs > 0).flatten().tolist():
+                grown[prefix + (token,)] = mass * float(probs[token])
+        dist = grown
+    return dist
+
+
 @pytest.fixture(scope="session")
 def real_pair() -> tuple[str, str]:
     """(target path, draft path) of the default pair, pulled through the registry once per session (honours

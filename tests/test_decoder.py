@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import K_QUANT_SHAPES, assert_speculated
+from conftest import K_QUANT_SHAPES, assert_speculated, exact_distribution
 from scipy.stats import chisquare
 
 import tandem
@@ -17,14 +17,6 @@ from tandem.spec.proposer import DraftModelProposer, NgramProposer
 from tandem.spec.verify import verify_sampled
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,"]
-
-
-@pytest.fixture(scope="module")
-def pair64(tiny_model_path):
-    """float64 target and a draft that mostly agrees with it (same weights, quantized to Q4_0)."""
-    target = tandem.load(tiny_model_path(seed=0), dtype="float64")
-    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64")
-    return target, draft
 
 
 def run(target, prompt, draft=None, k=4, max_tokens=24, **sampling):
@@ -164,19 +156,6 @@ class CyclePolicy(FixedPolicy):
         return self.cycle[(self.i - 1) % len(self.cycle)]
 
 
-def exact_distribution(target, prompt_ids, params):
-    """P(t1, ..., tN) of the target under params, by enumerating the top-k tree: {tuple: prob}."""
-    dist = {(): 1.0}
-    for _ in range(N_GENERATED):
-        grown = {}
-        for prefix, mass in dist.items():
-            probs = probs_from_logits(target.logits(prompt_ids + list(prefix))[-1:], params)[0]
-            for token in torch.nonzero(probs > 0).flatten().tolist():
-                grown[prefix + (token,)] = mass * float(probs[token])
-        dist = grown
-    return dist
-
-
 def sample_sequences(target, prompt_ids, n, monkeypatch, verify=verify_sampled):
     """n speculative generations under `verify`: ({sequence: count}, {(k, n_accepted): verifies})."""
     outcomes = {}
@@ -220,7 +199,7 @@ def chi_square_pvalue(counts, dist, n):
 def distribution_setup(tiny_model_path):
     target = tandem.load(tiny_model_path(seed=11), dtype="float32")
     prompt_ids = target.tokenizer.encode("Once upon")
-    return target, prompt_ids, exact_distribution(target, prompt_ids, SamplingParams(**TARGET_SAMPLING))
+    return target, prompt_ids, exact_distribution(target, prompt_ids, SamplingParams(**TARGET_SAMPLING), N_GENERATED)
 
 
 def test_sampled_speculative_matches_target_distribution(distribution_setup, monkeypatch):

@@ -3,25 +3,18 @@ prefill beside decoding, cancellation, prefix reuse, the planner, start-up error
 
 import pytest
 import torch
+from conftest import exact_distribution
 from scipy.stats import chisquare
 
 import tandem
 from tandem.backends.base import ContextOverflowError
 from tandem.engine import Engine, Request, planner
 from tandem.engine.kv_pool import SlotTable
-from tandem.sampling import SamplingParams, probs_from_logits
+from tandem.sampling import SamplingParams
 from tandem.spec.policy import CostModel
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,", "hi",
            "Once upon a time there was a long prompt that takes several prefill chunks to read in full"]
-
-
-@pytest.fixture(scope="module")
-def pair64(tiny_model_path):
-    """float64 target and a draft that mostly agrees with it (same weights, quantized to Q4_0)."""
-    target = tandem.load(tiny_model_path(seed=0), dtype="float64")
-    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64")
-    return target, draft
 
 
 def alone(target, prompt, max_tokens=24, **sampling):
@@ -208,15 +201,7 @@ def test_sampled_batched_speculation_matches_target_distribution(tiny_model_path
     # The same weights in Q4_0: q near p, but far enough at this temperature that drafts are also rejected
     draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=11), dtype="float32")
     prompt = target.tokenizer.encode("Once upon")
-    params = SamplingParams(**SAMPLING)
-    dist = {(): 1.0}
-    for _ in range(N_GENERATED):
-        grown = {}
-        for prefix, mass in dist.items():
-            probs = probs_from_logits(target.logits(prompt + list(prefix))[-1:], params)[0]
-            for token in torch.nonzero(probs > 0).flatten().tolist():
-                grown[prefix + (token,)] = mass * float(probs[token])
-        dist = grown
+    dist = exact_distribution(target, prompt, SamplingParams(**SAMPLING), N_GENERATED)
     engine = Engine(target, draft, slots=4, draft_max=2)
     counts, stats = {}, []
     mate = target.tokenizer.encode("The quick brown fox")

@@ -4,8 +4,8 @@ import json
 import os
 
 import pytest
-import test_decoder
-from test_decoder import N_SAMPLES, TARGET_SAMPLING, SkewedDraft, chi_square_pvalue, exact_distribution
+from conftest import exact_distribution
+from test_decoder import N_SAMPLES, TARGET_SAMPLING, SkewedDraft, chi_square_pvalue
 
 import tandem
 from tandem.sampling import SamplingParams
@@ -15,13 +15,6 @@ from tandem.spec.policy import CostModel, FixedPolicy
 from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposal
 
 PROMPTS = ["abc abc abc abc xyz def abc", "def add(a, b):\n    return a + b\n\ndef add(", "The quick brown fox"]
-
-
-@pytest.fixture(scope="module")
-def pair64(tiny_model_path):
-    target = tandem.load(tiny_model_path(seed=0), dtype="float64")
-    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64")
-    return target, draft
 
 
 def decode(target, proposer, policy, ids, max_tokens=32, params=None):
@@ -93,15 +86,14 @@ class OneHotLookup(NgramProposer):
         return Proposal(logits.topk(2).indices[1:2].long(), None)
 
 
-def test_mixing_deterministic_and_sampled_drafts_keeps_the_target_distribution(tiny_model_path, monkeypatch):
+def test_mixing_deterministic_and_sampled_drafts_keeps_the_target_distribution(tiny_model_path):
     # Each iteration verifies one source's proposal against that source's own q (one-hot for the lookup, the
     # draft's distribution otherwise), chosen from the past alone: the output must follow p exactly. Four tokens,
     # so that a request drafts twice (never on its last token), one source after the other, either order.
     n_generated = 4
-    monkeypatch.setattr(test_decoder, "N_GENERATED", n_generated)
     target = tandem.load(tiny_model_path(seed=11), dtype="float32")
     ids = target.tokenizer.encode("Once upon")
-    dist = exact_distribution(target, ids, SamplingParams(**TARGET_SAMPLING))
+    dist = exact_distribution(target, ids, SamplingParams(**TARGET_SAMPLING), n_generated)
     counts, by_source, mixed = {}, {}, 0
     for seed in range(N_SAMPLES):
         params = SamplingParams(seed=seed, **TARGET_SAMPLING)
