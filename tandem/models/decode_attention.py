@@ -44,6 +44,21 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _chunk_softmax(q, k, v, pos, keys, key_ok, scale, window, HAS_WINDOW: tl.constexpr):
+        """One chunk's partial softmax for query rows q at positions pos over keys (their slots): the rows' max
+        score, their sum of exp(score - max) and the values weighted by those, [BLOCK_R] x 2 and
+        [BLOCK_R, HEAD_DIM] float32. Masked: a key past a row's position, past kv_len, or outside its window."""
+        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_R, CHUNK] float32
+        visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+        if HAS_WINDOW:
+            visible &= keys[None, :] > pos[:, None] - window
+        scores = tl.where(visible, scores, float("-inf"))
+        m = tl.max(scores, 1)
+        # A row that sees no key in this chunk: exp(-inf - 0) = 0 rather than exp(-inf + inf) = nan.
+        p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        return m, tl.sum(p, 1), tl.dot(p.to(v.dtype), v)
+
+    @triton.jit
     def _partial_kernel(Q, K, V, POS, M, L, ACC, stride_qh, stride_qr, stride_kh, stride_ks, stride_vh, stride_vs,
                         n_rows, n_tokens, kv_len, scale, window,
                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
@@ -60,19 +75,11 @@ if triton is not None:
         v = tl.load(V + head * stride_vh + keys[:, None] * stride_vs + dims[None, :], mask=key_ok[:, None], other=0.0)
         # Row r is query head (r // T) of this group at token r % T (see Transformer.attend's reshape).
         pos = tl.load(POS + rows % n_tokens, mask=row_ok, other=-1)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_R, CHUNK] float32
-        visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
-        if HAS_WINDOW:
-            visible &= keys[None, :] > pos[:, None] - window
-        scores = tl.where(visible, scores, float("-inf"))
-        m = tl.max(scores, 1)
-        # A row that sees no key in this chunk: exp(-inf - 0) = 0 rather than exp(-inf + inf) = nan.
-        p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
-        acc = tl.dot(p.to(v.dtype), v)  # [BLOCK_R, HEAD_DIM] float32
+        m, total, acc = _chunk_softmax(q, k, v, pos, keys, key_ok, scale, window, HAS_WINDOW)
         launch_dependents(PDL)
         out = (head * n_chunks + chunk) * BLOCK_R + rows
         tl.store(M + out, m)
-        tl.store(L + out, tl.sum(p, 1))
+        tl.store(L + out, total)
         tl.store(ACC + out[:, None] * HEAD_DIM + dims[None, :], acc)
 
     @triton.jit
@@ -135,17 +142,10 @@ if triton is not None:
             v = tl.load(V + slot * stride_vb + head * stride_vh + keys[:, None] * stride_vs + dims[None, :],
                         mask=key_ok[:, None], other=0.0)
             pos = tl.load(POS + token, mask=row_ok, other=-1)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_R, CHUNK] float32
-            visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
-            if HAS_WINDOW:
-                visible &= keys[None, :] > pos[:, None] - window
-            scores = tl.where(visible, scores, float("-inf"))
-            m = tl.max(scores, 1)
-            p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
-            acc = tl.dot(p.to(v.dtype), v)  # [BLOCK_R, HEAD_DIM] float32
+            m, total, acc = _chunk_softmax(q, k, v, pos, keys, key_ok, scale, window, HAS_WINDOW)
             out = ((seq * tl.num_programs(0) + head) * n_chunks + chunk) * BLOCK_R + rows
             tl.store(M + out, m, mask=row_ok)
-            tl.store(L + out, tl.sum(p, 1), mask=row_ok)
+            tl.store(L + out, total, mask=row_ok)
             tl.store(ACC + out[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
         launch_dependents(PDL)
 
