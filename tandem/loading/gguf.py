@@ -398,6 +398,10 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         raise GGUFError(f"{gf.path}: missing tensor 'token_embd.weight'")
     vocab_size = gf.tensor_shape("token_embd.weight")[0]
 
+    # Gemma 3 and 4: GeGLU, a scaled embedding, q/k norms and sandwich norms. llama.cpp's converter already folds
+    # Gemma's (1 + w) RMSNorm into the stored weights, so every norm in the GGUF is a plain `x_normed * w`; the
+    # model must NOT add 1 again.
+    gemma = dict(activation="gelu_tanh", embed_scale=math.sqrt(d_model), qk_norm=True, sandwich_norm=True)
     common: dict[str, Any] = {}
     if arch == "qwen2":
         common = dict(qkv_bias=True, rope_interleaved=False)
@@ -405,14 +409,9 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         # llama.cpp's converter permutes Q/K rows for `llama`, so the interleaved-pairs rope matches the weights.
         common = dict(qkv_bias=gf.has_tensor("blk.0.attn_q.bias"), rope_interleaved=True)
     elif arch == "gemma3":
-        # llama.cpp's converter already folds Gemma's (1 + w) RMSNorm into the stored weights, so every norm in
-        # the GGUF is a plain `x_normed * w`; the model must NOT add 1 again.
         sliding = gf.get(key("attention.sliding_window"))
         common = dict(
-            activation="gelu_tanh",
-            embed_scale=math.sqrt(d_model),
-            qk_norm=True,
-            sandwich_norm=True,
+            **gemma,
             rope_base_local=GEMMA3_ROPE_BASE_LOCAL,
             sliding_window=int(sliding) if sliding else None,
             sliding_window_pattern=GEMMA3_SLIDING_WINDOW_PATTERN,
@@ -424,10 +423,7 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         pattern = gf.get(key("attention.sliding_window_pattern"))
         sliding = gf.get(key("attention.sliding_window"))
         common = dict(
-            activation="gelu_tanh",
-            embed_scale=math.sqrt(d_model),
-            qk_norm=True,
-            sandwich_norm=True,
+            **gemma,
             global_head_dim=int(gf.get(key("attention.key_length"), head_dim)),
             rope_base_local=float(gf.get(key("rope.freq_base_swa"), GEMMA3_ROPE_BASE_LOCAL)),
             sliding_window=int(sliding) if sliding else None,
