@@ -24,7 +24,7 @@ import torch
 
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
-from tandem.engine.kv_pool import SlotTable, common_prefix
+from tandem.engine.kv_pool import SlotTable
 from tandem.engine.sequence import (
     DRAFT_MODEL_PRIOR,
     NGRAM_PRIOR,
@@ -245,8 +245,8 @@ class Engine:
             gen = self.waiting.popleft()
             prompt = gen.request.prompt
             placement = self.table.place(prompt, self.target_kv.can_copy)
-            slot, limit = placement.slot, len(prompt) - 1
-            own = min(common_prefix(self.table.contents(slot), prompt), limit, self.target_kv.length(slot))
+            slot = placement.slot
+            own = min(placement.own, self.target_kv.length(slot))
             reuse = own
             draft_valid = min(own, self.draft_kv.length(slot)) if self.draft_kv is not None else 0
             if placement.copy_from is not None:

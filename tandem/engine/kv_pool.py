@@ -28,6 +28,7 @@ class Placement:
     slot: int
     reuse: int  # leading prompt tokens whose KV the slot holds (after any copy)
     copy_from: int | None  # slot to copy those positions from first, or None
+    own: int  # leading prompt tokens the slot itself holds (before any copy)
 
 
 class SlotTable:
@@ -52,14 +53,14 @@ class SlotTable:
         limit = len(prompt) - 1
         ranked = sorted(self.free, key=lambda s: (-min(common_prefix(self.contents(s), prompt), limit), self._used[s]))
         slot = ranked[0]
-        reuse = min(common_prefix(self.contents(slot), prompt), limit)
+        own = reuse = min(common_prefix(self.contents(slot), prompt), limit)
         copy_from = None
         if can_copy:
             for other in range(self.slots):
                 shared = min(common_prefix(self.contents(other), prompt), limit)
                 if other != slot and shared > reuse:
                     reuse, copy_from = shared, other
-        return Placement(slot, reuse, copy_from)
+        return Placement(slot, reuse, copy_from, own)
 
     def occupy(self, slot: int, tokens: Seq[int]) -> None:
         self.free.discard(slot)
