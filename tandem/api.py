@@ -226,7 +226,8 @@ def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]
                    top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                    draft_max: int = DEFAULT_DRAFT_MAX, draft_policy: str = "adaptive",
                    stop: str | Seq[str] | None = None, n_ctx: int | None = None, ignore_eos: bool = False,
-                   synthetic_acceptance: float | None = None) -> list[GenerationResult]:
+                   synthetic_acceptance: float | None = None, prompt_lookup: bool | None = None
+                   ) -> list[GenerationResult]:
     """Run many prompts together on the batched engine (continuous batching, speculation per sequence), like
     vLLM's `LLM.generate(prompts)`. Each prompt is text, token ids, or a chat (a list of messages); each result is
     what `generate` gives for that prompt alone. With a seed, prompt i samples with seed + i."""
@@ -245,5 +246,6 @@ def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]
         requests.append(Request(ids, sampling, max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
                                 draft_policy=draft_policy))
     engine = Engine(target, draft, slots=slots or max(1, len(requests)), n_ctx=n_ctx, draft_max=draft_max,
-                    synthetic_acceptance=synthetic_acceptance, measure_costs=draft_policy == "adaptive")
+                    synthetic_acceptance=synthetic_acceptance, measure_costs=draft_policy == "adaptive",
+                    prompt_lookup=prompt_lookup is not False)
     return engine.generate(requests)

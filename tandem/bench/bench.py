@@ -335,7 +335,7 @@ def config_result(config: BenchConfig, run: Run, plain: Run | None, synthetic: b
         accepted_tokens=s.accepted_tokens, acceptance_rate=s.acceptance_rate,
         first_position_acceptance=first_position_acceptance(s), mean_accepted_len=s.mean_accepted_len,
         draft_ms_per_token=s.draft_ms_per_token, verify_ms=s.verify_ms_per_iteration, prefill_ms=s.prefill_ms,
-        decode_ms=s.decode_ms, k_counts={str(k): v for k, v in s.draft_len_counts.items()},
+        decode_ms=s.decode_ms, k_counts={str(k): v for k, v in sorted(s.draft_len_counts.items())},
         finish_reason=run.finish_reason, lossless=lossless, sources=s.sources, belief=s.belief,
     )
 

@@ -26,8 +26,7 @@ from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
 from tandem.engine.kv_pool import SlotTable
 from tandem.engine.sequence import (
-    DRAFT_MODEL_PRIOR,
-    NGRAM_PRIOR,
+    DRAFT_MODEL,
     Generation,
     GenerationChunk,
     GenerationResult,
@@ -37,6 +36,8 @@ from tandem.engine.sequence import (
 from tandem.sampling import make_generator, probs_from_logits, sample
 from tandem.spec.calibrate import shared_prior
 from tandem.spec.compat import check_compatible
+from tandem.spec.policy import EVIDENCE_TOKENS, expected_tokens
+from tandem.spec.proposer import NgramProposer
 from tandem.spec.verify import verify_sampled, verify_synthetic
 
 log = logging.getLogger("tandem.engine")
@@ -47,6 +48,8 @@ PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decodin
 KV_MEMORY_FRACTION = 0.5  # default KV budget: this fraction of the device's free memory at start-up
 STEADY_CATCH_UP = 2  # a draft taking in at most this many tokens before drafting is drafting steadily
 REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
+EVIDENCE_ROWS = 16  # a draft's evidence catch-up reads its predictions of at most this many latest tokens
+LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 
 
 class Engine:
@@ -63,12 +66,14 @@ class Engine:
         draft_max: the most drafts a sequence proposes an iteration.
         measure_costs: time the batched forwards now, for the adaptive planner (else every drafting request
             drafts draft_max, as draft_policy "fixed").
+        prompt_lookup: with a draft model, an adaptive request also drafts by prompt lookup where its text repeats
+            (each iteration, per sequence, whichever source the estimates favour), as the batch-1 policy does.
     """
 
     def __init__(self, target: Model, draft: Model | str | None = None, slots: int = DEFAULT_SLOTS,
                  n_ctx: int | None = None, kv_budget_bytes: int | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
                  prefill_chunk: int = PREFILL_CHUNK, synthetic_acceptance: float | None = None,
-                 measure_costs: bool = True) -> None:
+                 measure_costs: bool = True, prompt_lookup: bool = True) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if draft_max < 0:
@@ -82,7 +87,8 @@ class Engine:
             raise ValueError(f"draft must be a loaded Model, 'ngram' or None, got {draft!r}")
         if self.draft_model is not None:
             check_compatible(target, self.draft_model)
-        self.proposer = "draft-model" if self.draft_model else "ngram" if draft == "ngram" else None
+        self.proposer = DRAFT_MODEL if self.draft_model else "ngram" if draft == "ngram" else None
+        self.prompt_lookup = prompt_lookup
         models = [target] + ([self.draft_model] if self.draft_model else [])
         self.slots = fit_slots(models, slots, self.n_ctx, kv_budget_bytes)
         self.target_kv = target.new_batched_cache(self.slots, self.n_ctx)
@@ -93,16 +99,17 @@ class Engine:
         self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
-        # What completed requests accepted, shared with the batch-1 policy's requests on this target: a new
-        # sequence's estimate starts there, not at a constant that may keep it drafting at no acceptance.
+        # What completed requests accepted, per source, shared with the batch-1 policy's requests on this target:
+        # a new sequence's estimates start there, not at constants that may keep it drafting at no acceptance.
         self.prior = shared_prior(target)
-        self._prior_source = self.proposer  # "draft-model" (shared with the batch-1 policy) or "ngram"
         self.costs = None
         if self.proposer and draft_max > 0 and measure_costs:
             self.costs = planner.measure(self.target_kv, self.draft_kv, draft_max, self._synchronize)
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self._plain_plan: tuple[tuple[int, ...], int] | None = None  # (batch, steps it still stands for)
+        self._evidence: list[Generation] = []  # sequences whose draft reads the text before drafting (see _plan)
+        self._rates = None
 
     def _synchronize(self) -> None:
         for model in (self.target, self.draft_model):
@@ -130,12 +137,13 @@ class Engine:
         bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is out of range [0, {vocab})")
-        prior = None
-        if self.proposer is not None:
-            default = NGRAM_PRIOR if self.proposer == "ngram" else DRAFT_MODEL_PRIOR
-            prior = self.prior.counts(self._prior_source, default)
+        proposer = self.proposer
+        if proposer == DRAFT_MODEL and self.prompt_lookup and request.draft_policy == "adaptive":
+            proposer = "mixed"  # a fixed draft length is the draft model's, as in tandem.generate
+        sources = ([DRAFT_MODEL] if proposer in (DRAFT_MODEL, "mixed") else []) + \
+            (list(LOOKUP_SOURCES) if proposer in ("ngram", "mixed") else [])
         gen = Generation(request, self.target.tokenizer, self.device, self.draft_max, self.stop_token_ids,
-                         self.proposer, prior)
+                         proposer, {source: self.prior.counts(source) for source in sources})
         gen.stats.prompt_tokens = n
         if self.synthetic_acceptance is not None and gen.generator is None:  # greedy, but acceptance is drawn
             gen.generator = make_generator(request.sampling.seed, self.device)
@@ -204,17 +212,18 @@ class Engine:
         events = []
         for gen in decoding:
             k = len(proposals[gen.id][0])
+            source = gen.draft_source if k else None
             n, new_tokens = outcomes[gen.id]
             self.target_kv.rewind(gen.slot, len(gen.tokens) + n)  # all but the new pending token
             gen.tokens += new_tokens
             if self.draft_kv is not None and self.draft_kv.length(gen.slot) > len(gen.tokens) - 1:
                 self.draft_kv.rewind(gen.slot, len(gen.tokens) - 1)
-            gen.stats.record_iteration(k, n)
+            gen.stats.record_iteration(k, n, source)
             gen.stats.draft_ms += draft_ms if k else 0.0
             gen.stats.verify_ms += verify_ms
             gen.stats.decode_ms += step_ms
             if gen.proposer is not None:
-                gen.observe(k, n)
+                gen.observe(source, k, n)
             self._deliver(gen, new_tokens, events, scored.get(gen.id))
         for gen, rows in prefills:
             gen.fed += len(rows)
@@ -270,33 +279,104 @@ class Engine:
         """The sequence leaves the batch; its slot keeps the KV of its tokens for a later prompt to reuse."""
         self.running.remove(gen)
         if gen.proposer is not None and not gen.cancelled:
-            self.prior.record(self._prior_source, *gen.positions)
+            for source, estimate in gen.estimates.items():
+                self.prior.record(source, estimate.request_accepted, estimate.request_reached)
+            gen.stats.belief = {"acceptance": {s: gen.acceptance(s) for s in gen.estimates},
+                                "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()}}
         self.table.release(gen.slot, self.target_kv.length(gen.slot))
 
     # --- drafting and verification -----------------------------------------------------------------------
 
     def _plan(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
-        """Draft lengths for this step. A plan of plain steps stands for REPLAN_PLAIN steps while the batch stays
-        the same: estimates only drift while nobody drafts, and planning every step cost a tiny model's batch as
-        much as its forward (llama.cpp, CPU: 0.2 of 0.4 ms)."""
+        """Draft lengths for this step (each sequence's source in gen.draft_source). A plan of plain steps stands
+        for REPLAN_PLAIN steps while the batch stays the same and no sequence's text starts repeating (a longest
+        lookup match): estimates only drift while nobody drafts, and planning every step cost a tiny model's batch
+        as much as its forward (llama.cpp, CPU: 0.2 of 0.4 ms)."""
+        self._evidence = []
         batch = tuple(g.id for g in decoding)
-        if self._plain_plan is not None and self._plain_plan[0] == batch and self._plain_plan[1] > 0:
+        if self._plain_plan is not None and self._plain_plan[0] == batch and self._plain_plan[1] > 0 and \
+                not self._lookup_may_pay(decoding):
             self._plain_plan = (batch, self._plain_plan[1] - 1)
             return [0] * len(decoding)
-        ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows)
-        self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
+        self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
+        candidates = [self._candidate(g) for g in decoding]
+        ks = planner.plan(candidates, self.costs, prefill_rows)
+        for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
+            if ks[i] and gen.draft_source == DRAFT_MODEL and self._wants_evidence(gen, candidate):
+                # Before a draft drafts blind (first time in the request, or back after a plain stretch), it reads
+                # the text it missed, teacher-forced: how much of it it would have predicted is its acceptance on
+                # this text, known before a single draft is verified (the batch-1 policy's rule; a draft that
+                # cannot pay then never drafts, instead of drafting once at the prior).
+                ks[i] = 0
+                if len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS:
+                    self._evidence.append(gen)
+        self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) and not self._evidence else None
         return ks
 
+    def _lookup_may_pay(self, decoding: list[Generation]) -> bool:
+        """Whether some sequence's text now repeats where its lookup estimate beats the least acceptance at which
+        one more row pays in this batch (a plain batch's tokens per ms times a row's cost): then a plain plan is
+        not kept. A cheap check, so that a batch of plain text is not replanned every step for 1-token matches."""
+        lookups = [g for g in decoding if g.ngram is not None]
+        if not lookups:
+            return False
+        if self.costs is None:
+            return True
+        b = len(decoding)
+        least = b / self.costs.target_ms(b, b) * max(0.0, self.costs.target_ms(b, b + 1) - self.costs.target_ms(b, b))
+        for gen in lookups:
+            source, _ = gen.ngram.match(gen.tokens)
+            if source is not None and gen.acceptance(source) > least:
+                return True
+        return False
+
+    def _wants_evidence(self, gen: Generation, candidate: planner.Candidate) -> bool:
+        if candidate.fixed or self.synthetic_acceptance is not None:  # a synthetic draft is judged by its outcomes
+            return False
+        estimate = gen.estimates[DRAFT_MODEL]
+        never_read = estimate.request_reached == 0
+        stale = gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS and candidate.lag > 0
+        return never_read or stale
+
     def _candidate(self, gen: Generation) -> planner.Candidate | None:
+        """What the planner may have this sequence draft: prompt lookup where its text repeats and lookup promises
+        at least what the draft model does (by the batch-1 costs), else the draft model (gen.draft_source says
+        which); None where it cannot draft."""
+        gen.draft_source = None
         if gen.proposer is None:
             return None
         room = self.target_kv.capacity - self.target_kv.length(gen.slot)
         k_max = min(gen.draft_max, gen.request.max_tokens - gen.emitted - 1, room - 1)
-        if k_max <= 0 or (gen.ngram is not None and not gen.ngram.ready(gen.tokens)):
+        if k_max <= 0:
             return None
-        lag = len(gen.tokens) - self.draft_kv.length(gen.slot) if self.draft_kv is not None else 0
-        return planner.Candidate(gen.acceptance, k_max, max(0, lag - STEADY_CATCH_UP),
-                                 fixed=gen.request.draft_policy == "fixed")
+        fixed = gen.request.draft_policy == "fixed"
+        model = DRAFT_MODEL in gen.estimates
+        if gen.ngram is not None:
+            source, available = gen.ngram.match(gen.tokens)
+            for name, matched in gen.ngram.hindsight().items():
+                gen.observe_evidence(name, matched)
+            if source is not None and (not model or self._lookup_beats_draft(gen, source, min(k_max, available),
+                                                                             k_max)):
+                gen.draft_source = source
+                return planner.Candidate(gen.acceptance(source), min(k_max, available), fixed=fixed, lookup=True)
+        if not model:
+            return None
+        gen.draft_source = DRAFT_MODEL
+        lag = len(gen.tokens) - self.draft_kv.length(gen.slot)
+        return planner.Candidate(gen.acceptance(DRAFT_MODEL), k_max, max(0, lag - STEADY_CATCH_UP), fixed=fixed)
+
+    def _lookup_beats_draft(self, gen: Generation, source: str, k_lookup: int, k_draft: int) -> bool:
+        """Whether one sequence drafting by lookup yields at least the tokens per ms of drafting by the draft model,
+        at batch 1 (lookup drafts for free, so it wins at equal acceptance)."""
+        lookup_a, draft_a = gen.acceptance(source), gen.acceptance(DRAFT_MODEL)
+        if self.costs is None or lookup_a >= draft_a:
+            return lookup_a >= draft_a
+        if self._rates is None:  # ms of a lookup draft of k and of a draft-model one, k = 0..draft_max
+            verify = [self.costs.target_ms(1, k + 1) for k in range(self.draft_max + 1)]
+            self._rates = (verify, [v + k * self.costs.draft_ms(1) for k, v in enumerate(verify)])
+        lookup_ms, draft_ms = self._rates
+        return expected_tokens(lookup_a, k_lookup) / lookup_ms[k_lookup] >= \
+            expected_tokens(draft_a, k_draft) / draft_ms[k_draft]
 
     def _propose(self, decoding: list[Generation], ks: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens per sequence (and, sampling, the distributions they were drawn from): prompt lookup on the
@@ -304,10 +384,12 @@ class Engine:
         proposals = {g.id: ([], None) for g in decoding}
         drafting = {}
         for gen, k in zip(decoding, ks, strict=True):
-            if k and gen.ngram is not None:
-                proposals[gen.id] = (gen.ngram.propose(gen.tokens, k).tokens.tolist(), None)
+            if k and gen.draft_source != DRAFT_MODEL:
+                proposals[gen.id] = (gen.ngram.continuation(gen.tokens, k), None)
             elif k:
                 drafting[gen.id] = (gen, k)
+        if self._evidence:
+            self._read_evidence(self._evidence)
         if not drafting:
             return proposals
         draft_vocab, target_vocab = self.draft_model.vocab_size, self.target.vocab_size
@@ -339,7 +421,7 @@ class Engine:
                 break
             logits = self.draft_kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in active],
                                            [True] * len(active))
-        self._drafted = None if catching_up else (len(drafting), steps)
+        self._drafted = None if catching_up or self._evidence else (len(drafting), steps)
         for i in drafting:
             probs = None
             if dists[i]:
@@ -349,6 +431,35 @@ class Engine:
                 probs = probs.to(self.device)
             proposals[i] = (drawn[i], probs)
         return proposals
+
+    def _read_evidence(self, gens: list[Generation]) -> None:
+        """Catch each sequence's draft up on the tokens it has not seen, reading its argmax at the rows before the
+        latest generated ones (at most EVIDENCE_ROWS): whether it would have predicted each is evidence of its
+        acceptance (a greedy match; under sampling the same figure stands in, as in the batch-1 policy)."""
+        started = time.perf_counter()
+        draft_vocab, target_vocab = self.draft_model.vocab_size, self.target.vocab_size
+        heads, tails = [], []
+        for gen in gens:
+            seen = self.draft_kv.length(gen.slot)
+            unseen = [t if t < draft_vocab else 0 for t in gen.tokens[seen:]]
+            # Row i of the catch-up predicts token seen + i + 1; the first token checked is a generated one.
+            first_checked = max(gen.prompt_len, seen + 1, len(gen.tokens) - EVIDENCE_ROWS)
+            split = first_checked - 1 - seen
+            if split > 0:
+                heads.append((gen.slot, unseen[:split]))
+            tails.append((gen, unseen[split:], first_checked))
+        if heads:
+            self.draft_kv.forward(heads, [True] * len(heads))
+        logits = self.draft_kv.forward([(g.slot, rows) for g, rows, _ in tails], [False] * len(tails))
+        predicted = torch.cat([rows[:-1, :target_vocab].argmax(dim=-1) for rows in logits]).tolist()
+        ms = 1000.0 * (time.perf_counter() - started) / len(gens)
+        at = 0
+        for gen, _, first_checked in tails:
+            actual = gen.tokens[first_checked:]
+            matched = [p == t for p, t in zip(predicted[at : at + len(actual)], actual, strict=True)]
+            at += len(actual)
+            gen.observe_evidence(DRAFT_MODEL, matched)
+            gen.stats.record_catch_up(DRAFT_MODEL, ms, sum(matched), len(matched))
 
     def _outcomes(self, decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],
                   proposals: dict) -> tuple[dict[int, tuple[int, list[int]]], dict[int, list]]:

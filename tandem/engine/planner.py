@@ -41,6 +41,7 @@ class Candidate:
     k_max: int  # most it may draft now (draft_max, max_tokens and context room applied)
     lag: int = 0  # tokens its draft must take in before drafting (0 for prompt lookup)
     fixed: bool = False  # drafts k_max whatever the costs say (draft_policy "fixed")
+    lookup: bool = False  # drafts by prompt lookup: no draft-model step (a dictionary lookup on the host)
 
 
 @dataclass
@@ -106,10 +107,10 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
         return ks
     batch = len(candidates)
     fixed_rows = sum(ks) + batch + extra_rows
-    fixed_drafters = sum(1 for k in ks if k)
+    fixed_stepping = [k for i, k in enumerate(ks) if k and not candidates[i].lookup]  # fixed draft-model drafters
     fixed_tokens = sum(expected_tokens(candidates[i].acceptance, k) if k else 1.0 for i, k in enumerate(ks))
     order = sorted(adaptive, key=lambda i: -candidates[i].acceptance)
-    steps_fixed = max(ks)
+    steps_fixed = max(fixed_stepping, default=0)
 
     target_ms: dict[int, float] = {}  # rows -> V(batch, rows), each interpolated once a plan
 
@@ -119,40 +120,58 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
         catch_up = lag * costs.catch_up_ms_per_token / CATCH_UP_ITERATIONS
         return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows]
 
-    best_rate = fixed_tokens / ms(steps_fixed, fixed_drafters, 0, fixed_rows)
-    best = (0, 0)
+    best_rate = fixed_tokens / ms(steps_fixed, len(fixed_stepping), 0, fixed_rows)
     if steps_fixed == 0:
         # A quick bound first, the common case under load: drafting adds at most a/(1-a) tokens a sequence (any K)
-        # and costs at least one draft step; when even that cannot beat plain, the search is skipped (a sequence's
-        # planning is then a few us, not a numpy grid, at every step of a batch that does not draft).
+        # and costs at least one draft step (or, by prompt lookup, one row); when even that cannot beat plain, the
+        # search is skipped (a sequence's planning is then a few us, not a numpy grid, at every step of a batch
+        # that does not draft).
         most = sum(k if a >= 1.0 else min(k, a / (1.0 - a))
                    for a, k in ((candidates[i].acceptance, candidates[i].k_max) for i in adaptive))
-        if (fixed_tokens + most) / (ms(0, 0, 0, fixed_rows) + costs.draft_ms(1)) <= best_rate:
+        cheapest = ms(0, 0, 0, fixed_rows + 1) if any(candidates[i].lookup for i in adaptive) else \
+            ms(0, 0, 0, fixed_rows) + costs.draft_ms(1)
+        if (fixed_tokens + most) / cheapest <= best_rate:
             return ks
-    # Every K, and for each the n most accepting candidates drafting min(K, their k_max), for n on a grid (all n up
-    # to 8, then about 12% apart), as [K, n] arrays: a step of 64 sequences takes ~4 ms on an H200, and trying
-    # every (K, n) in Python cost more than half of that.
-    acceptance = np.array([candidates[i].acceptance for i in order])
-    k_caps = np.array([candidates[i].k_max for i in order])
-    grid = _grid(len(order))
-    Ks = np.arange(1, int(k_caps.max()) + 1)[:, None]  # [K, 1]
-    k = np.minimum(Ks, k_caps[None, :])  # [K, n]
-    tail = (acceptance - acceptance ** (k + 1)) / np.maximum(1.0 - acceptance, 1e-12)  # E(a, k) - 1
-    gain = np.cumsum(np.where(acceptance >= 1.0, k, tail), axis=1)[:, grid - 1]
-    rows = fixed_rows + np.cumsum(k, axis=1)[:, grid - 1]
-    lags = np.cumsum([candidates[i].lag for i in order])[grid - 1]
-    draft_cost = np.array([costs.draft_ms(fixed_drafters + n) for n in grid])
-    verify_cost = costs.target_ms_array(batch, rows)
-    time_ms = (np.maximum(Ks, steps_fixed) * draft_cost + lags * costs.catch_up_ms_per_token / CATCH_UP_ITERATIONS
-               + verify_cost)
+    # Every K, and for each the n most accepting draft-model candidates and the m most accepting lookup ones
+    # drafting min(K, their k_max), n and m on a grid (all up to 8, then about 12% apart), as [K, m, n] arrays: a
+    # step of 64 sequences takes ~4 ms on an H200, and trying every (K, n) in Python cost more than half of that.
+    # The two kinds are ranked apart: draft-model steps are paid once per K for all model drafters, while prompt
+    # lookup's drafts cost only their rows.
+    models = [i for i in order if not candidates[i].lookup]
+    lookups = [i for i in order if candidates[i].lookup]
+    Ks = np.arange(1, max(candidates[i].k_max for i in adaptive) + 1)[:, None]  # [K, 1]
+    lookup_gain, lookup_rows, m = _prefixes([candidates[i] for i in lookups], Ks)  # [K, m] each, m: [m]
+    model_gain, model_rows, n = _prefixes([candidates[i] for i in models], Ks)  # [K, n] each, n: [n]
+    gain = lookup_gain[:, :, None] + model_gain[:, None, :]  # [K, m, n]
+    rows = fixed_rows + lookup_rows[:, :, None] + model_rows[:, None, :]
+    lags = np.concatenate([[0], np.cumsum([candidates[i].lag for i in models])])[n]  # [n]
+    stepping = len(fixed_stepping) + n  # draft-model sequences stepping together
+    draft_cost = np.array([costs.draft_ms(int(s)) if s else 0.0 for s in stepping])  # [n]
+    steps = np.where(n[None, :] > 0, np.maximum(Ks, steps_fixed), steps_fixed)  # [K, n]
+    time_ms = (steps * draft_cost)[:, None, :] + lags * costs.catch_up_ms_per_token / CATCH_UP_ITERATIONS \
+        + costs.target_ms_array(batch, rows)
     rates = (fixed_tokens + gain) / time_ms
-    K_best, n_best = np.unravel_index(np.argmax(rates), rates.shape)  # the first best: the shortest K, fewest n
-    if rates[K_best, n_best] > best_rate:
-        best = (int(Ks[K_best, 0]), int(grid[n_best]))
-    K, n = best
-    for i in order[:n]:
-        ks[i] = min(K, candidates[i].k_max)
+    K_best, m_best, n_best = np.unravel_index(np.argmax(rates), rates.shape)  # the first best: shortest K, fewest
+    if rates[K_best, m_best, n_best] > best_rate:
+        K = int(Ks[K_best, 0])
+        for i in lookups[: m[m_best]] + models[: n[n_best]]:
+            ks[i] = min(K, candidates[i].k_max)
     return ks
+
+
+def _prefixes(ranked: list[Candidate], Ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each K and each prefix size on the grid (0 included) of candidates ranked by acceptance: the tokens the
+    prefix adds over plain steps (sum of E(a, k) - 1) and its draft rows, each drafting k = min(K, its k_max)."""
+    sizes = np.concatenate([[0], _grid(len(ranked))]) if ranked else np.zeros(1, dtype=int)
+    if not ranked:
+        zeros = np.zeros((Ks.shape[0], 1))
+        return zeros, zeros, sizes
+    acceptance = np.array([c.acceptance for c in ranked])
+    k = np.minimum(Ks, np.array([c.k_max for c in ranked])[None, :])  # [K, len]
+    tail = (acceptance - acceptance ** (k + 1)) / np.maximum(1.0 - acceptance, 1e-12)  # E(a, k) - 1
+    gain = np.concatenate([np.zeros((Ks.shape[0], 1)), np.cumsum(np.where(acceptance >= 1.0, k, tail), axis=1)], 1)
+    rows = np.concatenate([np.zeros((Ks.shape[0], 1)), np.cumsum(k, axis=1)], axis=1)
+    return gain[:, sizes], rows[:, sizes], sizes
 
 
 @functools.cache

@@ -84,6 +84,52 @@ class Request:
             raise ValueError(f"unknown draft policy {self.draft_policy!r}; choose adaptive or fixed")
 
 
+DRAFT_MODEL = "draft-model"
+
+
+class Estimate:
+    """One proposer source's acceptance within a request: counts of accepted and reached draft positions, each
+    iteration's weighing ACCEPTANCE_DECAY times the one before, so the estimate follows the text. Started from, and
+    fading back to while unused, a prior (pseudo-counts)."""
+
+    def __init__(self, prior: tuple[float, float]) -> None:
+        self.prior = prior
+        self.accepted, self.drafted = prior
+        self.settled_at = 0  # the request's count of plain iterations when these counts were last brought up to date
+        self.request_accepted = self.request_reached = 0  # over the request, for the shared prior
+
+    def acceptance(self, plain_iterations: int) -> float:
+        accepted, drafted = self._faded(plain_iterations - self.settled_at)
+        return accepted / drafted
+
+    def settle(self, plain_iterations: int) -> None:
+        """Apply the fading of the plain iterations since the last update (before new evidence is added)."""
+        self.accepted, self.drafted = self._faded(plain_iterations - self.settled_at)
+        self.settled_at = plain_iterations
+
+    def _faded(self, idle: int) -> tuple[float, float]:
+        if idle == 0:
+            return self.accepted, self.drafted
+        fade = IDLE_DECAY**idle
+        return (self.prior[0] + fade * (self.accepted - self.prior[0]),
+                self.prior[1] + fade * (self.drafted - self.prior[1]))
+
+    def observe(self, accepted: int, reached: int) -> None:
+        """One drafting iteration: `reached` positions (the accepted ones and the first rejected), `accepted` kept."""
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + accepted
+        self.drafted = ACCEPTANCE_DECAY * self.drafted + reached
+        self.request_accepted += accepted
+        self.request_reached += reached
+
+    def observe_matches(self, matched: Seq[bool]) -> None:
+        """Evidence, in order: whether the source would have predicted each token; each weighs as an iteration."""
+        for match in matched:
+            self.accepted = ACCEPTANCE_DECAY * self.accepted + match
+            self.drafted = ACCEPTANCE_DECAY * self.drafted + 1.0
+        self.request_accepted += sum(matched)
+        self.request_reached += len(matched)
+
+
 class TextStream:
     """Token ids -> text, holding back any tail that could still begin a stop string."""
 
@@ -137,9 +183,9 @@ class Generation:
 
     def __init__(self, request: Request, tokenizer: Tokenizer, device: torch.device, draft_max: int,
                  stop_token_ids: frozenset[int], proposer: str | None,
-                 prior: tuple[float, float] | None = None) -> None:
-        """prior: the (accepted, drafted) pseudo-counts this request's acceptance estimate starts from (default: the
-        proposer's fixed prior)."""
+                 priors: dict[str, tuple[float, float]] | None = None) -> None:
+        """proposer: "draft-model", "ngram" or "mixed" (the draft model, and prompt lookup where it matches);
+        priors: per source, the (accepted, drafted) pseudo-counts its estimate starts from (default: fixed ones)."""
         self.id = next(_ids)
         self.request = request
         self.sampling = request.sampling
@@ -154,36 +200,45 @@ class Generation:
         self.text = TextStream(tokenizer, request.stop)
         self.stats = GenerationStats(proposer=proposer or "none",
                                      policy=request.draft_policy if proposer else "none")
-        self.proposer = proposer if request.speculate else None  # "draft-model" | "ngram" | None
+        self.proposer = proposer if request.speculate else None  # "draft-model" | "ngram" | "mixed" | None
         self.draft_max = draft_max if request.draft_max is None else min(request.draft_max, draft_max)
-        self.ngram = NgramProposer(device) if self.proposer == "ngram" else None
+        self.ngram = NgramProposer(device) if self.proposer in ("ngram", "mixed") else None
         random = not self.sampling.greedy
         self.generator = make_generator(self.sampling.seed, device) if random else None
         seed = None if self.sampling.seed is None else self.sampling.seed + 1
         self.draft_generator = make_generator(seed, device) if random else None
-        self.prior = prior or (NGRAM_PRIOR if self.proposer == "ngram" else DRAFT_MODEL_PRIOR)
-        self.accepted, self.drafted = self.prior  # decayed counts of accepted and reached draft positions
-        self.positions = [0, 0]  # accepted and reached draft positions over the request (for the shared prior)
+        sources = ([DRAFT_MODEL] if self.proposer in (DRAFT_MODEL, "mixed") else []) + \
+            (list(self.ngram.sources) if self.ngram is not None else [])
+        priors = priors or {}
+        self.estimates = {s: Estimate(priors.get(s, DRAFT_MODEL_PRIOR if s == DRAFT_MODEL else NGRAM_PRIOR))
+                          for s in sources}
+        self.plain_iterations = 0  # estimates fade towards their priors over these (see Estimate.acceptance)
+        self.draft_source: str | None = None  # the source of this iteration's drafts
 
     @property
     def prefilling(self) -> bool:
         return self.fed < self.prompt_len
 
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted
+    def acceptance(self, source: str) -> float:
+        """The source's estimate now. While it shows no evidence, each plain iteration fades it back towards its
+        prior by IDLE_DECAY (counted, not applied per source a step: a plain step costs one increment)."""
+        return self.estimates[source].acceptance(self.plain_iterations)
 
-    def observe(self, k: int, n_accepted: int) -> None:
-        """Acceptance evidence from one iteration (k = 0: none; the estimate fades back to the prior)."""
+    def observe(self, source: str | None, k: int, n_accepted: int) -> None:
+        """One iteration's outcome: k drafts from `source`, n_accepted kept (k = 0: a plain step)."""
         if k == 0:
-            self.accepted = self.prior[0] + IDLE_DECAY * (self.accepted - self.prior[0])
-            self.drafted = self.prior[1] + IDLE_DECAY * (self.drafted - self.prior[1])
+            self.plain_iterations += 1
             return
-        reached = n_accepted + (1 if n_accepted < k else 0)
-        self.positions[0] += n_accepted
-        self.positions[1] += reached
-        self.accepted = ACCEPTANCE_DECAY * self.accepted + n_accepted
-        self.drafted = ACCEPTANCE_DECAY * self.drafted + reached
+        estimate = self.estimates[source]
+        estimate.settle(self.plain_iterations)
+        estimate.observe(n_accepted, n_accepted + (1 if n_accepted < k else 0))
+
+    def observe_evidence(self, source: str, matched: Seq[bool]) -> None:
+        """Whether `source` would have predicted each of these tokens (teacher-forced, or lookup in hindsight)."""
+        estimate = self.estimates.get(source)
+        if matched and estimate is not None:
+            estimate.settle(self.plain_iterations)
+            estimate.observe_matches(matched)
 
     def emit(self, new_tokens: list[int]) -> list[int]:
         """New tokens cut at a stop token (not returned) or at max_tokens; sets finish_reason when cut."""

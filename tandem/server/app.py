@@ -167,13 +167,14 @@ class Server:
 
     def __init__(self, model_name: str, aliases: Seq[str], draft_max: int, draft_policy: str, api_key: str | None,
                  slots: int, max_queue: int, kv_usage: Callable[[], float] | None = None,
-                 accept_any_model: bool = False, kv_budget_bytes: int | None = None) -> None:
+                 accept_any_model: bool = False, kv_budget_bytes: int | None = None,
+                 prompt_lookup: bool = True) -> None:
         self.target: Model | None = None
         self.draft: Draft = None
         self.model_name = model_name
         self.model_names = {model_name, *aliases}
         self.accept_any_model = accept_any_model
-        self.draft_max, self.draft_policy = draft_max, draft_policy
+        self.draft_max, self.draft_policy, self.prompt_lookup = draft_max, draft_policy, prompt_lookup
         self.api_key = api_key
         self.created = int(time.time())
         self.status = "loading"
@@ -196,7 +197,7 @@ class Server:
         self.model_names |= {file_name, str(target.path)}
         self.target, self.draft = target, draft
         self.engine = Engine(target, draft, slots=self.slots, draft_max=self.draft_max,
-                             kv_budget_bytes=self.kv_budget_bytes,
+                             kv_budget_bytes=self.kv_budget_bytes, prompt_lookup=self.prompt_lookup,
                              measure_costs=draft is not None and self.draft_policy == "adaptive")
         self.scheduler.attach(self.engine)
 
@@ -423,6 +424,7 @@ def create_app(
     accept_any_model: bool = False,
     kv_usage: Callable[[], float] | None = None,
     kv_budget_bytes: int | None = None,
+    prompt_lookup: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving `target` (speculatively with `draft`: a Model, "ngram" or None).
 
@@ -443,6 +445,7 @@ def create_app(
         kv_usage: the KV cache usage fraction the metrics export [the slots running sequences hold].
         kv_budget_bytes: KV memory for every slot's context (default: half the free memory); fewer slots fit a
             smaller budget, and one that holds no whole context is a start-up error.
+        prompt_lookup: with a draft model, adaptive requests also draft by prompt lookup where the text repeats.
     The worker thread starts and stops with the app's lifespan.
     """
     if target is None and load is None:
@@ -451,7 +454,7 @@ def create_app(
         raise ValueError("create_app needs a model_name when the model is loaded later")
     file_name = os.path.basename(str(target.path)).removesuffix(".gguf") if target is not None else None
     server = Server(model_name or file_name, aliases, draft_max, draft_policy, api_key, slots, max_queue,
-                    kv_usage, accept_any_model, kv_budget_bytes)
+                    kv_usage, accept_any_model, kv_budget_bytes, prompt_lookup)
     if target is not None:
         server.attach(target, draft)
         server.status = "warming" if warm_up is not None else "ready"
@@ -615,6 +618,7 @@ def serve(args) -> int:
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), cors_origins=args.cors_origin,
         accept_any_model=args.accept_any_model,
         kv_budget_bytes=int(args.kv_budget_mib * 2**20) if args.kv_budget_mib else None,
+        prompt_lookup=args.prompt_lookup is not False,
     )
     server: Server = app.state.server
     config = uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)

@@ -217,16 +217,18 @@ class NgramProposer(Proposer):
 
     def _extend_index(self, tokens: list[int]) -> None:
         # Index occurrences ending before the final position, so the suffix never matches itself.
+        index, lo, hi = self.index, self.min_ngram, self.max_ngram
         for end in range(self.indexed + 1, len(tokens)):
+            longest = tuple(tokens[max(0, end - hi) : end])  # the n-grams ending here are its tails
+            keys = [longest[len(longest) - n :] for n in range(lo, len(longest) + 1)]  # shortest first
             if end >= self.prompt_len:
                 # In hindsight: what a lookup with tokens[:end] would have proposed first, and whether it was right.
-                for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
-                    if (follow := self.index.get(tuple(tokens[end - n : end]))) is not None:
-                        self._hindsight.setdefault(f"{self.name}{n}", []).append(tokens[follow] == tokens[end])
+                for key in reversed(keys):
+                    if (follow := index.get(key)) is not None:
+                        self._hindsight.setdefault(f"{self.name}{len(key)}", []).append(tokens[follow] == tokens[end])
                         break
-            for n in range(self.min_ngram, self.max_ngram + 1):
-                if end - n >= 0:
-                    self.index[tuple(tokens[end - n : end])] = end
+            for key in keys:
+                index[key] = end
         self.indexed = max(self.indexed, len(tokens) - 1)
 
     def _match(self, tokens: list[int]) -> tuple[int, int | None]:
@@ -253,6 +255,11 @@ class NgramProposer(Proposer):
     def ready(self, tokens: list[int]) -> bool:
         return self._follow(tokens) is not None
 
+    def match(self, tokens: list[int]) -> tuple[str | None, int]:
+        """(the source of the longest match of tokens' tail, how many tokens follow it there); (None, 0) if none."""
+        n, follow = self._match(tokens)
+        return (f"{self.name}{n}", len(tokens) - follow) if follow is not None else (None, 0)
+
     def hindsight(self) -> dict[str, list[bool]]:
         """Per source (match length), in order, for each generated token indexed since the last call: whether a
         lookup just before it would have proposed it. Free evidence of lookup's acceptance on this reply, drafting
@@ -261,9 +268,12 @@ class NgramProposer(Proposer):
         return out
 
     def propose(self, tokens: list[int], k: int, source: str | None = None) -> Proposal:
+        return Proposal(torch.tensor(self.continuation(tokens, k), dtype=torch.long, device=self.target_device), None)
+
+    def continuation(self, tokens: list[int], k: int) -> list[int]:
+        """At most k tokens that followed the longest match of tokens' tail (host ids: the batched engine's way)."""
         follow = self._follow(tokens)
-        found = tokens[follow : follow + k] if follow is not None else []
-        return Proposal(torch.tensor(found, dtype=torch.long, device=self.target_device), None)
+        return tokens[follow : follow + k] if follow is not None else []
 
 
 class MixedProposer(Proposer):

@@ -6,7 +6,6 @@ cumulative across requests, and per-token figures say so in their name.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 
@@ -82,9 +81,7 @@ class GenerationStats:
         self.iterations += 1
         self.draft_tokens += k
         self.accepted_tokens += n_accepted
-        counts = Counter(self.draft_len_counts)
-        counts[k] += 1
-        self.draft_len_counts = dict(sorted(counts.items()))
+        self.draft_len_counts[k] = self.draft_len_counts.get(k, 0) + 1  # sorted when read out (to_dict)
         if len(self.accepted_per_position) < k:
             self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
         for i in range(n_accepted):
@@ -92,7 +89,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out["draft_len_counts"] = {str(k): v for k, v in self.draft_len_counts.items()}
+        out["draft_len_counts"] = {str(k): v for k, v in sorted(self.draft_len_counts.items())}
         for name in ("acceptance_rate", "mean_accepted_len", "tokens_per_second", "decode_tokens_per_second",
                      "draft_ms_per_token", "verify_ms_per_iteration"):
             out[name] = getattr(self, name)
