@@ -414,7 +414,9 @@ def test_a_draft_reads_the_text_before_it_drafts(tiny_model_path):
     target = tandem.load(tiny_model_path(seed=23), dtype="float64")
     stranger = tandem.load(tiny_model_path(seed=24), dtype="float64")
     engine = Engine(target, stranger, slots=2, draft_max=4, measure_costs=False, prompt_lookup=False)
-    engine.costs = cheap_rows(2, draft_ms=2.0)  # pays at the prior's 0.7, not below ~0.2
+    # A draft step at half a target step: drafting pays at the prior's 0.7, not below ~0.55, so drafting blind is a
+    # real risk and the draft first waits for generated text to read.
+    engine.costs = cheap_rows(2, draft_ms=5.0)
     results = engine.generate(requests(target, PROMPTS[:2], max_tokens=30))
     for r in results:
         evidence = r.stats.sources["draft-model"]
@@ -423,7 +425,7 @@ def test_a_draft_reads_the_text_before_it_drafts(tiny_model_path):
     target = tandem.load(tiny_model_path(seed=0), dtype="float64")  # pair64's, with a prior of its own
     draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64")
     engine = Engine(target, draft, slots=2, draft_max=4, measure_costs=False, prompt_lookup=False)
-    engine.costs = cheap_rows(2, draft_ms=2.0)
+    engine.costs = cheap_rows(2, draft_ms=5.0)
     results = engine.generate(requests(target, PROMPTS[:2], max_tokens=30))
     assert [r.tokens for r in results] == [alone(target, p, max_tokens=30).tokens for p in PROMPTS[:2]]
     assert all(r.stats.sources["draft-model"]["evidence_positions"] > 0 for r in results)

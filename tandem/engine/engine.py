@@ -36,7 +36,14 @@ from tandem.engine.sequence import (
 from tandem.sampling import make_generator, probs_from_logits, sample
 from tandem.spec.calibrate import shared_prior
 from tandem.spec.compat import check_compatible
-from tandem.spec.policy import EVIDENCE_TOKENS, expected_tokens
+from tandem.spec.policy import (
+    EVIDENCE_TOKENS,
+    LEARNING_ITERATIONS,
+    PROBE_VALUE_MARGIN,
+    AdaptivePolicy,
+    CostModel,
+    expected_tokens,
+)
 from tandem.spec.proposer import NgramProposer
 from tandem.spec.verify import verify_sampled, verify_synthetic
 
@@ -301,16 +308,21 @@ class Engine:
         self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
         candidates = [self._candidate(g) for g in decoding]
         ks = planner.plan(candidates, self.costs, prefill_rows)
+        # Before a draft drafts blind (first time in the request, or back after a plain stretch), it reads the text
+        # it missed, teacher-forced: how much of it it would have predicted is its acceptance on this text, known
+        # before a single draft is verified, and the plan is made again with it (the batch-1 policy's rule: a
+        # draft that cannot pay then never drafts, instead of drafting at the prior first). It waits for
+        # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks.
         for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
             if ks[i] and gen.draft_source == DRAFT_MODEL and self._wants_evidence(gen, candidate):
-                # Before a draft drafts blind (first time in the request, or back after a plain stretch), it reads
-                # the text it missed, teacher-forced: how much of it it would have predicted is its acceptance on
-                # this text, known before a single draft is verified (the batch-1 policy's rule; a draft that
-                # cannot pay then never drafts, instead of drafting once at the prior).
-                ks[i] = 0
-                if len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS:
+                if len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
                     self._evidence.append(gen)
-        self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) and not self._evidence else None
+                else:
+                    ks[i] = 0
+        if self._evidence:
+            self._read_evidence(self._evidence)
+            ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows)
+        self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
 
     def _lookup_may_pay(self, decoding: list[Generation]) -> bool:
@@ -331,12 +343,26 @@ class Engine:
         return False
 
     def _wants_evidence(self, gen: Generation, candidate: planner.Candidate) -> bool:
-        if candidate.fixed or self.synthetic_acceptance is not None:  # a synthetic draft is judged by its outcomes
-            return False
+        """Whether the draft should read the text it missed before drafting: never read yet in this request, or
+        stale (more than EVIDENCE_TOKENS plain iterations since), with more than a steady catch-up to read."""
+        if candidate.fixed or candidate.lag == 0 or self.synthetic_acceptance is not None:
+            return False  # a synthetic draft is judged by its outcomes
         estimate = gen.estimates[DRAFT_MODEL]
-        never_read = estimate.request_reached == 0
-        stale = gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS and candidate.lag > 0
-        return never_read or stale
+        return estimate.request_reached == 0 or gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS
+
+    def _worth_waiting(self, gen: Generation) -> bool:
+        """The batch-1 policy's rule for a first switch-on: wait for generated tokens to read unless the drafting
+        gain given up meanwhile exceeds what drafting blind risks (the catch-up and a few wasted drafts, weighted
+        by the chance that the acceptance, a Beta of the estimate's counts, turns out too low to pay)."""
+        costs = CostModel(self.costs.draft_ms(1), dict(self.costs.verify[min(self.costs.verify)].verify_ms),
+                          self.costs.catch_up_ms_per_token)
+        estimate = gen.estimates[DRAFT_MODEL]
+        policy = AdaptivePolicy(costs, gen.draft_max, prior=(estimate.accepted, estimate.drafted))
+        gain_ms, p_no_gain = policy.value_of_drafting_ms(policy.primary)
+        catch_up_ms = costs.catch_up_ms(len(gen.tokens) - self.draft_kv.length(gen.slot))
+        learning_ms = LEARNING_ITERATIONS * (costs.draft_step_ms + max(0.0, costs.verify(2) - costs.verify(1)))
+        wait = EVIDENCE_TOKENS - (len(gen.tokens) - gen.prompt_len)
+        return wait * gain_ms < PROBE_VALUE_MARGIN * p_no_gain * (catch_up_ms + learning_ms)
 
     def _candidate(self, gen: Generation) -> planner.Candidate | None:
         """What the planner may have this sequence draft: prompt lookup where its text repeats and lookup promises
@@ -367,16 +393,15 @@ class Engine:
 
     def _lookup_beats_draft(self, gen: Generation, source: str, k_lookup: int, k_draft: int) -> bool:
         """Whether one sequence drafting by lookup yields at least the tokens per ms of drafting by the draft model,
-        at batch 1 (lookup drafts for free, so it wins at equal acceptance)."""
+        each at its best draft length, at batch 1 (lookup drafts for free, so it wins at equal acceptance)."""
         lookup_a, draft_a = gen.acceptance(source), gen.acceptance(DRAFT_MODEL)
         if self.costs is None or lookup_a >= draft_a:
             return lookup_a >= draft_a
-        if self._rates is None:  # ms of a lookup draft of k and of a draft-model one, k = 0..draft_max
+        if self._rates is None:  # ms of a lookup draft of k tokens and of a draft-model one, k = 0..draft_max
             verify = [self.costs.target_ms(1, k + 1) for k in range(self.draft_max + 1)]
             self._rates = (verify, [v + k * self.costs.draft_ms(1) for k, v in enumerate(verify)])
         lookup_ms, draft_ms = self._rates
-        return expected_tokens(lookup_a, k_lookup) / lookup_ms[k_lookup] >= \
-            expected_tokens(draft_a, k_draft) / draft_ms[k_draft]
+        return best_rate(lookup_a, lookup_ms, k_lookup) >= best_rate(draft_a, draft_ms, k_draft)
 
     def _propose(self, decoding: list[Generation], ks: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens per sequence (and, sampling, the distributions they were drawn from): prompt lookup on the
@@ -388,8 +413,6 @@ class Engine:
                 proposals[gen.id] = (gen.ngram.continuation(gen.tokens, k), None)
             elif k:
                 drafting[gen.id] = (gen, k)
-        if self._evidence:
-            self._read_evidence(self._evidence)
         if not drafting:
             return proposals
         draft_vocab, target_vocab = self.draft_model.vocab_size, self.target.vocab_size
@@ -433,17 +456,18 @@ class Engine:
         return proposals
 
     def _read_evidence(self, gens: list[Generation]) -> None:
-        """Catch each sequence's draft up on the tokens it has not seen, reading its argmax at the rows before the
-        latest generated ones (at most EVIDENCE_ROWS): whether it would have predicted each is evidence of its
-        acceptance (a greedy match; under sampling the same figure stands in, as in the batch-1 policy)."""
+        """Catch each sequence's draft up on the tokens it has not seen but the pending one (which it takes in
+        when it drafts), reading its argmax at the rows before the latest generated ones (at most EVIDENCE_ROWS):
+        whether it would have predicted each is evidence of its acceptance (a greedy match; under sampling the same
+        figure stands in, as in the batch-1 policy)."""
         started = time.perf_counter()
         draft_vocab, target_vocab = self.draft_model.vocab_size, self.target.vocab_size
         heads, tails = [], []
         for gen in gens:
-            seen = self.draft_kv.length(gen.slot)
-            unseen = [t if t < draft_vocab else 0 for t in gen.tokens[seen:]]
+            seen, end = self.draft_kv.length(gen.slot), len(gen.tokens) - 1
+            unseen = [t if t < draft_vocab else 0 for t in gen.tokens[seen:end]]
             # Row i of the catch-up predicts token seen + i + 1; the first token checked is a generated one.
-            first_checked = max(gen.prompt_len, seen + 1, len(gen.tokens) - EVIDENCE_ROWS)
+            first_checked = max(gen.prompt_len, seen + 1, end + 1 - EVIDENCE_ROWS)
             split = first_checked - 1 - seen
             if split > 0:
                 heads.append((gen.slot, unseen[:split]))
@@ -451,7 +475,7 @@ class Engine:
         if heads:
             self.draft_kv.forward(heads, [True] * len(heads))
         logits = self.draft_kv.forward([(g.slot, rows) for g, rows, _ in tails], [False] * len(tails))
-        predicted = torch.cat([rows[:-1, :target_vocab].argmax(dim=-1) for rows in logits]).tolist()
+        predicted = torch.cat([rows[:, :target_vocab].argmax(dim=-1) for rows in logits]).tolist()
         ms = 1000.0 * (time.perf_counter() - started) / len(gens)
         at = 0
         for gen, _, first_checked in tails:
@@ -506,6 +530,11 @@ class Engine:
         if self.synthetic_acceptance is not None and draft_tokens.shape[0]:
             return verify_synthetic(draft_tokens, logits, self.synthetic_acceptance, gen.generator)
         return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, gen.sampling), gen.generator)
+
+
+def best_rate(acceptance: float, ms: list[float], k_max: int) -> float:
+    """max over k = 1..k_max of E(acceptance, k) / ms[k]: tokens per ms of one sequence's best draft length."""
+    return max(expected_tokens(acceptance, k) / ms[k] for k in range(1, k_max + 1))
 
 
 def score_rows(logits: torch.Tensor, draft_tokens: torch.Tensor, token: torch.Tensor | None,
