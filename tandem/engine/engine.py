@@ -55,6 +55,7 @@ PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decodin
 KV_MEMORY_FRACTION = 0.5  # default KV budget: this fraction of the device's free memory at start-up
 STEADY_CATCH_UP = 2  # a draft taking in at most this many tokens before drafting is drafting steadily
 REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
+IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
 EVIDENCE_ROWS = 16  # a draft's evidence catch-up reads its predictions of at most this many latest tokens
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 
@@ -189,7 +190,10 @@ class Engine:
             return []
         started = time.perf_counter()
         decoding = [g for g in self.running if not g.prefilling]
-        prefills, budget = [], self.prefill_chunk
+        # The chunk bounds what prompts add to a step only to keep decoding streams flowing; with none decoding
+        # (a burst of arrivals) the prompts take IDLE_PREFILL_CHUNKS chunks at once, so the last of the burst
+        # does not wait a step for every chunk before it.
+        prefills, budget = [], self.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)
         for gen in self.running:
             if gen.prefilling and budget > 0:
                 rows = gen.tokens[gen.fed : gen.fed + min(gen.prompt_len - gen.fed, budget)]
