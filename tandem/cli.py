@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-budget-mib", type=float, default=None,
                    help="KV memory for all slots' contexts, MiB (default: half the free memory); fewer slots fit less")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get a 413 [4 MiB]")
-    s.add_argument("--served-model-name", default=None, help="the model id clients see [--model]")
+    s.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="the model id clients see; repeat it for aliases, which requests may name too [the --model "
+                   "file's name without directory and .gguf]")
     s.add_argument("--accept-any-model", action="store_true",
                    help="answer requests naming any model instead of a 404 (replicas behind a gateway that counts "
                    "4xx against them: docs/deployment.md)")

@@ -22,7 +22,7 @@ from tandem.loading.gguf import GGUFError, GGUFFile, eos_token_ids_from_metadata
 # Used when a file carries no `tokenizer.chat_template`.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -197,21 +197,28 @@ class Tokenizer:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, **kwargs: Any
     ) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}]) under the file's template."""
+        """The prompt text for `messages` ([{"role": ..., "content": ...}]) under the file's template.
+
+        tools: OpenAI-style tool objects ({"type": "function", "function": {name, description, parameters}}),
+        handed to the template as `tools` (None when there are none), as transformers' apply_chat_template does.
+        """
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._special_text(self.bos_token_id),
             eos_token=self._special_text(eos),
             **kwargs,
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # Templates that want BOS write `{{ bos_token }}` themselves, so none is added here.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_bos=False)
 
 
 class StreamDecoder:

@@ -46,19 +46,22 @@ from tandem.api import DEFAULT_DRAFT_MAX
 from tandem.backends.base import Model
 from tandem.engine import Engine
 from tandem.engine import Request as EngineRequest
+from tandem.engine.scoring import prompt_logprobs
 from tandem.sampling import SamplingParams
-from tandem.server import protocol
+from tandem.server import openapi, protocol
 from tandem.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from tandem.server.safety import BrowserGuard, allowed_hosts_for, exposure_warning
 from tandem.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
+from tandem.server.tools import ToolCallParser, detect_format, template_supports_tools
+from tandem.spec.stats import GenerationStats
 
 log = logging.getLogger("tandem.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json", "/docs")
 NOT_READY = {  # status -> what a request gets while the server is not ready
     "loading": "the server is loading its models",
     "warming": "the server is warming up",
@@ -253,6 +256,28 @@ class Server:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def model_object(self, model_id: str) -> dict:
+        target = self.target
+        return {"id": model_id, "object": "model", "created": self.created, "owned_by": "tandem",
+                "meta": {"n_ctx": target.n_ctx, "vocab_size": target.vocab_size, "backend": target.backend,
+                         "device": target.device, "draft": _draft_name(self.draft)}}
+
+    def tool_format(self, req: ChatCompletionRequest) -> str | None:
+        """The format to parse tool calls in (None: the reply is text only), or a 400 for tools this server
+        cannot offer: a template that ignores them, or a tool_choice that needs constrained decoding."""
+        if req.tools_offered is None:
+            return None
+        template = self.target.tokenizer.chat_template
+        if not template_supports_tools(template):
+            raise APIError(400, "this model's chat template does not render tools, so the model would never see "
+                           "them", param="tools", code="tools_not_supported")
+        if req.tool_choice == "required" or isinstance(req.tool_choice, protocol.NamedToolChoice):
+            # Needs the reply constrained to tools.tool_call_schema(...): not wired to a constrained decoder yet.
+            shown = req.tool_choice if isinstance(req.tool_choice, str) else "a named function"
+            raise APIError(400, f"tool_choice {shown} is not supported yet (it needs constrained decoding); use "
+                           "\"auto\" or \"none\"", param="tool_choice", code="unsupported_parameter")
+        return detect_format(template, self.target.config.architecture)
+
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
             raise APIError(400, "the prompt is empty: at least one token is needed", param=param)
@@ -268,28 +293,32 @@ class Server:
 
     # --- generation ----------------------------------------------------------------------------------------
 
-    def make_job(self, req: protocol._GenerationRequest, ids: list[int]) -> Job:
+    def make_jobs(self, req: protocol._GenerationRequest, ids: list[int]) -> list[Job]:
+        """The request's n choices as n jobs sharing one event queue (choice i samples with req.choice_seed(i))."""
         room = self.target.n_ctx - len(ids)
         requested = req.requested_max_tokens
         enabled, draft_max = req.draft_override()
-        try:
-            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                                      seed=req.seed)
-            request = EngineRequest(
-                ids, sampling, max_tokens=min(requested, room) if requested is not None else room,
-                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []), speculate=enabled,
-                # The server's draft_max is a ceiling: requests may lower k, not raise it past what the operator chose.
-                draft_max=self.draft_max if draft_max is None else min(draft_max, self.draft_max),
-                draft_policy=self.draft_policy, logprobs=req.logprobs_count(),
-            )
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        return Job(request=request, loop=asyncio.get_running_loop())
+        loop, events, jobs = asyncio.get_running_loop(), asyncio.Queue(), []
+        for index in range(req.n):
+            try:
+                sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                          min_p=req.min_p, seed=req.choice_seed(index))
+                request = EngineRequest(
+                    ids, sampling, max_tokens=min(requested, room) if requested is not None else room,
+                    stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []), speculate=enabled,
+                    # The server's draft_max is a ceiling: requests may lower k, not raise it past the operator's.
+                    draft_max=self.draft_max if draft_max is None else min(draft_max, self.draft_max),
+                    draft_policy=self.draft_policy, logprobs=req.logprobs_count(),
+                )
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+            jobs.append(Job(request=request, loop=loop, events=events, index=index))
+        return jobs
 
-    def submit(self, job: Job) -> None:
+    def submit(self, jobs: list[Job]) -> None:
         self.require_ready()  # again: a drain may have begun while the prompt was tokenized
         try:
-            self.scheduler.submit(job)
+            self.scheduler.submit_all(jobs)
         except QueueFullError as e:
             raise APIError(503, f"the server is busy: {e}; retry later", type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -297,86 +326,124 @@ class Server:
             raise APIError(503, str(e), type="server_error", code="shutting_down",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
-    async def next_event(self, job: Job, request: Request | None) -> Event | None:
-        """The job's next event; None when `request`'s client went away (then the job is cancelled)."""
+    def cancel(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.scheduler.cancel(job)
+
+    async def next_event(self, jobs: list[Job], request: Request | None) -> Event | None:
+        """The next event of the request's jobs; None when `request`'s client went away (then they are
+        cancelled)."""
+        events = jobs[0].events
         if request is None:
-            return await job.events.get()
-        getter = asyncio.ensure_future(job.events.get())
+            return await events.get()
+        getter = asyncio.ensure_future(events.get())
         try:
             while True:
                 done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
                 if done:
                     return getter.result()
                 if await request.is_disconnected():
-                    self.scheduler.cancel(job)
+                    self.cancel(jobs)
                     return None
         finally:
             getter.cancel()
 
-    async def run(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest,
-                  ids: list[int]) -> Response:
-        job = self.make_job(req, ids)
-        self.submit(job)
+    async def run(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest, ids: list[int],
+                  tool_format: str | None = None) -> Response:
+        """Generate req.n choices for `ids`: one JSON response, or an SSE stream. tool_format: parse tool calls
+        written in this format (tools.FORMATS) out of chat replies."""
+        echo = isinstance(req, CompletionRequest) and req.echo
+        scoring = None
+        if echo and req.logprobs is not None:  # the prompt's own logprobs, computed on the worker like any model work
+            self.require_ready()
+            target, top = self.target, req.logprobs
+            scoring = self.scheduler.call(lambda: prompt_logprobs(target, ids, top), asyncio.get_running_loop())
+        jobs = self.make_jobs(req, ids) if req.requested_max_tokens != 0 else []
+        if jobs:
+            self.submit(jobs)
         request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        choices = [_Choice(i, self, kind, tool_format) for i in range(req.n)]
+        if echo:
+            prompt_text = await run_in_threadpool(self.target.tokenizer.decode, ids)
+            prompt_scored = await scoring if scoring is not None else None
+            for choice in choices:
+                choice.echo(prompt_text, prompt_scored)
         if req.stream:
-            return _SSEResponse(self.stream(request, kind, req, job, request_id, len(ids)),
-                                on_close=lambda: self.scheduler.cancel(job))
+            return _SSEResponse(self.stream(request, kind, req, jobs, choices, request_id, len(ids)),
+                                on_close=lambda: self.cancel(jobs))
         try:
-            pieces, n_tokens, scored = [], 0, []
-            while True:
-                event = await self.next_event(job, request)
+            while not all(c.finished for c in choices):
+                if not jobs:  # echo with max_tokens 0: the prompt is the whole answer
+                    for choice in choices:
+                        choice.close("length", GenerationStats(prompt_tokens=len(ids)))
+                    break
+                event = await self.next_event(jobs, request)
                 if event is None:
                     return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it
                 if event.error is not None:
                     raise _as_api_error(event.error)
-                chunk = event.chunk
-                pieces.append(chunk.text)
-                n_tokens += len(chunk.tokens)
-                scored += chunk.logprobs or []
-                if chunk.finish_reason is not None:
-                    break
+                choices[event.index].add(event.chunk)
         finally:
-            self.scheduler.cancel(job)  # a no-op when it finished; frees the slot when we were cancelled
-        self.summarize(request, chunk.stats, job)
+            self.cancel(jobs)  # a no-op for finished jobs; frees the slots when we were cancelled
+        self.summarize(request, choices[0].stats, jobs[0] if jobs else None, req.n)
+        objects = [c.whole(with_logprobs=req.logprobs_count() is not None) for c in choices]
+        timings = [protocol.timings(c.stats, j.queue_ms if j else 0.0) for c, j in zip(choices, jobs or [None] * len(
+            choices), strict=True)]
         return JSONResponse(protocol.completion_response(
-            kind, request_id, self.model_name, "".join(pieces), chunk.finish_reason,
-            protocol.usage(len(ids), n_tokens, chunk.stats.cached_tokens), protocol.timings(chunk.stats, job.queue_ms),
-            self.logprobs(kind, scored) if job.request.logprobs is not None else None))
+            kind, request_id, self.model_name, objects, self.usage(len(ids), choices),
+            timings[0] if req.n == 1 else timings))
 
-    async def stream(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest, job: Job,
-                     request_id: str, prompt_tokens: int) -> AsyncIterator[str]:
-        """SSE events in OpenAI's chunk format, ending with `data: [DONE]`. Cancellation (a disconnect) lands in
-        the awaits here; _SSEResponse then cancels the job."""
+    @staticmethod
+    def usage(prompt_tokens: int, choices: list[_Choice]) -> dict:
+        """OpenAI's usage for a request: the prompt once, the completion tokens of every choice."""
+        return protocol.usage(prompt_tokens, sum(c.n_tokens for c in choices),
+                              max(c.stats.cached_tokens for c in choices))
+
+    async def stream(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest, jobs: list[Job],
+                     choices: list[_Choice], request_id: str, prompt_tokens: int) -> AsyncIterator[str]:
+        """SSE events in OpenAI's chunk format, each for one choice (its `index`), ending with `data: [DONE]`.
+        Cancellation (a disconnect) lands in the awaits here; _SSEResponse then cancels the jobs."""
         created = int(time.time())
 
-        def chunk_obj(text: str | None, finish: str | None = None, role: bool = False, logprobs=None) -> dict:
-            return protocol.stream_chunk(kind, request_id, created, self.model_name, text, finish, role, logprobs)
+        def chunk_obj(index: int, text: str | None, finish: str | None = None, role: bool = False, logprobs=None,
+                      tool_calls=None) -> dict:
+            return protocol.stream_chunk(kind, request_id, created, self.model_name, text, finish, role, logprobs,
+                                         index, tool_calls)
 
-        if kind == "chat":
-            yield _sse(chunk_obj("", role=True))
-        n_tokens, text_offset = 0, 0
-        while True:
-            event = await self.next_event(job, None)
+        for choice in choices:
+            if kind == "chat":
+                yield _sse(chunk_obj(choice.index, "", role=True))
+            elif choice.echoed is not None:
+                yield _sse(chunk_obj(choice.index, choice.echoed[0], logprobs=choice.echoed[1]))
+        timings_by_choice, failed = {}, False
+        while not all(c.finished for c in choices):
+            if not jobs:  # echo with max_tokens 0
+                for choice in choices:
+                    choice.close("length", GenerationStats(prompt_tokens=prompt_tokens))
+                    yield _sse(chunk_obj(choice.index, None if kind == "chat" else "", "length"))
+                continue
+            event = await self.next_event(jobs, None)
             if event.error is not None:
-                error = _as_api_error(event.error)
-                yield _sse(error.body())
+                yield _sse(_as_api_error(event.error).body())
+                failed = True
                 break
-            chunk = event.chunk
-            n_tokens += len(chunk.tokens)
-            logprobs = self.logprobs(kind, chunk.logprobs, text_offset) if chunk.logprobs else None
-            if chunk.text or logprobs:
-                yield _sse(chunk_obj(chunk.text, logprobs=logprobs))
-            text_offset += sum(len(self.piece(e.token)) for e in chunk.logprobs or [])
-            if chunk.finish_reason is not None:
-                timings = protocol.timings(chunk.stats, job.queue_ms)
-                usage = protocol.usage(prompt_tokens, n_tokens, chunk.stats.cached_tokens)
-                last = chunk_obj(None if kind == "chat" else "", chunk.finish_reason)
+            choice = choices[event.index]
+            text, calls, logprobs = choice.add(event.chunk)
+            if text or logprobs or calls:
+                yield _sse(chunk_obj(choice.index, text, logprobs=logprobs, tool_calls=calls))
+            if choice.finished:
+                timings = protocol.timings(choice.stats, jobs[choice.index].queue_ms)
+                timings_by_choice[choice.index] = timings
+                last = chunk_obj(choice.index, None if kind == "chat" else "", choice.finish_reason)
                 last["timings"] = timings
                 yield _sse(last)
-                if req.include_usage_in_stream:  # OpenAI's shape: one more chunk, no choices, the usage
-                    yield _sse({**chunk_obj(None), "choices": [], "usage": usage, "timings": timings})
-                self.summarize(request, chunk.stats, job)
-                break
+        if not failed:
+            if req.include_usage_in_stream:  # OpenAI's shape: one more chunk, no choices, the usage
+                final = {**chunk_obj(0, None), "choices": [], "usage": self.usage(prompt_tokens, choices)}
+                if req.n == 1 and timings_by_choice:
+                    final["timings"] = timings_by_choice[0]
+                yield _sse(final)
+            self.summarize(request, choices[0].stats, jobs[0] if jobs else None, req.n)
         yield "data: [DONE]\n\n"
 
     def piece(self, token: int) -> str:
@@ -386,12 +453,76 @@ class Server:
     def logprobs(self, kind: protocol.Kind, entries, text_offset: int = 0) -> dict:
         return protocol.logprobs_object(kind, entries, self.piece, text_offset)
 
-    def summarize(self, request: Request, stats, job: Job) -> None:
-        """What the access log line adds for a generation."""
+    def summarize(self, request: Request, stats, job: Job | None, n: int = 1) -> None:
+        """What the access log line adds for a generation (its first choice's figures, when there are n)."""
         request.state.generation_summary = (
             f" prompt={stats.prompt_tokens} generated={stats.generated_tokens} drafted={stats.draft_tokens} "
-            f"accepted={stats.accepted_tokens} queue={job.queue_ms:.0f}ms prefill={stats.prefill_ms:.0f}ms "
-            f"decode={stats.decode_ms:.0f}ms")
+            f"accepted={stats.accepted_tokens} queue={job.queue_ms if job else 0:.0f}ms "
+            f"prefill={stats.prefill_ms:.0f}ms decode={stats.decode_ms:.0f}ms" + (f" n={n}" if n > 1 else ""))
+
+
+class _Choice:
+    """One choice of a response as its chunks arrive: text, tokens, logprobs, tool calls, how it finished.
+
+    Streamed and whole responses are built from the same `add` calls, so they carry the same answer: `add`
+    returns what a stream sends for the chunk (text, tool-call deltas, logprobs); `whole` is the choice object.
+    """
+
+    def __init__(self, index: int, server: Server, kind: protocol.Kind, tool_format: str | None) -> None:
+        self.index, self.server, self.kind = index, server, kind
+        self.parser = ToolCallParser(tool_format) if tool_format else None
+        self.texts: list[str] = []
+        self.calls: list[dict] = []
+        self.scored: list = []  # TokenLogprob of every token so far (echoed prompt tokens first)
+        self.n_tokens = 0
+        self.text_offset = 0  # characters before the next token's text (completions' logprobs text_offset)
+        self.echoed: tuple[str, dict | None] | None = None  # what a stream sends first with echo: text, logprobs
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def echo(self, prompt_text: str, prompt_scored: list | None) -> None:
+        """Put the prompt before the completion (completions' echo), with its tokens' logprobs when scored."""
+        self.texts.append(prompt_text)
+        logprobs = None
+        if prompt_scored is not None:
+            logprobs = self.server.logprobs(self.kind, prompt_scored)
+            self.scored += prompt_scored
+            self.text_offset = sum(len(self.server.piece(e.token)) for e in prompt_scored)
+        self.echoed = (prompt_text, logprobs)
+
+    def add(self, chunk) -> tuple[str, list[dict] | None, dict | None]:
+        """Take a chunk; return what a stream sends for it: text, tool-call deltas, logprobs."""
+        text, calls = chunk.text, []
+        if self.parser is not None:
+            text, calls = self.parser.push(chunk.text)
+            if chunk.finish_reason is not None:
+                tail, more = self.parser.finish()
+                text, calls = text + tail, calls + more
+        self.texts.append(text)
+        deltas = [c.openai(index=len(self.calls) + i) for i, c in enumerate(calls)]  # a whole call per delta
+        self.calls += [c.openai() for c in calls]
+        self.n_tokens += len(chunk.tokens)
+        logprobs = None
+        if chunk.logprobs:
+            logprobs = self.server.logprobs(self.kind, chunk.logprobs, self.text_offset)
+            self.scored += chunk.logprobs
+            self.text_offset += sum(len(self.server.piece(e.token)) for e in chunk.logprobs)
+        if chunk.finish_reason is not None:
+            self.close("tool_calls" if self.calls else chunk.finish_reason, chunk.stats)
+        return text, deltas or None, logprobs
+
+    def close(self, finish_reason: str, stats: GenerationStats) -> None:
+        self.finish_reason, self.stats = finish_reason, stats
+
+    def whole(self, with_logprobs: bool) -> dict:
+        text = "".join(self.texts)
+        logprobs = self.server.logprobs(self.kind, self.scored) if with_logprobs else None
+        content = None if self.calls and not text else text
+        return protocol.choice_object(self.kind, self.index, content, self.finish_reason, logprobs, self.calls)
 
 
 def _as_api_error(error: BaseException) -> APIError:
@@ -470,7 +601,9 @@ def create_app(
             server.drain()
             server.scheduler.stop()
 
-    app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tandem", version=_version(), lifespan=lifespan, redoc_url=None,
+                  description="An OpenAI-compatible server with lossless speculative decoding (docs/api.md).")
+    openapi.install(app)
     app.state.server = server
     # Starlette wraps the app in the order added, the last outermost: guard -> browser guard -> CORS -> app.
     if cors_origins:
@@ -507,21 +640,29 @@ def create_app(
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=openapi.request_body(ChatCompletionRequest),
+              responses={200: {"model": openapi.ChatCompletion}, **openapi.ERRORS}, summary="Chat completion")
     async def chat_completions(request: Request) -> Response:
+        """OpenAI's chat completions, with tools, n choices, logprobs, streaming; see docs/api.md."""
         server.require_ready()
         server.authorize(request)
         req = protocol.parse_request(ChatCompletionRequest, await request.body())
         server.check_model(req.model)
+        tool_format = server.tool_format(req)
         try:
-            ids = await run_in_threadpool(server.target.tokenizer.encode_chat, req.template_messages())
+            ids = await run_in_threadpool(server.target.tokenizer.encode_chat, req.template_messages(),
+                                          True, req.tools_offered)
+        except APIError:
+            raise
         except Exception as e:  # the chat template may refuse the messages (jinja's raise_exception)
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
         server.check_prompt(ids, "messages")
-        return await server.run(request, "chat", req, ids)
+        return await server.run(request, "chat", req, ids, tool_format)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, openapi_extra=openapi.request_body(CompletionRequest),
+              responses={200: {"model": openapi.Completion}, **openapi.ERRORS}, summary="Text completion")
     async def completions(request: Request) -> Response:
+        """OpenAI's (legacy) completions: a text or token-id prompt, n choices, echo, logprobs, streaming."""
         server.require_ready()
         server.authorize(request)
         req = protocol.parse_request(CompletionRequest, await request.body())
@@ -532,18 +673,24 @@ def create_app(
         server.check_prompt(ids, "prompt")
         return await server.run(request, "text", req, ids)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=openapi.ModelList, responses=openapi.ERRORS, summary="Served models")
     async def models(request: Request) -> dict:
+        """The served model (one; its aliases are accepted in requests but not listed)."""
         server.require_ready()
         server.authorize(request)
-        target = server.target
-        return {"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "tandem",
-            "meta": {"n_ctx": target.n_ctx, "vocab_size": target.vocab_size, "backend": target.backend,
-                     "device": target.device, "draft": _draft_name(server.draft)},
-        }]}
+        return {"object": "list", "data": [server.model_object(server.model_name)]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}", response_model=openapi.ModelObject, responses=openapi.ERRORS,
+             summary="One model")
+    async def model(request: Request, model_id: str) -> dict:
+        """The model named `model_id` (its id or an alias); 404 for any other name."""
+        server.require_ready()
+        server.authorize(request)
+        server.check_model(model_id)
+        return server.model_object(model_id if model_id in server.model_names else server.model_name)
+
+    @app.get("/health", response_model=openapi.Health, responses={503: {"model": openapi.Health}},
+             summary="Readiness")
     async def health() -> JSONResponse:
         """200 {"status": "ok"} when generations are taken; 503 with the status (loading, warming, draining,
         failed) otherwise, which is what gateways and orchestrators probe."""
@@ -551,11 +698,22 @@ def create_app(
         return JSONResponse({"status": "ok" if ready else server.status, "queue_depth": server.scheduler.queue_depth,
                              "active": server.scheduler.active_count}, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text exposition"}})
     async def metrics() -> Response:
+        """Request, token and speculation counters; queue, batch and KV gauges (also under vLLM's names)."""
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        return "0"
 
 
 def _draft_name(draft: Model | str | None) -> str | None:
@@ -608,11 +766,13 @@ def serve(args) -> int:
         rule = "!" * 100
         log.warning("\n%s\n%s\n%s", rule, warning, rule)
     sock = bind_socket(args.host, args.port)
+    # The id clients see: a name, never the server's file path (the path as typed is still accepted).
+    served_names = args.served_model_name or [os.path.basename(args.model).removesuffix(".gguf")]
     app = create_app(
         load=lambda: load_pair(args.model, args.draft, args.no_draft, args.device, args.dtype, args.backend,
                                args.ctx, args.draft_device, progress=sys.stderr.isatty()),
         warm_up=lambda target, draft: _warm_up(target, draft, args.draft_max, args.draft_policy),
-        model_name=args.served_model_name or args.model, aliases=[args.model],
+        model_name=served_names[0], aliases=[*served_names[1:], args.model],
         draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,
         slots=args.slots, max_body_bytes=args.max_body_bytes,
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), cors_origins=args.cors_origin,

@@ -8,18 +8,21 @@ Reference: https://platform.openai.com/docs/api-reference/chat and llama.cpp's t
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from tandem.engine.sequence import MAX_TOP_LOGPROBS, TokenLogprob
 from tandem.spec.stats import GenerationStats
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_N = 16  # choices a request may ask for: each takes a slot of the batch
 MAX_DRAFT_OVERRIDE = 64  # a per-request draft_max above this is surely a mistake (and each new k calibrates once)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -45,6 +48,17 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 # --- requests -------------------------------------------------------------------------------------------------
 
+def _whole_number(value: Any) -> Any:
+    """8.0 -> 8: JSON Schema's `integer` accepts whole-number floats, and Python clients send them; 8.5 stays a
+    float, which the strict int then refuses."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+WholeInt = Annotated[int, BeforeValidator(_whole_number)]
+
+
 class _Lenient(BaseModel):
     """Strict types for the fields we know, silence for the ones we don't."""
 
@@ -56,10 +70,45 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str = Field("{}", description="the arguments as a JSON object, serialized (as OpenAI sends them)")
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
-    role: str
-    content: str | list[ContentPart]
+    role: str = Field(description=f"one of {', '.join(ROLES)}")
+    content: str | list[ContentPart] | None = Field(
+        None, description="required, except for an assistant message that carries tool_calls")
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant messages: the calls the model made")
+    tool_call_id: str | None = Field(None, description="tool messages: the call this message answers")
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON Schema")
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Lenient):
@@ -70,31 +119,40 @@ class SpeculativeOptions(_Lenient):
     """Per-request draft override: {"draft_max": k} caps draft tokens per iteration; {"enabled": false} is off."""
 
     enabled: bool = True
-    draft_max: int | None = Field(None, ge=0, le=MAX_DRAFT_OVERRIDE)
+    draft_max: WholeInt | None = Field(None, ge=0, le=MAX_DRAFT_OVERRIDE)
 
 
 class _GenerationRequest(_Lenient):
     """Fields common to chat and text completions. Defaults are OpenAI's (temperature 1, top_p 1)."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    model: str | None = Field(None, description="the served model's id (GET /v1/models) or an alias; may be left out")
+    max_tokens: WholeInt | None = Field(None, ge=1, description="[until the context is full]")
+    max_completion_tokens: WholeInt | None = Field(None, ge=1, description="the same as max_tokens; wins over it")
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)
+    top_k: WholeInt = Field(0, ge=0, description="keep the k likeliest tokens; 0 is off (llama-server, vLLM)")
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP_STRINGS} strings")
+    seed: WholeInt | None = Field(None, description="makes sampling reproducible; choice i of n uses a seed derived "
+                                  "from it (choice 0 the seed itself)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: WholeInt = Field(1, ge=1, le=MAX_N, description="choices to generate, decoded together")
     user: str | None = None
-    speculative: bool | SpeculativeOptions | None = None
+    speculative: bool | SpeculativeOptions | None = Field(
+        None, description="tandem's per-request drafting: false turns it off, {draft_max: k} caps draft lengths")
+
+    # Parameters OpenAI defines that tandem cannot honour: a request that uses them gets a 400 naming them
+    # (never a silently different answer). {field: the values that ask for nothing, so they pass}.
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
     def checked(self) -> _GenerationRequest:
         """Cross-field checks pydantic's per-field constraints can't express."""
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: only n=1 (no batching)", param="n")
+        for name, neutral in self._UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is not None and value not in neutral:
+                raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name,
+                               code="unsupported_parameter")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
                            param="stop")
@@ -123,11 +181,39 @@ class _GenerationRequest(_Lenient):
             return False, None
         return spec.enabled, spec.draft_max
 
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice `index`: the request's for choice 0, so n=1 and the first of n agree; a hash of
+        (seed, index) for the others, so choices differ and each is reproducible."""
+        if self.seed is None or index == 0:
+            return self.seed
+        digest = hashlib.blake2b(f"{self.seed}:{index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1  # 63 bits: any torch.Generator takes it
+
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(description="the conversation; at least one message")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: WholeInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, description="functions the model may call; rendered by the model's chat "
+                                     "template, as transformers' apply_chat_template(tools=...) does")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"auto" (default with tools): the model decides; "none": tools are not offered; '
+        '"required" and a named function are not supported yet (400)')
+    parallel_tool_calls: bool | None = Field(None, description="true (the default) only: several calls may come back")
+    # OpenAI parameters tandem cannot honour (400 when used): see _UNSUPPORTED.
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[Any] | None = Field(None, description="deprecated by OpenAI: use tools (400)")
+    function_call: str | dict[str, Any] | None = Field(None, description="deprecated by OpenAI: use tool_choice (400)")
+    store: bool | None = None
+    reasoning_effort: str | None = None
+
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "functions": (),
+        "function_call": (), "store": (False,), "reasoning_effort": (), "parallel_tool_calls": (True,),
+    }
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -142,25 +228,84 @@ class ChatCompletionRequest(_GenerationRequest):
             if m.role not in ROLES:
                 raise APIError(400, f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
                                param=f"messages[{i}].role")
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise APIError(400, f"messages[{i}].content is required (only an assistant message with tool_calls "
+                               "may leave it out or null)", param=f"messages[{i}].content")
+            if m.tool_calls and m.role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                               param=f"messages[{i}].tool_calls")
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
                     if part.type != "text" or part.text is None:
                         raise APIError(400, f"messages[{i}].content[{j}]: only {{type: 'text', text}} parts are "
                                        f"supported, got type {part.type!r}", param=f"messages[{i}].content")
+        self._check_tools()
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them: content as one string, `developer` as `system`."""
-        out = []
-        for m in self.messages:
-            text = m.content if isinstance(m.content, str) else "".join(p.text or "" for p in m.content)
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, f"tools: function names must be unique, got {names}", param="tools")
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                           f"({', '.join(names)})", param="tool_choice")
+
+    @property
+    def tools_offered(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template gets them (None: none, or tool_choice "none", which offers none)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates want them (as transformers and vLLM hand them over): content as one string
+        (None for an assistant's tool calls without text), `developer` as `system`, tool-call arguments as
+        objects (templates write them with `tojson`), and a tool message's `name` filled in from the call it
+        answers (some templates print it)."""
+        out, call_names = [], {}
+        for i, m in enumerate(self.messages):
+            text = m.content if m.content is None or isinstance(m.content, str) else "".join(
+                p.text or "" for p in m.content)
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [self._template_call(i, j, call) for j, call in enumerate(m.tool_calls)]
+                call_names.update({c.id: c.function.name for c in m.tool_calls if c.id})
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+                if m.role == "tool" and "name" not in message and m.tool_call_id in call_names:
+                    message["name"] = call_names[m.tool_call_id]
+            out.append(message)
         return out
+
+    @staticmethod
+    def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
+        try:
+            arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            param = f"messages[{i}].tool_calls[{j}].function.arguments"
+            raise APIError(400, f"{param} is not valid JSON: {e}", param=param) from None
+        return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: str | list[WholeInt] | list[str] | list[list[WholeInt]] = Field(
+        description="text, or token ids; a list of one of them is taken too (several: 400)")
+    logprobs: WholeInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = Field(False, description="return the prompt before the completion (with logprobs: the prompt "
+                       "tokens' too, the first one null, as OpenAI does)")
+    max_tokens: WholeInt | None = Field(None, ge=0, description="[until the context is full]; 0 only with echo "
+                                        "(score the prompt, generate nothing)")
+    best_of: WholeInt | None = Field(None, description="1 only (400 otherwise): tandem returns every choice it makes")
+    suffix: str | None = Field(None, description="not supported (400): no fill-in-the-middle")
+
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"best_of": (1,), "suffix": ("",)}
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -169,9 +314,11 @@ class CompletionRequest(_GenerationRequest):
         super().checked()
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
-                raise APIError(400, f"a batch of {len(self.prompt)} prompts is not supported (n/batch not "
-                               f"supported): send one prompt per request", param="prompt")
+                raise APIError(400, f"a batch of {len(self.prompt)} prompts is not supported: send one prompt per "
+                               f"request (n gives several choices for one prompt)", param="prompt")
             self.prompt = self.prompt[0]
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 is allowed only with echo (scoring the prompt)", param="max_tokens")
         return self
 
 
@@ -263,7 +410,8 @@ def logprobs_object(kind: Kind, entries: list[TokenLogprob], piece: Callable[[in
                     text_offset: int = 0) -> dict[str, Any]:
     """OpenAI's logprobs for `entries`: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or the
     completions API's parallel lists (tokens, token_logprobs, top_logprobs, text_offset from `text_offset`).
-    piece(id) is a token's text. The values are the target's raw log-probabilities (see TokenLogprob)."""
+    piece(id) is a token's text. The values are the target's raw log-probabilities (see TokenLogprob); an echoed
+    prompt's first token has none (logprob None), which OpenAI shows as null."""
     if kind == "chat":
         def one(token: int, logprob: float) -> dict[str, Any]:
             text = piece(token)
@@ -276,36 +424,52 @@ def logprobs_object(kind: Kind, entries: list[TokenLogprob], piece: Callable[[in
         offsets.append(at)
         at += len(piece(e.token))
     return {"tokens": [piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{piece(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e.logprob is None else {piece(t): v for t, v in e.top} for e in entries],
+            "text_offset": offsets}
 
 
-def completion_response(kind: Kind, request_id: str, model: str, text: str, finish_reason: str,
-                        usage_: dict[str, int], timings_: dict[str, Any],
-                        logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A whole (non-streamed) chat.completion or text_completion object."""
+def choice_object(kind: Kind, index: int, text: str | None, finish_reason: str, logprobs: dict[str, Any] | None,
+                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One choice of a whole (non-streamed) response; a chat choice with tool calls has content None when the
+    model wrote nothing else, as OpenAI's do."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(kind: Kind, request_id: str, model: str, choices: list[dict[str, Any]],
+                         usage_: dict[str, int], timings_: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+    """A whole (non-streamed) chat.completion or text_completion object. timings_: one dict for one choice; for
+    n > 1, one per choice, which each choice carries (the top level then has none)."""
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    response = {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
+                "usage": usage_}
+    if isinstance(timings_, dict):
+        response["timings"] = timings_
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage_, "timings": timings_}
+        for choice, t in zip(choices, timings_, strict=True):
+            choice["timings"] = t
+    return response
 
 
 def stream_chunk(kind: Kind, request_id: str, created: int, model: str, text: str | None,
                  finish_reason: str | None = None, role: bool = False,
-                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One chat.completion.chunk (or streamed text_completion) carrying `text` (and the logprobs of the tokens
-    that came with it); the first chat chunk has the role."""
+                 logprobs: dict[str, Any] | None = None, index: int = 0,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One chat.completion.chunk (or streamed text_completion) for choice `index`, carrying `text` (and the
+    logprobs of the tokens that came with it, and tool-call deltas); each choice's first chat chunk has the role."""
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}

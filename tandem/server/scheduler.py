@@ -18,7 +18,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tandem.engine import Engine, GenerationChunk, Request
 from tandem.engine.sequence import Generation
@@ -43,15 +44,18 @@ class Event:
 
     chunk: GenerationChunk | None = None
     error: BaseException | None = None
+    index: int = 0  # the choice (of a request's n) it belongs to
 
 
 @dataclass
 class Job:
-    """A request's generation: what to run (`request`) and where its events go (`loop`, `events`)."""
+    """A request's generation: what to run (`request`) and where its events go (`loop`, `events`). The n choices
+    of one request are n jobs sharing one `events` queue; each event carries its job's `index`."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    index: int = 0
     enqueued_at: float = field(default_factory=time.perf_counter)
     queue_ms: float = 0.0  # time from submit to admission into the engine
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -59,7 +63,7 @@ class Job:
     def send(self, event: Event) -> None:
         """Hand an event to the job's event loop (callable from any thread)."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, replace(event, index=self.index))
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.cancelled.set()
 
@@ -79,6 +83,7 @@ class Scheduler:
         self.engine, self.slots, self.max_queue = None, slots, max_queue
         self.on_finish, self.on_cancel, self.on_step = on_finish, on_cancel, on_step
         self._waiting: deque[Job] = deque()
+        self._calls: deque[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = deque()
         self._active: dict[int, tuple[Job, Generation]] = {}  # touched only by the worker; others read its length
         self._cond = threading.Condition()
         self._stopping = False
@@ -115,13 +120,30 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         """Queue a job; raises QueueFullError when max_queue jobs already wait."""
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> None:
+        """Queue jobs together (a request's n choices): all of them, next to each other so they are admitted into
+        the same batch when slots allow, or none (QueueFullError when they would pass max_queue)."""
         with self._cond:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            waiting = len(self._waiting)  # a group larger than max_queue still goes in while it has room to start
+            if waiting >= self.max_queue or waiting + len(jobs) > max(self.max_queue, len(jobs)):
                 raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
             self._cond.notify()
+
+    def call(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """Run fn() on the worker thread, between engine steps (model work that is not a generation, such as
+        scoring a prompt: the models are the worker's alone); its result or exception lands in the future."""
+        future = loop.create_future()
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDownError("the server is shutting down")
+            self._calls.append((fn, future, loop))
+            self._cond.notify()
+        return future
 
     def cancel(self, job: Job) -> None:
         """The client is gone: drop the job if it still waits, else the worker drops it at its next step."""
@@ -140,17 +162,40 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and (self.engine is None or not self._waiting and not self._active):
+                while not self._stopping and (self.engine is None or not (self._waiting or self._active
+                                                                           or self._calls)):
                     self._cond.wait(IDLE_WAIT_S)
                 if self._stopping:
                     break
                 admitted = []
                 while self._waiting and len(self._active) + len(admitted) < self.slots:
                     admitted.append(self._waiting.popleft())
+                calls, self._calls = list(self._calls), deque()
+            for fn, future, loop in calls:
+                self._run_call(fn, future, loop)
             for job in admitted:
                 self._admit(job)
             self._step()
         self._shutdown()
+
+    @staticmethod
+    def _run_call(fn: Callable[[], Any], future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        try:
+            result, error = fn(), None
+        except Exception as e:  # noqa: BLE001  (handed to the caller; the worker carries on)
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits for it
+            pass
 
     def _admit(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -206,5 +251,12 @@ class Scheduler:
             job.send(Event(error=ShuttingDownError("the server is shutting down")))
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
+            calls, self._calls = list(self._calls), deque()
         for job in waiting:
             job.send(Event(error=ShuttingDownError("the server is shutting down")))
+        for _fn, future, loop in calls:
+            self._run_call(_shutting_down, future, loop)
+
+
+def _shutting_down() -> None:
+    raise ShuttingDownError("the server is shutting down")

@@ -1,0 +1,148 @@
+"""What /openapi.json (and /docs) says about the API: the request bodies (protocol.py's models, which also validate
+them) and the responses (models here that only describe; the handlers build the JSON themselves).
+
+Handlers read the raw body and validate it with `protocol.parse_request` (strict types, OpenAI's error shape, the
+body-size limit and auth checked before any parsing), so the request schemas are attached to the operations by hand
+(`request_body`) and added to the document's components (`install`), not declared as handler parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
+
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest)
+_REF = "#/components/schemas/{model}"
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for an operation whose JSON body is `model`."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _REF.format(model=model.__name__)}}}}}
+
+
+def install(app: FastAPI) -> None:
+    """Make app.openapi() include the request models' schemas (once, cached as FastAPI caches its own)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, description=app.description,
+                                   routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS], ref_template=_REF)
+            document.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+# --- responses (description only) -------------------------------------------------------------------------------
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error (4xx) or server_error")
+    param: str | None = Field(description="the offending request field, e.g. messages[0].content")
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: every 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = Field(description="summed over the n choices")
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] = Field(description="cached_tokens: prompt tokens whose KV was reused")
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object, serialized")
+
+
+class ToolCallOut(BaseModel):
+    id: str = Field(description="call_...")
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None = Field(description="null when the reply is only tool calls")
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None = Field(description='{"content": [{token, logprob, bytes, top_logprobs}]}')
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    timings: dict[str, Any] | None = Field(None, description="n > 1: this choice's timings")
+
+
+class ChatCompletion(BaseModel):
+    """A chat.completion; with stream: true, text/event-stream of chat.completion.chunk objects instead, each for
+    one choice (`index`), ending with `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str = Field(description="the served model's id")
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: dict[str, Any] | None = Field(None, description="n = 1: llama-server's per-request timings plus "
+                                           "tandem's speculation figures (draft_n, draft_n_accepted, ...)")
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = Field(description="{tokens, token_logprobs, top_logprobs, text_offset}")
+    finish_reason: Literal["stop", "length"]
+    timings: dict[str, Any] | None = None
+
+
+class Completion(BaseModel):
+    """A text_completion; with stream: true, text/event-stream of text_completion chunks, ending with
+    `data: [DONE]`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+    timings: dict[str, Any] | None = None
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    meta: dict[str, Any] = Field(description="n_ctx, vocab_size, backend, device, draft")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "warming", "draining", "failed"]
+    queue_depth: int
+    active: int
+
+
+ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "invalid request: the field is named in error.param"), (401, "missing or wrong API key"),
+    (404, "unknown model"), (413, "body over the size limit"), (503, "not ready, busy or shutting down"))}

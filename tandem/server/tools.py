@@ -1,0 +1,287 @@
+"""Tool calls: which text format a model writes them in, parsing that text into OpenAI `tool_calls`, incrementally
+for streams, and the JSON Schema that "a call to one of these tools" must match (for constrained decoding).
+
+The formats, as the models' own chat templates teach them:
+- hermes (Qwen2.5, Qwen3, Hermes): `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, any number,
+  after optional text.
+- llama3 (Llama 3.1-3.3): the whole reply is `{"name": "f", "parameters": {...}}` (the JSON-based tool calling of
+  Meta's template), optionally after `<|python_tag|>`; several calls are separated by `;`.
+- gemma4 (Gemma 4): `<|tool_call>call:f{key:value,...}<tool_call|>`, strings quoted as `<|"|>...<|"|>`, keys bare.
+  (Gemma 3's template has no tools: a request with tools gets a 400 there, see `template_supports_tools`.)
+
+A format is chosen from the chat template's text (what it writes for an assistant's tool call), then from the
+architecture. Parsing is the same for a stream and a whole reply: `ToolCallParser.push` returns text that is
+certainly not part of a call (held back while it may still begin one) and each call as soon as it is complete;
+`finish` flushes, and an unfinished or malformed call is returned as text, never dropped.
+References: OpenAI's chat API (tool_calls, streamed deltas); vLLM's hermes, llama3_json and gemma4 tool parsers;
+llama.cpp's common/chat.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMATS = ("hermes", "llama3", "gemma4")
+ARCHITECTURE_FORMATS = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3", "gemma4": "gemma4"}
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+GEMMA4_OPEN, GEMMA4_CLOSE = "<|tool_call>", "<tool_call|>"
+GEMMA4_QUOTE = '<|"|>'
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        """OpenAI's tool_call object (with `index` for a streamed delta); arguments as a JSON string."""
+        call = {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+        return call if index is None else {"index": index, **call}
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders `tools` at all (one that never reads it would drop them silently)."""
+    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+
+
+def detect_format(chat_template: str | None, architecture: str) -> str:
+    """The tool-call format a model writes: from what its template writes for an assistant's call, else from
+    the architecture, else hermes (the most common among open models)."""
+    template = chat_template or ""
+    if GEMMA4_OPEN in template:
+        return "gemma4"
+    if HERMES_OPEN in template:
+        return "hermes"
+    if PYTHON_TAG in template or ('"parameters"' in template and "<|start_header_id|>" in template):
+        return "llama3"
+    return ARCHITECTURE_FORMATS.get(architecture, "hermes")
+
+
+# --- parsing one call -------------------------------------------------------------------------------------------
+
+def _json_call(text: str, arguments_key: str | tuple[str, ...]) -> ParsedCall | None:
+    """{"name": ..., <arguments_key>: {...}} -> a call, or None when the text is not one."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    keys = (arguments_key,) if isinstance(arguments_key, str) else arguments_key
+    arguments = next((obj[k] for k in keys if k in obj), {})
+    if isinstance(arguments, str):  # some models write the arguments serialized, as OpenAI sends them
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    return ParsedCall(obj["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def parse_hermes_call(body: str) -> ParsedCall | None:
+    """The JSON between <tool_call> and </tool_call>."""
+    return _json_call(body.strip(), ("arguments", "parameters"))
+
+
+def parse_llama3_calls(text: str) -> list[ParsedCall] | None:
+    """A whole Llama 3 reply that is a call, or several separated by ';' (None: it is not calls)."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return None
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    while at < len(body):
+        try:
+            _, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return None
+        call = _json_call(body[at:end], ("parameters", "arguments"))
+        if call is None:
+            return None
+        calls.append(call)
+        at = end
+        rest = body[at:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        elif rest:
+            return None
+        at = len(body) - len(rest)
+    return calls or None
+
+
+_GEMMA4_CALL = re.compile(r"^\s*call:([A-Za-z0-9_.-]+)(\{.*\})\s*$", re.DOTALL)
+_GEMMA4_BARE_KEY = re.compile(r'([{,]\s*)([A-Za-z_][A-Za-z0-9_-]*)(\s*:)')
+
+
+def gemma4_to_json(text: str) -> str:
+    """Gemma 4's argument notation as JSON: `<|"|>`-quoted strings become JSON strings (their contents escaped),
+    bare keys get quotes; numbers, true/false/null, objects and lists are already JSON."""
+    out, at = [], 0
+    while True:
+        start = text.find(GEMMA4_QUOTE, at)
+        if start < 0:
+            out.append(_GEMMA4_BARE_KEY.sub(r'\1"\2"\3', text[at:]))
+            return "".join(out)
+        end = text.find(GEMMA4_QUOTE, start + len(GEMMA4_QUOTE))
+        if end < 0:
+            raise ValueError("an unterminated <|\"|> string")
+        out.append(_GEMMA4_BARE_KEY.sub(r'\1"\2"\3', text[at:start]))
+        out.append(json.dumps(text[start + len(GEMMA4_QUOTE):end], ensure_ascii=False))
+        at = end + len(GEMMA4_QUOTE)
+
+
+def parse_gemma4_call(body: str) -> ParsedCall | None:
+    """`call:name{key:value,...}` (the text between <|tool_call> and <tool_call|>)."""
+    match = _GEMMA4_CALL.match(body)
+    if match is None:
+        return None
+    try:
+        arguments = json.loads(gemma4_to_json(match.group(2)))
+    except (ValueError, json.JSONDecodeError):
+        return None
+    return ParsedCall(match.group(1), arguments) if isinstance(arguments, dict) else None
+
+
+# --- parsing a reply, whole or streamed -------------------------------------------------------------------------
+
+def _partial_marker(text: str, marker: str) -> int:
+    """Length of the longest tail of text that is a proper prefix of marker (text to hold back)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class ToolCallParser:
+    """Model text in, (text, calls) out, as the text arrives.
+
+    hermes and gemma4 calls are delimited, so text outside them streams at once (less a tail that may begin an
+    opening marker) and each call comes out when its closing marker arrives. A llama3 call is the whole reply, so a
+    reply that begins like one (`{` or `<|python_tag|>`) is held until the end; any other reply streams as text.
+    """
+
+    def __init__(self, fmt: str) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        self.fmt = fmt
+        self.opening, self.closing = {"hermes": (HERMES_OPEN, HERMES_CLOSE),
+                                      "gemma4": (GEMMA4_OPEN, GEMMA4_CLOSE)}.get(fmt, (None, None))
+        self.buffer = ""  # received, not yet returned
+        self.in_call = False  # the buffer starts inside an opened call (delimited formats)
+        self.llama3 = None  # llama3: None undecided, True holding a possible call, False plain text
+        self.calls: list[ParsedCall] = []  # every call returned so far
+        self.space = ""  # trailing whitespace held back: it is dropped if only calls follow it
+
+    def push(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """Text that is surely content, and calls completed by this text."""
+        self.buffer += text
+        if self.fmt == "llama3":
+            return self._push_llama3()
+        out, calls = [], []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(self.closing)
+                if end < 0:
+                    break
+                body, self.buffer, self.in_call = self.buffer[:end], self.buffer[end + len(self.closing):], False
+                call = self._parse_delimited(body)
+                if call is None:  # malformed: it stays text, as the model wrote it
+                    out.append(self.opening + body + self.closing)
+                else:
+                    calls.append(call)
+                continue
+            start = self.buffer.find(self.opening)
+            if start < 0:
+                keep = _partial_marker(self.buffer, self.opening)
+                out.append(self.buffer[:len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                break
+            out.append(self.buffer[:start])
+            self.buffer, self.in_call = self.buffer[start + len(self.opening):], True
+        self.calls += calls
+        return self._content("".join(out), final=False), calls
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """What is left at the end of the reply: an unclosed call is parsed if it is whole (models sometimes stop
+        before the closing marker), else returned as text."""
+        rest, self.buffer = self.buffer, ""
+        if self.fmt == "llama3":
+            if self.llama3:
+                calls = parse_llama3_calls(rest)
+                if calls:
+                    self.calls += calls
+                    return "", calls
+            return rest, []
+        if self.in_call:
+            self.in_call = False
+            call = self._parse_delimited(rest)
+            if call is not None:
+                self.calls.append(call)
+                return self._content("", final=True), [call]
+            rest = self.opening + rest
+        return self._content(rest, final=True), []
+
+    def _content(self, text: str, final: bool) -> str:
+        """Text to return, less trailing whitespace held until more text shows it belongs to the content (at the
+        end: kept when the reply made no call, dropped when it did, so a call-only reply has no content)."""
+        text = self.space + text
+        if final:
+            self.space = ""
+            return text if not self.calls else text.rstrip()
+        kept = text.rstrip()
+        self.space = text[len(kept):]
+        return kept
+
+    def _parse_delimited(self, body: str) -> ParsedCall | None:
+        return parse_hermes_call(body) if self.fmt == "hermes" else parse_gemma4_call(body)
+
+    def _push_llama3(self) -> tuple[str, list[ParsedCall]]:
+        if self.llama3 is None:
+            head = self.buffer.lstrip()
+            if not head:
+                return "", []
+            if head.startswith("{") or head.startswith(PYTHON_TAG):
+                self.llama3 = True
+            elif PYTHON_TAG.startswith(head):
+                return "", []  # may still become the tag
+            else:
+                self.llama3 = False
+        if self.llama3:
+            return "", []
+        out, self.buffer = self.buffer, ""
+        return out, []
+
+
+def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ParsedCall]]:
+    """A whole reply -> (the text that is not calls, the calls)."""
+    parser = ToolCallParser(fmt)
+    head, calls = parser.push(text)
+    tail, more = parser.finish()
+    return head + tail, calls + more
+
+
+# --- the constraint seam ---------------------------------------------------------------------------------------
+
+def tool_call_schema(tools: list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
+    """The JSON Schema of "a call to one of these tools" (tool_choice "required"), or of "a call to function
+    `name`" (a named tool_choice): {"name": <const>, "arguments": <the function's parameters>}, one branch per
+    function. Constrained decoding of the call's JSON body (between the format's markers) makes the answer a
+    valid call; tools: OpenAI's tool objects ({"type": "function", "function": {...}})."""
+    branches = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        branches.append({"type": "object", "properties": {
+            "name": {"const": function["name"]},
+            "arguments": function.get("parameters") or {"type": "object"},
+        }, "required": ["name", "arguments"], "additionalProperties": False})
+    if not branches:
+        raise ValueError(f"no tool named {name!r}")
+    return branches[0] if len(branches) == 1 else {"anyOf": branches}
