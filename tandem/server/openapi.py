@@ -35,7 +35,15 @@ def install(app: FastAPI) -> None:
             document = get_openapi(title=app.title, version=app.version, description=app.description,
                                    routes=app.routes)
             _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS], ref_template=_REF)
-            document.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            schemas.update(defs.get("$defs", {}))
+            # FastAPI documents a 422 for any operation with parameters; this server answers invalid input with
+            # OpenAI's 400 instead (the RequestValidationError handler in app.py).
+            for operations in document["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
             app.openapi_schema = document
         return app.openapi_schema
 
