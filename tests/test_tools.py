@@ -91,6 +91,23 @@ def test_hermes_texts(text, content, calls):
 
 
 @pytest.mark.parametrize("text, content, calls", [
+    # Qwen2.5-Coder's habit: the call as the whole reply, in a ```json fence or bare; offered names only.
+    ('```json\n{\n  "name": "get_current_weather",\n  "arguments": {\n    "location": "Istanbul"\n  }\n}\n```', "",
+     [("get_current_weather", {"location": "Istanbul"})]),
+    ('{"name": "python", "arguments": {"code": "1"}}', "", [("python", {"code": "1"})]),
+    ('```json\n[{"name": "python", "arguments": {}}, {"name": "test", "arguments": {"success": true}}]\n```', "",
+     [("python", {}), ("test", {"success": True})]),
+    ('{"name": "json_example", "arguments": {}}', '{"name": "json_example", "arguments": {}}', []),  # not offered
+    ('```json\n{"name": "python"', '```json\n{"name": "python"', []),
+    ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
+])
+def test_hermes_whole_reply_calls_to_offered_tools(text, content, calls):
+    got_content, got = parse_tool_calls(text, "hermes", tool_names=["get_current_weather", "python", "test"])
+    assert (got_content, [(c.name, c.arguments) for c in got]) == (content, calls)
+    assert parse_tool_calls(text, "hermes")[1] == []  # no offered names: no whole-reply calls
+
+
+@pytest.mark.parametrize("text, content, calls", [
     ('{"name": "get_current_weather", "parameters": {"location": "Istanbul"}}', "",
      [("get_current_weather", {"location": "Istanbul"})]),
     ('<|python_tag|>{"name": "python", "parameters": {"code": "1+1"}}', "", [("python", {"code": "1+1"})]),
@@ -130,12 +147,14 @@ def test_gemma4_notation_to_json():
     ("llama3", '<|python_tag|>{"name": "python", "parameters": {"code": "print(1)"}}'),
     ("llama3", "<|python not a tag, just text"),
     ("gemma4", 'A <|tool_call>call:get_current_weather{location:<|"|>Paris<|"|>}<tool_call|> B'),
+    ("hermes", '```json\n{"name": "python", "arguments": {"code": "1"}}\n```'),
+    ("hermes", '```json\n{"answer": 42}\n```\nand <tool_call>{"name": "test", "arguments": {}}</tool_call>'),
 ])
 @pytest.mark.parametrize("piece", [1, 3, 7])
 def test_streamed_pieces_reassemble_to_the_whole_parse(fmt, text, piece):
     """Any split of the text (a token is a few characters) gives the whole parse, and no text that belongs to a
     call is ever returned as content."""
-    parser, content, calls = ToolCallParser(fmt), [], []
+    parser, content, calls = ToolCallParser(fmt, ["python", "test"]), [], []
     for i in range(0, len(text), piece):
         out, done = parser.push(text[i:i + piece])
         content.append(out)
@@ -143,7 +162,7 @@ def test_streamed_pieces_reassemble_to_the_whole_parse(fmt, text, piece):
     out, done = parser.finish()
     content.append(out)
     calls += done
-    whole_content, whole_calls = parse_tool_calls(text, fmt)
+    whole_content, whole_calls = parse_tool_calls(text, fmt, ["python", "test"])
     assert "".join(content) == whole_content
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
     for out in content:

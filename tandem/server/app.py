@@ -362,7 +362,8 @@ class Server:
         if jobs:
             self.submit(jobs)
         request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        choices = [_Choice(i, self, kind, tool_format) for i in range(req.n)]
+        tool_names = [t.function.name for t in req.tools or []] if tool_format else []
+        choices = [_Choice(i, self, kind, tool_format, tool_names) for i in range(req.n)]
         if echo:
             prompt_text = await run_in_threadpool(self.target.tokenizer.decode, ids)
             prompt_scored = await scoring if scoring is not None else None
@@ -468,9 +469,10 @@ class _Choice:
     returns what a stream sends for the chunk (text, tool-call deltas, logprobs); `whole` is the choice object.
     """
 
-    def __init__(self, index: int, server: Server, kind: protocol.Kind, tool_format: str | None) -> None:
+    def __init__(self, index: int, server: Server, kind: protocol.Kind, tool_format: str | None,
+                 tool_names: list[str]) -> None:
         self.index, self.server, self.kind = index, server, kind
-        self.parser = ToolCallParser(tool_format) if tool_format else None
+        self.parser = ToolCallParser(tool_format, tool_names) if tool_format else None
         self.texts: list[str] = []
         self.calls: list[dict] = []
         self.scored: list = []  # TokenLogprob of every token so far (echoed prompt tokens first)

@@ -56,7 +56,13 @@ def _whole_number(value: Any) -> Any:
     return value
 
 
-WholeInt = Annotated[int, BeforeValidator(_whole_number)]
+def _whole(**constraints: Any) -> Any:
+    """An int field that takes whole-number floats, with its bounds (ge, le) where JSON Schema shows them (bounds
+    placed after the validator would be documented under pydantic's names instead)."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_whole_number)]
+
+
+WholeInt = _whole()
 
 
 class _Lenient(BaseModel):
@@ -119,25 +125,25 @@ class SpeculativeOptions(_Lenient):
     """Per-request draft override: {"draft_max": k} caps draft tokens per iteration; {"enabled": false} is off."""
 
     enabled: bool = True
-    draft_max: WholeInt | None = Field(None, ge=0, le=MAX_DRAFT_OVERRIDE)
+    draft_max: _whole(ge=0, le=MAX_DRAFT_OVERRIDE) | None = None
 
 
 class _GenerationRequest(_Lenient):
     """Fields common to chat and text completions. Defaults are OpenAI's (temperature 1, top_p 1)."""
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models) or an alias; may be left out")
-    max_tokens: WholeInt | None = Field(None, ge=1, description="[until the context is full]")
-    max_completion_tokens: WholeInt | None = Field(None, ge=1, description="the same as max_tokens; wins over it")
+    max_tokens: _whole(ge=1) | None = Field(None, description="[until the context is full]")
+    max_completion_tokens: _whole(ge=1) | None = Field(None, description="the same as max_tokens; wins over it")
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: WholeInt = Field(0, ge=0, description="keep the k likeliest tokens; 0 is off (llama-server, vLLM)")
+    top_k: _whole(ge=0) = Field(0, description="keep the k likeliest tokens; 0 is off (llama-server, vLLM)")
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP_STRINGS} strings")
     seed: WholeInt | None = Field(None, description="makes sampling reproducible; choice i of n uses a seed derived "
                                   "from it (choice 0 the seed itself)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: WholeInt = Field(1, ge=1, le=MAX_N, description="choices to generate, decoded together")
+    n: _whole(ge=1, le=MAX_N) = Field(1, description="choices to generate, decoded together")
     user: str | None = None
     speculative: bool | SpeculativeOptions | None = Field(
         None, description="tandem's per-request drafting: false turns it off, {draft_max: k} caps draft lengths")
@@ -193,7 +199,7 @@ class _GenerationRequest(_Lenient):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(description="the conversation; at least one message")
     logprobs: bool = False
-    top_logprobs: WholeInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: _whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     tools: list[Tool] | None = Field(None, description="functions the model may call; rendered by the model's chat "
                                      "template, as transformers' apply_chat_template(tools=...) does")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -297,10 +303,10 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[WholeInt] | list[str] | list[list[WholeInt]] = Field(
         description="text, or token ids; a list of one of them is taken too (several: 400)")
-    logprobs: WholeInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: _whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     echo: bool = Field(False, description="return the prompt before the completion (with logprobs: the prompt "
                        "tokens' too, the first one null, as OpenAI does)")
-    max_tokens: WholeInt | None = Field(None, ge=0, description="[until the context is full]; 0 only with echo "
+    max_tokens: _whole(ge=0) | None = Field(None, description="[until the context is full]; 0 only with echo "
                                         "(score the prompt, generate nothing)")
     best_of: WholeInt | None = Field(None, description="1 only (400 otherwise): tandem returns every choice it makes")
     suffix: str | None = Field(None, description="not supported (400): no fill-in-the-middle")

@@ -3,7 +3,7 @@ for streams, and the JSON Schema that "a call to one of these tools" must match 
 
 The formats, as the models' own chat templates teach them:
 - hermes (Qwen2.5, Qwen3, Hermes): `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, any number,
-  after optional text.
+  after optional text; or a reply that is only such JSON (bare or in a ```json fence) naming an offered tool.
 - llama3 (Llama 3.1-3.3): the whole reply is `{"name": "f", "parameters": {...}}` (the JSON-based tool calling of
   Meta's template), optionally after `<|python_tag|>`; several calls are separated by `;`.
 - gemma4 (Gemma 4): `<|tool_call>call:f{key:value,...}<tool_call|>`, strings quoted as `<|"|>...<|"|>`, keys bare.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,31 +159,99 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
+_FENCED = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+
+
+def parse_bare_calls(text: str, names: Collection[str]) -> list[ParsedCall] | None:
+    """A whole reply that is only JSON: one call object, or a list of them, bare or in a ```json fence, each naming
+    one of `names` (None: it is not calls). Qwen2.5-Coder writes its calls so instead of in <tool_call> tags more
+    often than not; llama.cpp's hermes parser takes them too. Only offered names count, so JSON a user asked for
+    stays content."""
+    body = text.strip()
+    fenced = _FENCED.match(body)
+    body = fenced.group(1) if fenced else body
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    objects = obj if isinstance(obj, list) else [obj]
+    calls = [_json_call(json.dumps(o), ("arguments", "parameters")) for o in objects]
+    if not calls or any(c is None or c.name not in names for c in calls):
+        return None
+    return calls
+
+
 class ToolCallParser:
     """Model text in, (text, calls) out, as the text arrives.
 
     hermes and gemma4 calls are delimited, so text outside them streams at once (less a tail that may begin an
-    opening marker) and each call comes out when its closing marker arrives. A llama3 call is the whole reply, so a
-    reply that begins like one (`{` or `<|python_tag|>`) is held until the end; any other reply streams as text.
+    opening marker) and each call comes out when its closing marker arrives. Some calls are the whole reply: llama3's
+    always, hermes' when a model writes bare JSON (`parse_bare_calls`); a reply that begins like one (`{`,
+    `<|python_tag|>`, a ```json fence) is held until the end, and any other streams as it comes.
     """
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, tool_names: Collection[str] = ()) -> None:
+        """tool_names: the offered functions (hermes takes bare-JSON calls to these only)."""
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(FORMATS)}")
-        self.fmt = fmt
+        self.fmt, self.tool_names = fmt, frozenset(tool_names)
         self.opening, self.closing = {"hermes": (HERMES_OPEN, HERMES_CLOSE),
                                       "gemma4": (GEMMA4_OPEN, GEMMA4_CLOSE)}.get(fmt, (None, None))
         self.buffer = ""  # received, not yet returned
         self.in_call = False  # the buffer starts inside an opened call (delimited formats)
-        self.llama3 = None  # llama3: None undecided, True holding a possible call, False plain text
+        # Whether the reply is (maybe) a whole-reply call: None undecided, True held to the end, False not.
+        self.whole = None if fmt == "llama3" or (fmt == "hermes" and self.tool_names) else False
         self.calls: list[ParsedCall] = []  # every call returned so far
         self.space = ""  # trailing whitespace held back: it is dropped if only calls follow it
 
     def push(self, text: str) -> tuple[str, list[ParsedCall]]:
         """Text that is surely content, and calls completed by this text."""
         self.buffer += text
+        if self.whole is None:
+            self.whole = self._looks_whole(self.buffer.lstrip())
+        if self.whole is not False:  # held (or still undecided)
+            return "", []
         if self.fmt == "llama3":
-            return self._push_llama3()
+            out, self.buffer = self.buffer, ""
+            return out, []
+        return self._push_delimited()
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """What is left at the end of the reply: a held reply parsed as calls, an unclosed call parsed if it is whole
+        (models sometimes stop before the closing marker); whatever is not a call is returned as text."""
+        if self.whole is not False:
+            rest, self.buffer, self.whole = self.buffer, "", False
+            calls = (parse_llama3_calls(rest) if self.fmt == "llama3" else parse_bare_calls(rest, self.tool_names))
+            if calls:
+                self.calls += calls
+                return "", calls
+            if self.fmt == "llama3":
+                return rest, []
+            head, calls = self.push(rest)  # hermes: it may still hold tagged calls
+            tail, more = self.finish()
+            return head + tail, calls + more
+        rest, self.buffer = self.buffer, ""
+        if self.fmt == "llama3":
+            return rest, []
+        if self.in_call:
+            self.in_call = False
+            call = self._parse_delimited(rest)
+            if call is not None:
+                self.calls.append(call)
+                return self._content("", final=True), [call]
+            rest = self.opening + rest
+        return self._content(rest, final=True), []
+
+    def _looks_whole(self, head: str) -> bool | None:
+        """Whether a reply beginning with `head` is held as a possible whole-reply call (None: cannot tell yet)."""
+        if not head:
+            return None
+        starts = ("{", PYTHON_TAG) if self.fmt == "llama3" else ("{", "```json")
+        if head.startswith(starts):
+            return True
+        return None if any(s.startswith(head) for s in starts) else False
+
+    def _push_delimited(self) -> tuple[str, list[ParsedCall]]:
         out, calls = [], []
         while True:
             if self.in_call:
@@ -207,26 +276,6 @@ class ToolCallParser:
         self.calls += calls
         return self._content("".join(out), final=False), calls
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        """What is left at the end of the reply: an unclosed call is parsed if it is whole (models sometimes stop
-        before the closing marker), else returned as text."""
-        rest, self.buffer = self.buffer, ""
-        if self.fmt == "llama3":
-            if self.llama3:
-                calls = parse_llama3_calls(rest)
-                if calls:
-                    self.calls += calls
-                    return "", calls
-            return rest, []
-        if self.in_call:
-            self.in_call = False
-            call = self._parse_delimited(rest)
-            if call is not None:
-                self.calls.append(call)
-                return self._content("", final=True), [call]
-            rest = self.opening + rest
-        return self._content(rest, final=True), []
-
     def _content(self, text: str, final: bool) -> str:
         """Text to return, less trailing whitespace held until more text shows it belongs to the content (at the
         end: kept when the reply made no call, dropped when it did, so a call-only reply has no content)."""
@@ -241,26 +290,10 @@ class ToolCallParser:
     def _parse_delimited(self, body: str) -> ParsedCall | None:
         return parse_hermes_call(body) if self.fmt == "hermes" else parse_gemma4_call(body)
 
-    def _push_llama3(self) -> tuple[str, list[ParsedCall]]:
-        if self.llama3 is None:
-            head = self.buffer.lstrip()
-            if not head:
-                return "", []
-            if head.startswith("{") or head.startswith(PYTHON_TAG):
-                self.llama3 = True
-            elif PYTHON_TAG.startswith(head):
-                return "", []  # may still become the tag
-            else:
-                self.llama3 = False
-        if self.llama3:
-            return "", []
-        out, self.buffer = self.buffer, ""
-        return out, []
 
-
-def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ParsedCall]]:
+def parse_tool_calls(text: str, fmt: str, tool_names: Collection[str] = ()) -> tuple[str, list[ParsedCall]]:
     """A whole reply -> (the text that is not calls, the calls)."""
-    parser = ToolCallParser(fmt)
+    parser = ToolCallParser(fmt, tool_names)
     head, calls = parser.push(text)
     tail, more = parser.finish()
     return head + tail, calls + more
