@@ -438,3 +438,32 @@ def test_qwen_calls_the_weather_tool(real_pair, stream):
         assert re.match(r"^Istanbul(( |, ?)(TR|Turkey|Türkiye))?$", json.loads(arguments)["location"]), arguments
     finally:
         target.close()
+
+
+def test_a_requests_choices_queue_together_or_not_at_all():
+    """n jobs go in whole (a group larger than max_queue too, while nothing waits), or a 503 refuses them all."""
+    import asyncio
+
+    from tandem.engine import Request
+    from tandem.server.scheduler import Job, QueueFullError, Scheduler
+
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(None, slots=1, max_queue=2)
+
+        def jobs(n: int) -> list[Job]:
+            return [Job(request=Request([1]), loop=loop, index=i) for i in range(n)]
+
+        scheduler.submit_all(jobs(3))
+        assert scheduler.queue_depth == 3
+        with pytest.raises(QueueFullError):
+            scheduler.submit_all(jobs(1))
+        assert scheduler.queue_depth == 3
+        scheduler = Scheduler(None, slots=1, max_queue=4)
+        scheduler.submit_all(jobs(2))
+        with pytest.raises(QueueFullError):
+            scheduler.submit_all(jobs(3))  # 5 would wait: none of them goes in
+        scheduler.submit_all(jobs(2))
+        assert scheduler.queue_depth == 4
+    finally:
+        loop.close()

@@ -366,7 +366,11 @@ class Server:
         choices = [_Choice(i, self, kind, tool_format, tool_names) for i in range(req.n)]
         if echo:
             prompt_text = await run_in_threadpool(self.target.tokenizer.decode, ids)
-            prompt_scored = await scoring if scoring is not None else None
+            try:
+                prompt_scored = await scoring if scoring is not None else None
+            except Exception as e:  # noqa: BLE001  (shutting down, or a bug: said as _as_api_error says it)
+                self.cancel(jobs)
+                raise _as_api_error(e) from None
             for choice in choices:
                 choice.echo(prompt_text, prompt_scored)
         if req.stream:
