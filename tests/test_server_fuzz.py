@@ -26,14 +26,20 @@ json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3) | st
 roles = st.sampled_from(["system", "developer", "user", "assistant", "tool"])
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
 content = st.text(max_size=40) | st.lists(text_part, min_size=1, max_size=3)
-message = st.fixed_dictionaries({"role": roles, "content": content})
+arguments = st.sampled_from(["{}", '{"a": 1}', "{oops", "", "[1]"])
+tool_call = st.fixed_dictionaries({"id": st.text(max_size=4), "type": st.just("function"), "function": (
+    st.fixed_dictionaries({"name": st.text(max_size=4), "arguments": arguments}))})
+message = st.fixed_dictionaries({"role": roles, "content": content}) | st.fixed_dictionaries(
+    {"role": st.just("assistant"), "content": st.none(), "tool_calls": st.lists(tool_call, min_size=1, max_size=2)})
 odd_message = st.fixed_dictionaries({}, optional={
     "role": roles | st.sampled_from(["wizard", ""]) | json_values,
-    "content": content | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["image_url", "text"])}),
-                                  max_size=2) | json_values})
+    "content": content | st.none() | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["image_url", "text"])}), max_size=2) | json_values,
+    "tool_calls": st.lists(tool_call, max_size=2) | json_values,
+    "tool_call_id": st.text(max_size=4) | json_values})
 FIELDS = {
     "model": (st.just("tiny"), st.sampled_from(["gpt-4", ""])),
-    "max_tokens": (st.integers(1, 12), st.integers(-3, 2**40)),
+    "max_tokens": (st.integers(1, 12) | st.integers(1, 12).map(float), st.integers(-3, 2**40) | st.floats(-3, 20)),
     "max_completion_tokens": (st.integers(1, 12), st.integers(-3, 0)),
     "temperature": (st.floats(0, 2), st.floats(-1, 3) | st.sampled_from([float("nan"), float("inf")])),
     "top_p": (st.floats(0.01, 1), st.floats(-0.5, 1.5)),
@@ -44,12 +50,18 @@ FIELDS = {
     "seed": (st.integers(0, 2**31), st.integers(-(2**70), 2**70)),
     "stream": (st.booleans(), st.booleans()),
     "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}), st.just({})),
-    "n": (st.just(1), st.integers(-1, 3)),
+    "n": (st.integers(1, 3), st.integers(-1, 20) | st.floats(-1, 4)),
     "user": (st.text(max_size=5), st.text(max_size=5)),
     "speculative": (st.booleans() | st.fixed_dictionaries({}, optional={"enabled": st.booleans(),
                                                                       "draft_max": st.integers(0, 8)}),
                     st.fixed_dictionaries({"draft_max": st.integers(-2, 70)})),
     "logit_bias": (json_values, json_values),  # unknown to us: must be ignored
+    "echo": (st.booleans(), json_values),
+    "best_of": (st.just(1), st.integers(-1, 3) | st.floats(0, 3)),
+    "tools": (st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+              st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+                  {"name": st.text(max_size=5)})}), max_size=2)),
+    "tool_choice": (st.sampled_from(["none", "auto"]), st.sampled_from(["required", "bogus"]) | json_values),
     "messages": (st.lists(message, min_size=1, max_size=3), st.lists(odd_message, max_size=3)),
     "prompt": (st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 300), min_size=1, max_size=30),
                st.lists(st.integers(-3, 400), max_size=30) | st.lists(st.text(max_size=10), max_size=2)),
