@@ -2,9 +2,12 @@
 
 Request path: the ASGI guard (body size limit, access log, request counter) -> the browser guard (Host and
 Content-Type, `safety.py`) -> CORS when origins are allowed -> readiness -> API-key check -> strict parsing
-(`protocol.parse_request`) -> tokenizing and the context check, before anything is queued -> `Scheduler.submit` ->
-chunks back from the worker thread -> one JSON response or an SSE stream. Every error leaves as OpenAI's error
-object with a 4xx status; anything unexpected is a generic 500, logged here with its traceback, never sent.
+(`protocol.parse_request`) -> tokenizing (chat: the template gets the tools) and the context check, before anything
+is queued -> the request's n choices queued together (`Scheduler.submit_all`; with echo and logprobs, the prompt
+scored on the worker too) -> chunks back from the worker thread, each choice assembled by `choices.Choice` (tool
+calls parsed out of its text) -> one JSON response or an SSE stream whose chunks carry their choice's index. Every
+error leaves as OpenAI's error object with a 4xx status; anything unexpected is a generic 500, logged here with its
+traceback, never sent. /openapi.json and /docs describe it all (openapi.py).
 
 Context policy: a prompt that leaves no room for one generated token is a 400 saying by how many tokens it is too
 long; otherwise max_tokens is clamped to the room left (as llama-server does), and an absent max_tokens means "until
@@ -49,11 +52,12 @@ from tandem.engine import Request as EngineRequest
 from tandem.engine.scoring import prompt_logprobs
 from tandem.sampling import SamplingParams
 from tandem.server import openapi, protocol
+from tandem.server.choices import Choice
 from tandem.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from tandem.server.safety import BrowserGuard, allowed_hosts_for, exposure_warning
 from tandem.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
-from tandem.server.tools import ToolCallParser, detect_format, template_supports_tools
+from tandem.server.tools import detect_format, template_supports_tools
 from tandem.spec.stats import GenerationStats
 
 log = logging.getLogger("tandem.server")
@@ -363,7 +367,7 @@ class Server:
             self.submit(jobs)
         request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
         tool_names = [t.function.name for t in req.tools or []] if tool_format else []
-        choices = [_Choice(i, self, kind, tool_format, tool_names) for i in range(req.n)]
+        choices = [Choice(i, kind, self.piece, tool_format, tool_names) for i in range(req.n)]
         if echo:
             prompt_text = await run_in_threadpool(self.target.tokenizer.decode, ids)
             try:
@@ -399,13 +403,13 @@ class Server:
             timings[0] if req.n == 1 else timings))
 
     @staticmethod
-    def usage(prompt_tokens: int, choices: list[_Choice]) -> dict:
+    def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
         """OpenAI's usage for a request: the prompt once, the completion tokens of every choice."""
         return protocol.usage(prompt_tokens, sum(c.n_tokens for c in choices),
                               max(c.stats.cached_tokens for c in choices))
 
     async def stream(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest, jobs: list[Job],
-                     choices: list[_Choice], request_id: str, prompt_tokens: int) -> AsyncIterator[str]:
+                     choices: list[Choice], request_id: str, prompt_tokens: int) -> AsyncIterator[str]:
         """SSE events in OpenAI's chunk format, each for one choice (its `index`), ending with `data: [DONE]`.
         Cancellation (a disconnect) lands in the awaits here; _SSEResponse then cancels the jobs."""
         created = int(time.time())
@@ -464,71 +468,6 @@ class Server:
             f" prompt={stats.prompt_tokens} generated={stats.generated_tokens} drafted={stats.draft_tokens} "
             f"accepted={stats.accepted_tokens} queue={job.queue_ms if job else 0:.0f}ms "
             f"prefill={stats.prefill_ms:.0f}ms decode={stats.decode_ms:.0f}ms" + (f" n={n}" if n > 1 else ""))
-
-
-class _Choice:
-    """One choice of a response as its chunks arrive: text, tokens, logprobs, tool calls, how it finished.
-
-    Streamed and whole responses are built from the same `add` calls, so they carry the same answer: `add`
-    returns what a stream sends for the chunk (text, tool-call deltas, logprobs); `whole` is the choice object.
-    """
-
-    def __init__(self, index: int, server: Server, kind: protocol.Kind, tool_format: str | None,
-                 tool_names: list[str]) -> None:
-        self.index, self.server, self.kind = index, server, kind
-        self.parser = ToolCallParser(tool_format, tool_names) if tool_format else None
-        self.texts: list[str] = []
-        self.calls: list[dict] = []
-        self.scored: list = []  # TokenLogprob of every token so far (echoed prompt tokens first)
-        self.n_tokens = 0
-        self.text_offset = 0  # characters before the next token's text (completions' logprobs text_offset)
-        self.echoed: tuple[str, dict | None] | None = None  # what a stream sends first with echo: text, logprobs
-        self.finish_reason: str | None = None
-        self.stats = GenerationStats()
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def echo(self, prompt_text: str, prompt_scored: list | None) -> None:
-        """Put the prompt before the completion (completions' echo), with its tokens' logprobs when scored."""
-        self.texts.append(prompt_text)
-        logprobs = None
-        if prompt_scored is not None:
-            logprobs = self.server.logprobs(self.kind, prompt_scored)
-            self.scored += prompt_scored
-            self.text_offset = sum(len(self.server.piece(e.token)) for e in prompt_scored)
-        self.echoed = (prompt_text, logprobs)
-
-    def add(self, chunk) -> tuple[str, list[dict] | None, dict | None]:
-        """Take a chunk; return what a stream sends for it: text, tool-call deltas, logprobs."""
-        text, calls = chunk.text, []
-        if self.parser is not None:
-            text, calls = self.parser.push(chunk.text)
-            if chunk.finish_reason is not None:
-                tail, more = self.parser.finish()
-                text, calls = text + tail, calls + more
-        self.texts.append(text)
-        deltas = [c.openai(index=len(self.calls) + i) for i, c in enumerate(calls)]  # a whole call per delta
-        self.calls += [c.openai() for c in calls]
-        self.n_tokens += len(chunk.tokens)
-        logprobs = None
-        if chunk.logprobs:
-            logprobs = self.server.logprobs(self.kind, chunk.logprobs, self.text_offset)
-            self.scored += chunk.logprobs
-            self.text_offset += sum(len(self.server.piece(e.token)) for e in chunk.logprobs)
-        if chunk.finish_reason is not None:
-            self.close("tool_calls" if self.calls else chunk.finish_reason, chunk.stats)
-        return text, deltas or None, logprobs
-
-    def close(self, finish_reason: str, stats: GenerationStats) -> None:
-        self.finish_reason, self.stats = finish_reason, stats
-
-    def whole(self, with_logprobs: bool) -> dict:
-        text = "".join(self.texts)
-        logprobs = self.server.logprobs(self.kind, self.scored) if with_logprobs else None
-        content = None if self.calls and not text else text
-        return protocol.choice_object(self.kind, self.index, content, self.finish_reason, logprobs, self.calls)
 
 
 def _as_api_error(error: BaseException) -> APIError:

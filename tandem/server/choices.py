@@ -1,0 +1,79 @@
+"""One choice of a response, assembled from the engine's chunks: its text (the echoed prompt first, with echo), its
+tool calls parsed out of that text, its logprobs, how it finished. Streamed and whole responses are built from the
+same calls, so a stream reassembles to the whole answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tandem.engine import GenerationChunk
+from tandem.server import protocol
+from tandem.server.tools import ToolCallParser
+from tandem.spec.stats import GenerationStats
+
+
+class Choice:
+    """One choice of a response as its chunks arrive: text, tokens, logprobs, tool calls, how it finished.
+
+    Streamed and whole responses are built from the same `add` calls, so they carry the same answer: `add`
+    returns what a stream sends for the chunk (text, tool-call deltas, logprobs); `whole` is the choice object.
+    """
+
+    def __init__(self, index: int, kind: protocol.Kind, piece: Callable[[int], str], tool_format: str | None,
+                 tool_names: list[str]) -> None:
+        """piece(id): a token's text as logprobs show it; tool_format: parse tool calls in this format (None:
+        none), to the functions in tool_names."""
+        self.index, self.kind, self.piece = index, kind, piece
+        self.parser = ToolCallParser(tool_format, tool_names) if tool_format else None
+        self.texts: list[str] = []
+        self.calls: list[dict] = []
+        self.scored: list = []  # TokenLogprob of every token so far (echoed prompt tokens first)
+        self.n_tokens = 0
+        self.text_offset = 0  # characters before the next token's text (completions' logprobs text_offset)
+        self.echoed: tuple[str, dict | None] | None = None  # what a stream sends first with echo: text, logprobs
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def echo(self, prompt_text: str, prompt_scored: list | None) -> None:
+        """Put the prompt before the completion (completions' echo), with its tokens' logprobs when scored."""
+        self.texts.append(prompt_text)
+        logprobs = None
+        if prompt_scored is not None:
+            logprobs = protocol.logprobs_object(self.kind, prompt_scored, self.piece)
+            self.scored += prompt_scored
+            self.text_offset = sum(len(self.piece(e.token)) for e in prompt_scored)
+        self.echoed = (prompt_text, logprobs)
+
+    def add(self, chunk: GenerationChunk) -> tuple[str, list[dict] | None, dict | None]:
+        """Take a chunk; return what a stream sends for it: text, tool-call deltas, logprobs."""
+        text, calls = chunk.text, []
+        if self.parser is not None:
+            text, calls = self.parser.push(chunk.text)
+            if chunk.finish_reason is not None:
+                tail, more = self.parser.finish()
+                text, calls = text + tail, calls + more
+        self.texts.append(text)
+        deltas = [c.openai(index=len(self.calls) + i) for i, c in enumerate(calls)]  # a whole call per delta
+        self.calls += [c.openai() for c in calls]
+        self.n_tokens += len(chunk.tokens)
+        logprobs = None
+        if chunk.logprobs:
+            logprobs = protocol.logprobs_object(self.kind, chunk.logprobs, self.piece, self.text_offset)
+            self.scored += chunk.logprobs
+            self.text_offset += sum(len(self.piece(e.token)) for e in chunk.logprobs)
+        if chunk.finish_reason is not None:
+            self.close("tool_calls" if self.calls else chunk.finish_reason, chunk.stats)
+        return text, deltas or None, logprobs
+
+    def close(self, finish_reason: str, stats: GenerationStats) -> None:
+        self.finish_reason, self.stats = finish_reason, stats
+
+    def whole(self, with_logprobs: bool) -> dict:
+        text = "".join(self.texts)
+        logprobs = protocol.logprobs_object(self.kind, self.scored, self.piece) if with_logprobs else None
+        content = None if self.calls and not text else text
+        return protocol.choice_object(self.kind, self.index, content, self.finish_reason, logprobs, self.calls)
