@@ -476,3 +476,37 @@ def test_a_requests_choices_queue_together_or_not_at_all():
         assert scheduler.queue_depth == 4
     finally:
         loop.close()
+
+
+def test_model_work_runs_on_the_worker_and_fails_cleanly_at_shutdown():
+    """Scheduler.call: fn runs on the worker thread (the models are its alone); a call still pending at shutdown,
+    or made after it, gets ShuttingDownError (a 503), never a hang."""
+    import asyncio
+    import threading
+
+    from tandem.server.scheduler import Scheduler, ShuttingDownError
+
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(None, slots=1)
+        scheduler.start()
+        pending = scheduler.call(lambda: "never run: no engine yet", loop)
+        scheduler.stop()
+        with pytest.raises(ShuttingDownError):
+            loop.run_until_complete(asyncio.wait_for(pending, 10))
+        with pytest.raises(ShuttingDownError):
+            scheduler.call(lambda: None, loop)
+        scheduler = Scheduler(None, slots=1)
+        scheduler.attach(SimpleNamespace(slots=1, step=lambda: [], cancel=lambda gen: None))
+        scheduler.start()
+        try:
+            where = loop.run_until_complete(asyncio.wait_for(scheduler.call(
+                lambda: threading.current_thread().name, loop), 10))
+            failed = scheduler.call(lambda: 1 / 0, loop)
+            with pytest.raises(ZeroDivisionError):
+                loop.run_until_complete(asyncio.wait_for(failed, 10))
+        finally:
+            scheduler.stop()
+        assert where == "tandem-worker"
+    finally:
+        loop.close()

@@ -361,7 +361,10 @@ class Server:
         if echo and req.logprobs is not None:  # the prompt's own logprobs, computed on the worker like any model work
             self.require_ready()
             target, top = self.target, req.logprobs
-            scoring = self.scheduler.call(lambda: prompt_logprobs(target, ids, top), asyncio.get_running_loop())
+            try:
+                scoring = self.scheduler.call(lambda: prompt_logprobs(target, ids, top), asyncio.get_running_loop())
+            except ShuttingDownError as e:
+                raise _as_api_error(e) from None
         jobs = self.make_jobs(req, ids) if req.requested_max_tokens != 0 else []
         if jobs:
             self.submit(jobs)
