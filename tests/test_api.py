@@ -417,6 +417,18 @@ def test_tool_calls_parsed_and_streamed_as_deltas(family, tool_paths):
         # n choices each parse their own calls; tool_choice "none" leaves the text as it is.
         three = client.chat.completions.create(n=3, **kw)
         assert all(len(c.message.tool_calls) == 2 and c.finish_reason == "tool_calls" for c in three.choices)
+        # parallel_tool_calls false: the first call ends the choice (its generation is stopped there).
+        for stream in (False, True):
+            answer = client.chat.completions.create(parallel_tool_calls=False, stream=stream, **kw)
+            if stream:
+                chunks = [c.choices[0] for c in answer if c.choices]
+                got = [d for c in chunks for d in c.delta.tool_calls or []]
+                finish = [c.finish_reason for c in chunks if c.finish_reason]
+            else:
+                got, finish = answer.choices[0].message.tool_calls, [answer.choices[0].finish_reason]
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == EXPECTED_CALLS[:1]
+            assert finish == ["tool_calls"]
+        assert health(live) == {"status": "ok", "queue_depth": 0, "active": 0}
         raw = client.chat.completions.create(tool_choice="none", **kw).choices[0]
         assert raw.message.content == CALL_TEXTS[family] and raw.message.tool_calls is None
         assert raw.finish_reason == "stop"

@@ -264,8 +264,6 @@ def test_bad_tool_messages_are_400s():
         (dict(messages=[{"role": "user", "content": "x"}], tools=[CALC_TOOL, CALC_TOOL]), "tools"),
         (dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {
             "name": "has space"}}]), "tools[0].function.name"),
-        (dict(messages=[{"role": "user", "content": "x"}], tools=[CALC_TOOL], parallel_tool_calls=False),
-         "parallel_tool_calls"),
     ]
     for body, param in cases:
         with pytest.raises(APIError) as error:

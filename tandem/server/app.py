@@ -370,7 +370,10 @@ class Server:
             self.submit(jobs)
         request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
         tool_names = [t.function.name for t in req.tools or []] if tool_format else []
-        choices = [Choice(i, kind, self.piece, tool_format, tool_names) for i in range(req.n)]
+        max_calls = req.max_tool_calls if isinstance(req, ChatCompletionRequest) else None
+        choices = [Choice(i, kind, self.piece, tool_format, tool_names, max_calls) for i in range(req.n)]
+        for choice in choices:
+            choice.prompt_tokens = len(ids)
         if echo:
             prompt_text = await run_in_threadpool(self.target.tokenizer.decode, ids)
             try:
@@ -394,7 +397,7 @@ class Server:
                     return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it
                 if event.error is not None:
                     raise _as_api_error(event.error)
-                choices[event.index].add(event.chunk)
+                self.take(jobs, choices[event.index], event.chunk)
         finally:
             self.cancel(jobs)  # a no-op for finished jobs; frees the slots when we were cancelled
         self.summarize(request, choices[0].stats, jobs[0] if jobs else None, req.n)
@@ -404,6 +407,16 @@ class Server:
         return JSONResponse(protocol.completion_response(
             kind, request_id, self.model_name, objects, self.usage(len(ids), choices),
             timings[0] if req.n == 1 else timings))
+
+    def take(self, jobs: list[Job], choice: Choice, chunk) -> tuple:
+        """Hand a chunk to its choice (none once it has finished); cancel the choice's generation when the choice
+        ended before it (parallel_tool_calls false: its first call is complete)."""
+        if choice.finished:
+            return "", None, None
+        sent = choice.add(chunk)
+        if choice.ended_early:
+            self.scheduler.cancel(jobs[choice.index])
+        return sent
 
     @staticmethod
     def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
@@ -440,7 +453,9 @@ class Server:
                 failed = True
                 break
             choice = choices[event.index]
-            text, calls, logprobs = choice.add(event.chunk)
+            if choice.finished:  # ended early; chunks its generation sent before it was cancelled
+                continue
+            text, calls, logprobs = self.take(jobs, choice, event.chunk)
             if text or logprobs or calls:
                 yield _sse(chunk_obj(choice.index, text, logprobs=logprobs, tool_calls=calls))
             if choice.finished:

@@ -20,10 +20,11 @@ class Choice:
     """
 
     def __init__(self, index: int, kind: protocol.Kind, piece: Callable[[int], str], tool_format: str | None,
-                 tool_names: list[str]) -> None:
+                 tool_names: list[str], max_calls: int | None = None) -> None:
         """piece(id): a token's text as logprobs show it; tool_format: parse tool calls in this format (None:
-        none), to the functions in tool_names."""
-        self.index, self.kind, self.piece = index, kind, piece
+        none), to the functions in tool_names; max_calls: the choice ends once it holds this many calls
+        (parallel_tool_calls false: one), as a stop string would end it; the caller then cancels its generation."""
+        self.index, self.kind, self.piece, self.max_calls = index, kind, piece, max_calls
         self.parser = ToolCallParser(tool_format, tool_names) if tool_format else None
         self.texts: list[str] = []
         self.calls: list[dict] = []
@@ -33,6 +34,8 @@ class Choice:
         self.echoed: tuple[str, dict | None] | None = None  # what a stream sends first with echo: text, logprobs
         self.finish_reason: str | None = None
         self.stats = GenerationStats()
+        self.prompt_tokens = 0  # set by the caller: for the stats of a choice that ends before its generation
+        self.ended_early = False  # it ended before its generation did (max_calls): cancel that generation
 
     @property
     def finished(self) -> bool:
@@ -56,6 +59,9 @@ class Choice:
             if chunk.finish_reason is not None:
                 tail, more = self.parser.finish()
                 text, calls = text + tail, calls + more
+        enough = self.max_calls is not None and len(self.calls) + len(calls) >= self.max_calls
+        if enough:
+            calls = calls[:self.max_calls - len(self.calls)]
         self.texts.append(text)
         deltas = [c.openai(index=len(self.calls) + i) for i, c in enumerate(calls)]  # a whole call per delta
         self.calls += [c.openai() for c in calls]
@@ -67,6 +73,9 @@ class Choice:
             self.text_offset += sum(len(self.piece(e.token)) for e in chunk.logprobs)
         if chunk.finish_reason is not None:
             self.close("tool_calls" if self.calls else chunk.finish_reason, chunk.stats)
+        elif enough:  # ended here: the generation's own stats never come, so these count what it returned
+            self.close("tool_calls", GenerationStats(prompt_tokens=self.prompt_tokens, generated_tokens=self.n_tokens))
+            self.ended_early = True
         return text, deltas or None, logprobs
 
     def close(self, finish_reason: str, stats: GenerationStats) -> None:

@@ -207,7 +207,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='"auto" (default with tools): the model decides; "none": tools are not offered; '
         '"required" and a named function are not supported yet (400)')
-    parallel_tool_calls: bool | None = Field(None, description="true (the default) only: several calls may come back")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (the choice ends when its "
+                                             "first call is complete) [true]")
     # OpenAI parameters tandem cannot honour (400 when used): see _UNSUPPORTED.
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -220,7 +221,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "functions": (),
-        "function_call": (), "store": (False,), "reasoning_effort": (), "parallel_tool_calls": (True,),
+        "function_call": (), "store": (False,), "reasoning_effort": (),
     }
 
     def logprobs_count(self) -> int | None:
@@ -262,6 +263,10 @@ class ChatCompletionRequest(_GenerationRequest):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
                            f"({', '.join(names)})", param="tool_choice")
+
+    @property
+    def max_tool_calls(self) -> int | None:
+        return 1 if self.parallel_tool_calls is False else None
 
     @property
     def tools_offered(self) -> list[dict[str, Any]] | None:
