@@ -24,6 +24,7 @@ from tandem.engine.sequence import MAX_TOP_LOGPROBS, TokenLogprob
 from tandem.spec.stats import GenerationStats
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+_REFUSED = "not supported: a request that sets it gets a 400"
 MAX_N = 16  # choices a request may ask for: each takes a slot of the batch
 MAX_DRAFT_OVERRIDE = 64  # a per-request draft_max above this is surely a mistake (and each new k calibrates once)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -210,14 +211,14 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (the choice ends when its "
                                              "first call is complete) [true]")
     # OpenAI parameters tandem cannot honour (400 when used): see _UNSUPPORTED.
-    audio: dict[str, Any] | None = None
-    modalities: list[str] | None = None
-    prediction: dict[str, Any] | None = None
-    web_search_options: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = Field(None, description=_REFUSED)
+    modalities: list[str] | None = Field(None, description='["text"] only (400 otherwise)')
+    prediction: dict[str, Any] | None = Field(None, description=_REFUSED)
+    web_search_options: dict[str, Any] | None = Field(None, description=_REFUSED)
     functions: list[Any] | None = Field(None, description="deprecated by OpenAI: use tools (400)")
     function_call: str | dict[str, Any] | None = Field(None, description="deprecated by OpenAI: use tool_choice (400)")
-    store: bool | None = None
-    reasoning_effort: str | None = None
+    store: bool | None = Field(None, description="false only (400 otherwise): nothing is stored")
+    reasoning_effort: str | None = Field(None, description=_REFUSED)
 
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "functions": (),
