@@ -385,8 +385,9 @@ class Engine:
             source, available = gen.ngram.match(gen.tokens)
             for name, matched in gen.ngram.hindsight().items():
                 gen.observe_evidence(name, matched)
+            lag = len(gen.tokens) - self.draft_kv.length(gen.slot) if model else 0
             if source is not None and (not model or self._lookup_beats_draft(gen, source, min(k_max, available),
-                                                                             k_max)):
+                                                                             k_max, lag)):
                 gen.draft_source = source
                 return planner.Candidate(gen.acceptance(source), min(k_max, available), fixed=fixed, lookup=True)
         if not model:
@@ -395,9 +396,11 @@ class Engine:
         lag = len(gen.tokens) - self.draft_kv.length(gen.slot)
         return planner.Candidate(gen.acceptance(DRAFT_MODEL), k_max, max(0, lag - STEADY_CATCH_UP), fixed=fixed)
 
-    def _lookup_beats_draft(self, gen: Generation, source: str, k_lookup: int, k_draft: int) -> bool:
+    def _lookup_beats_draft(self, gen: Generation, source: str, k_lookup: int, k_draft: int, lag: int) -> bool:
         """Whether one sequence drafting by lookup yields at least the tokens per ms of drafting by the draft model,
-        each at its best draft length, at batch 1 (lookup drafts for free, so it wins at equal acceptance)."""
+        each at its best draft length, at batch 1 (lookup drafts for free, so it wins at equal acceptance). The
+        draft's catch-up on `lag` unseen tokens is charged as the planner charges it (spread over
+        CATCH_UP_ITERATIONS): a long prompt the draft has not read makes lookup the better start."""
         lookup_a, draft_a = gen.acceptance(source), gen.acceptance(DRAFT_MODEL)
         if self.costs is None or lookup_a >= draft_a:
             return lookup_a >= draft_a
@@ -405,7 +408,8 @@ class Engine:
             verify = [self.costs.target_ms(1, k + 1) for k in range(self.draft_max + 1)]
             self._rates = (verify, [v + k * self.costs.draft_ms(1) for k, v in enumerate(verify)])
         lookup_ms, draft_ms = self._rates
-        return best_rate(lookup_a, lookup_ms, k_lookup) >= best_rate(draft_a, draft_ms, k_draft)
+        catch_up_ms = max(0, lag - STEADY_CATCH_UP) * self.costs.catch_up_ms_per_token / planner.CATCH_UP_ITERATIONS
+        return best_rate(lookup_a, lookup_ms, k_lookup) >= best_rate(draft_a, draft_ms, k_draft, catch_up_ms)
 
     def _propose(self, decoding: list[Generation], ks: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens per sequence (and, sampling, the distributions they were drawn from): prompt lookup on the
@@ -536,9 +540,10 @@ class Engine:
         return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, gen.sampling), gen.generator)
 
 
-def best_rate(acceptance: float, ms: list[float], k_max: int) -> float:
-    """max over k = 1..k_max of E(acceptance, k) / ms[k]: tokens per ms of one sequence's best draft length."""
-    return max(expected_tokens(acceptance, k) / ms[k] for k in range(1, k_max + 1))
+def best_rate(acceptance: float, ms: list[float], k_max: int, extra_ms: float = 0.0) -> float:
+    """max over k = 1..k_max of E(acceptance, k) / (ms[k] + extra_ms): one sequence's best draft length's tokens
+    per ms."""
+    return max(expected_tokens(acceptance, k) / (ms[k] + extra_ms) for k in range(1, k_max + 1))
 
 
 def score_rows(logits: torch.Tensor, draft_tokens: torch.Tensor, token: torch.Tensor | None,
