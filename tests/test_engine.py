@@ -450,6 +450,20 @@ def test_a_draft_reads_the_text_before_it_drafts(tiny_model_path):
     assert_speculated(*[r.stats for r in results])
 
 
+def test_a_draft_whose_first_catch_up_cannot_pay_stays_off_and_lookup_drafts(pair64):
+    """The batch-1 first switch-on test: where taking in the prompt costs more than the drafting it may buy, the
+    draft never reads it (no evidence, no draft) and the request drafts by prompt lookup alone, still exact."""
+    target, draft = pair64
+    engine = Engine(target, draft, slots=3, draft_max=4, measure_costs=False)
+    engine.costs = cheap_rows(4, draft_ms=0.5)
+    engine.costs.catch_up_ms_per_token = 100.0  # ten target steps a prompt token
+    results = engine.generate(requests(target, REPEATING, max_tokens=40))
+    assert [r.tokens for r in results] == [alone(target, p, max_tokens=40).tokens for p in REPEATING]
+    for r in results:
+        assert "draft-model" not in r.stats.sources, r.stats.sources
+    assert_speculated(*[r.stats for r in results])
+
+
 def test_planner_charges_prompt_lookup_no_draft_step():
     """A lookup candidate costs only its rows: with a dear draft step it drafts where the draft model may not."""
     dear = costs({2: {2: 10.0, 18: 10.4}}, draft_ms=20.0)

@@ -292,6 +292,8 @@ class Engine:
         if gen.proposer is not None and not gen.cancelled:
             for source, estimate in gen.estimates.items():
                 self.prior.record(source, estimate.request_accepted, estimate.request_reached)
+            if gen.finish_reason == "stop":
+                self.prior.record_reply(gen.emitted)  # a natural reply length: what a first catch-up is repaid over
             gen.stats.belief = {"acceptance": {s: gen.acceptance(s) for s in gen.estimates},
                                 "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()}}
         self.table.release(gen.slot, self.target_kv.length(gen.slot))
@@ -319,7 +321,9 @@ class Engine:
         # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks.
         for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
             if ks[i] and gen.draft_source == DRAFT_MODEL and self._wants_evidence(gen, candidate):
-                if len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
+                if gen.estimates[DRAFT_MODEL].request_reached == 0 and not self._first_read_pays(gen):
+                    gen.draft_declined, ks[i] = True, 0  # this request goes on with prompt lookup alone
+                elif len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
                     self._evidence.append(gen)
                 else:
                     ks[i] = 0
@@ -354,14 +358,28 @@ class Engine:
         estimate = gen.estimates[DRAFT_MODEL]
         return estimate.request_reached == 0 or gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS
 
+    def _batch1_view(self, gen: Generation) -> tuple[CostModel, AdaptivePolicy]:
+        """The draft's batch-1 costs and a policy holding this sequence's draft estimate: the batch-1 rules' terms."""
+        costs = CostModel(self.costs.draft_ms(1), dict(self.costs.verify[min(self.costs.verify)].verify_ms),
+                          self.costs.catch_up_ms_per_token)
+        estimate = gen.estimates[DRAFT_MODEL]
+        return costs, AdaptivePolicy(costs, gen.draft_max, prior=(estimate.accepted, estimate.drafted))
+
+    def _first_read_pays(self, gen: Generation) -> bool:
+        """The batch-1 policy's first switch-on test: the draft takes in the prompt only where the drafting this may
+        buy over the rest of the reply (expected over the estimate's uncertainty) is worth PROBE_VALUE_MARGIN
+        times that catch-up. A long prompt, a reply near its end or a draft barely ahead of plain decline."""
+        costs, policy = self._batch1_view(gen)
+        gain_ms, _ = policy.value_of_drafting_ms(policy.primary)
+        tokens = min(self.prior.reply_tokens, gen.request.max_tokens - gen.emitted)
+        return gain_ms * tokens >= PROBE_VALUE_MARGIN * costs.catch_up_ms(len(gen.tokens) - self.draft_kv.length(
+            gen.slot))
+
     def _worth_waiting(self, gen: Generation) -> bool:
         """The batch-1 policy's rule for a first switch-on: wait for generated tokens to read unless the drafting
         gain given up meanwhile exceeds what drafting blind risks (the catch-up and a few wasted drafts, weighted
         by the chance that the acceptance, a Beta of the estimate's counts, turns out too low to pay)."""
-        costs = CostModel(self.costs.draft_ms(1), dict(self.costs.verify[min(self.costs.verify)].verify_ms),
-                          self.costs.catch_up_ms_per_token)
-        estimate = gen.estimates[DRAFT_MODEL]
-        policy = AdaptivePolicy(costs, gen.draft_max, prior=(estimate.accepted, estimate.drafted))
+        costs, policy = self._batch1_view(gen)
         gain_ms, p_no_gain = policy.value_of_drafting_ms(policy.primary)
         catch_up_ms = costs.catch_up_ms(len(gen.tokens) - self.draft_kv.length(gen.slot))
         learning_ms = LEARNING_ITERATIONS * (costs.draft_step_ms + max(0.0, costs.verify(2) - costs.verify(1)))
@@ -380,7 +398,7 @@ class Engine:
         if k_max <= 0:
             return None
         fixed = gen.request.draft_policy == "fixed"
-        model = DRAFT_MODEL in gen.estimates
+        model = DRAFT_MODEL in gen.estimates and not gen.draft_declined
         if gen.ngram is not None:
             source, available = gen.ngram.match(gen.tokens)
             for name, matched in gen.ngram.hindsight().items():

@@ -214,6 +214,7 @@ class Generation:
                           for s in sources}
         self.plain_iterations = 0  # estimates fade towards their priors over these (see Estimate.acceptance)
         self.draft_source: str | None = None  # the source of this iteration's drafts
+        self.draft_declined = False  # the draft model's first catch-up was judged not worth it (see Engine._plan)
 
     @property
     def prefilling(self) -> bool:
