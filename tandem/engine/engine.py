@@ -174,10 +174,14 @@ class Engine:
             return []
         started = time.perf_counter()
         decoding = [g for g in self.running if not g.prefilling]
-        prefills, budget = [], self.prefill_chunk
+        prefills, budget, align = [], self.prefill_chunk, self.target_kv.prefill_align
         for gen in self.running:
             if gen.prefilling and budget > 0:
-                rows = gen.tokens[gen.fed : gen.fed + min(gen.prompt_len - gen.fed, budget)]
+                remaining = gen.prompt_len - gen.fed
+                n = min(remaining, budget)
+                if n < remaining:  # a chunk that does not end its prompt ends on the backend's alignment
+                    n = max(n - n % align, min(align, remaining))
+                rows = gen.tokens[gen.fed : gen.fed + n]
                 prefills.append((gen, rows))
                 budget -= len(rows)
         prefill_rows = sum(len(rows) for _, rows in prefills)
@@ -190,10 +194,11 @@ class Engine:
 
         batch = [(g.slot, [g.tokens[-1]] + proposals[g.id][0]) for g in decoding]
         batch += [(g.slot, rows) for g, rows in prefills]
-        last_only = [False] * len(decoding) + [g.fed + len(rows) == g.prompt_len for g, rows in prefills]
+        # Prompt chunks want no logits but the last row of a prompt's last chunk.
+        last_only = [False] * len(decoding) + [True] * len(prefills)
         logits = self.target_kv.forward(batch, last_only)
-        firsts = [(gen, rows) for (gen, _), rows, last in
-                  zip(prefills, logits[len(decoding) :], last_only[len(decoding) :], strict=True) if last]
+        firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
+                  if gen.fed + len(chunk) == gen.prompt_len]
         outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
         finished = time.perf_counter()
         draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
@@ -246,12 +251,12 @@ class Engine:
             prompt = gen.request.prompt
             placement = self.table.place(prompt, self.target_kv.can_copy)
             slot = placement.slot
-            own = min(placement.own, self.target_kv.length(slot))
+            own = self.target_kv.reusable(slot, min(placement.own, self.target_kv.length(slot)))
             reuse = own
             draft_valid = min(own, self.draft_kv.length(slot)) if self.draft_kv is not None else 0
             if placement.copy_from is not None:
                 source = placement.copy_from
-                copied = min(placement.reuse, self.target_kv.length(source))
+                copied = self.target_kv.reusable(source, min(placement.reuse, self.target_kv.length(source)))
                 if copied > own:
                     self.target_kv.copy_prefix(source, slot, copied)
                     reuse = copied
