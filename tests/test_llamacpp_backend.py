@@ -259,6 +259,35 @@ def test_repacked_prompt_rows_take_the_gemm_in_any_aligned_chunks(tiny_model_pat
     model.close()
 
 
+@pytest.mark.real
+def test_repacked_batched_cache_aligned_prompt_chunks_and_reuse_are_exact(real_pair):
+    # The batched cache keeps the kernels apart too: prompt chunks that start on a multiple of 4 give the KV of one
+    # whole call, batch mates change nothing, and `reusable` keeps only a prompt's GEMM rows, aligned. (The real
+    # Q4_K_M target: a tiny model's kernel differences, ~1e-6, vanish in its Q8_0 KV cache, so the control below
+    # would find nothing there.)
+    model = load_llamacpp(real_pair[0], n_ctx=64)
+    assert model.weights.repacked
+    prompt = model.tokenizer.encode("def fibonacci(n):\n    # return the n-th Fibonacci number of the sequence, "
+                                    "computed iteratively, not recursively, in constant memory")[:22]
+    steps = model.tokenizer.encode("\n    a, b = 0, 1")[:5]
+    cache = model.new_batched_cache(4, 64)
+    assert cache.prefill_align == 4 and len(prompt) == 22
+    cache.forward([(0, prompt)], [True])
+    cache.forward([(1, prompt[:8]), (2, prompt[:7])], [True, True])  # 2: a chunk off the alignment
+    cache.forward([(1, prompt[8:12]), (2, prompt[7:])], [True, True])
+    cache.forward([(1, prompt[12:]), (3, steps[:1])], [True, False])
+    verify = cache.forward([(0, steps), (1, steps), (2, steps)], [False] * 3)
+    assert torch.equal(verify[1], verify[0])
+    assert not torch.equal(verify[2], verify[0])  # the control: 7 + 15 put rows 4-6 on the GEMV
+    assert cache.reusable(0, 27) == 20 and cache.reusable(0, 13) == 12 and cache.reusable(2, 22) == 4
+    cache.copy_prefix(0, 3, 16)
+    assert cache.reusable(3, 16) == 16
+    cache.forward([(3, prompt[16:])], [True])
+    assert torch.equal(cache.forward([(3, steps)], [False])[0], verify[0])
+    cache.close()
+    model.close()
+
+
 def test_batch_invariance_check_catches_the_tiled_matmul(tiny_model_path):
     # The negative control: ggml reads GGML_CPU_TILED_MM once a process, so the tiled matmul (8+ rows) is switched
     # on in a process of its own, which runs this file's batch_dependent_rows.
