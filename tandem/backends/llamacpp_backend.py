@@ -40,22 +40,19 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from tandem.backends.base import BatchedCache, Model, Sequence
-from tandem.backends.llamacpp_core import (
+from tandem.backends.llamacpp_core import BatchedForward, LlamaCppWeights, SequenceForward
+from tandem.backends.llamacpp_settings import (
     DEFAULT_N_BATCH,
+    DEFAULT_N_CTX,
     DRAFT_N_BATCH,
-    BatchedForward,
-    LlamaCppWeights,
-    SequenceForward,
+    kv_bytes_per_token,
+    kv_q8_ok,
 )
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from tandem.config import ModelConfig
-
-DEFAULT_N_CTX = 4096
-Q8_BLOCK = 32  # values a Q8_0 block holds: it must divide every head width for a Q8_0 KV cache
-
 
 class LlamaCppSequence(Sequence):
     """One llama.cpp context = one KV cache of `capacity` tokens."""
@@ -201,6 +198,11 @@ class LlamaCppModel(Model):
         self.weights.kv_q8 = value
 
     @property
+    def device_description(self) -> str | None:
+        """llama.cpp's line for the GPU device the layers went to (None on the CPU)."""
+        return self.weights.device_description
+
+    @property
     def _model(self):
         return self.weights.model
 
@@ -230,18 +232,6 @@ class LlamaCppModel(Model):
             self.close()
         except Exception:
             pass
-
-
-def kv_q8_ok(config: ModelConfig) -> bool:
-    """Whether a Q8_0 KV cache fits the model's heads: its blocks must divide a head (gemma4: both head widths)."""
-    head_dims = (config.head_dim, config.global_head_dim or config.head_dim)
-    return all(d % Q8_BLOCK == 0 for d in head_dims)
-
-
-def kv_bytes_per_token(config: ModelConfig, kv_q8: bool) -> int:
-    c = config  # gemma4: an upper bound (its widest heads and most KV heads on every layer)
-    values = 2 * c.n_layers * c.n_kv_heads * max(c.head_dim, c.global_head_dim or 0)
-    return values * 34 // 32 if kv_q8 else values * 2  # Q8_0: 34 bytes a block of 32; else F16
 
 
 def load_llamacpp(

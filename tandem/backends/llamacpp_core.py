@@ -34,8 +34,6 @@ import numpy as np
 from tandem.backends.devices import DeviceInfo, device_info, no_device_hint
 from tandem.backends.llamacpp_runtime import captured_log, init_llama, recent_errors
 
-DEFAULT_N_BATCH = 512  # prefill chunk: the most tokens one llama_decode call takes (a multiple of PREFILL_ALIGN)
-DRAFT_N_BATCH = 32  # enough for a draft's prefill chunks and any k + 1; smaller compute buffers
 MAX_FREE_CONTEXTS = 4  # closed sequences' contexts kept per model for reuse
 GPU_DEVICES = ("vulkan", "metal", "cuda", "rocm", "hip", "sycl", "gpu")
 ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "offload every layer"

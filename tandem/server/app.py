@@ -607,7 +607,8 @@ def serve(args) -> int:
     sock = bind_socket(args.host, args.port)
     app = create_app(
         load=lambda: load_pair(args.model, args.draft, args.no_draft, args.device, args.dtype, args.backend,
-                               args.ctx, args.draft_device, progress=sys.stderr.isatty()),
+                               args.ctx, args.draft_device, progress=sys.stderr.isatty(),
+                               isolation=getattr(args, "llamacpp_isolation", "auto")),
         warm_up=lambda target, draft: _warm_up(target, draft, args.draft_max, args.draft_policy),
         model_name=args.served_model_name or args.model, aliases=[args.model],
         draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,
