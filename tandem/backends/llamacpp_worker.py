@@ -62,11 +62,11 @@ def llamacpp_has_cuda() -> bool:
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         return False
-    for root in spec.submodule_search_locations:
-        lib = os.path.join(root, "lib")
-        if os.path.isdir(lib) and any(name.startswith(CUDA_BACKEND_LIBS) for name in os.listdir(lib)):
-            return True
-    return False
+    # LLAMA_CPP_LIB_PATH: llama-cpp-python then loads libllama (and its ggml) from there instead
+    libs = [os.environ.get("LLAMA_CPP_LIB_PATH", "")]
+    libs += [os.path.join(root, "lib") for root in spec.submodule_search_locations]
+    return any(os.path.isdir(lib) and any(name.startswith(CUDA_BACKEND_LIBS) for name in os.listdir(lib))
+               for lib in libs if lib)
 
 
 def torch_has_cuda() -> bool:
