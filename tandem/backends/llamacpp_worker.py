@@ -137,8 +137,7 @@ class WorkerProcess:
         if need > self._buffer_bytes:
             size = max(need, 2 * self._buffer_bytes)
             os.ftruncate(self._buffer_file.fileno(), size)
-            if self._buffer is not None:
-                self._buffer.close()
+            # the old mapping unmaps when the last view of it goes (closing it under a live view would raise)
             self._buffer = mmap.mmap(self._buffer_file.fileno(), size)
             self._buffer_bytes = size
         return np.ndarray((count, vocab), dtype=np.float32, buffer=self._buffer)
@@ -186,8 +185,7 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        if self._buffer is not None:
-            self._buffer.close()
+        self._buffer = None
         self._buffer_file.close()
         self.dead = self.dead or "closed"
 
@@ -364,11 +362,8 @@ class WorkerModel(Model):
         if self.worker.dead is not None:
             raise WorkerDiedError(self.worker.dead)
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+    # No __del__ that closes: a collection inside another request's round trip would send a request of its own in
+    # the middle of it. What is not closed goes with the worker, which exits when this process closes its socket.
 
 
 # --- the worker's side ----------------------------------------------------------------------------------------------
@@ -389,8 +384,6 @@ class _Worker:
 
     def map_buffer(self, size: int) -> None:
         if size > self.buffer_bytes:
-            if self.buffer is not None:
-                self.buffer.close()
             self.buffer = mmap.mmap(self.buffer_fd, size)
             self.buffer_bytes = size
 
