@@ -6,9 +6,10 @@
 Each round runs every prompt of the default suite through each tandem path and then through llama-server (greedy,
 --max-tokens tokens, EOS ignored so every run decodes as many), in turn, so drift of a shared machine hits them
 alike. Decode tokens/s: tandem's GenerationStats (tokens after the first / decode time), llama-server's own
-`timings.predicted_per_second`. Paths: `generate` (tandem.generate, the batch-1 decoder `tandem generate` runs),
-`engine` (one request through the batched Engine, as `tandem serve` runs it), `unrepacked` (generate with
-repack=False, the backend's previous default). Prints per prompt the medians and each path's median ratio, over
+`timings.predicted_per_second`; with --cpu-time, decoded tokens per CPU second of each process instead. Paths:
+`generate` (tandem.generate, the batch-1 decoder `tandem generate` runs), `engine` (one request through the
+batched Engine, as `tandem serve` runs it), `unrepacked` (generate with repack=False, the backend's previous
+default). Prints per prompt the medians and each path's median ratio, over
 rounds, to llama-server in the same round.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +59,23 @@ def server_decode_tps(base: str, messages: list[dict], max_tokens: int) -> float
     return reply["timings"]["predicted_per_second"]
 
 
+def process_cpu_s(pid: int | str = "self") -> float:
+    """CPU seconds (user + system, every thread) a process has used: with one thread a machine shared with other
+    work barely moves it, where wall time follows the neighbours."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def decode_per_cpu_s(run, max_tokens: int, pid: int | str = "self") -> float:
+    """Decoded tokens per CPU second: a max_tokens run's CPU time less a 1-token run's (the prompt alike)."""
+    used = []
+    for n in (1, max_tokens):
+        before = process_cpu_s(pid)
+        run(n)
+        used.append(process_cpu_s(pid) - before)
+    return (max_tokens - 1) / max(used[1] - used[0], 1e-9)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server", required=True)
@@ -65,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--paths", default="generate,engine,unrepacked")
     p.add_argument("--prompts", default=None, help="comma list of suite prompt names [all]")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="decoded tokens per CPU second (process CPU time, a run less a 1-token run) instead of per "
+                   "wall second: for a machine busy with other work, with --threads 1 (no spinning threads)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
@@ -83,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         result = tandem.generate(model, messages=messages, max_tokens=max_tokens, ignore_eos=True)
         return result.stats.decode_tokens_per_second
 
+    # SIGTERM ends the run through the finally below, which stops the server (else it outlives us)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     proc, base = start_server(args.server, target.path, args.threads, 4096)
     rows = {pr.name: {name: [] for name in paths + ["llama-server"]} for pr in prompts}
     try:
@@ -95,8 +120,16 @@ def main(argv: list[str] | None = None) -> int:
                 order = paths + ["llama-server"]
                 order = order[r % len(order):] + order[:r % len(order)]  # rotate who goes first
                 for name in order:
-                    tps = server_decode_tps(base, list(pr.messages), args.max_tokens) if name == "llama-server" \
-                        else run(name, list(pr.messages), args.max_tokens)
+                    messages = list(pr.messages)
+                    if args.cpu_time and name == "llama-server":
+                        tps = decode_per_cpu_s(lambda n, m=messages: server_decode_tps(base, m, n), args.max_tokens,
+                                               proc.pid)
+                    elif args.cpu_time:
+                        tps = decode_per_cpu_s(lambda n, m=messages, path=name: run(path, m, n), args.max_tokens)
+                    elif name == "llama-server":
+                        tps = server_decode_tps(base, messages, args.max_tokens)
+                    else:
+                        tps = run(name, messages, args.max_tokens)
                     rows[pr.name][name].append(tps)
                 print(pr.name, {k: round(v[-1], 1) for k, v in rows[pr.name].items()}, flush=True, file=sys.stderr)
     finally:
