@@ -376,9 +376,11 @@ class Engine:
                 sampled.append((gen, drafts, torch.stack([n_accepted, own])))
             if gen.request.logprobs is not None:
                 scored[gen.id] = score_rows(rows, draft_tokens, own, gen.request.logprobs)
-        parts = ([torch.cat([rows for _, _, rows in greedy]).argmax(dim=-1)] if greedy else []) + \
-            [pair for _, _, pair in sampled]
-        values = torch.cat(parts).tolist() if parts else []  # the step's one host synchronisation
+        # One sequence (batch 1) skips the concatenations: on a CPU, copying its 152k-float rows cost more than
+        # the argmax.
+        greedy_rows = [rows for _, _, rows in greedy]
+        parts = ([_cat(greedy_rows).argmax(dim=-1)] if greedy else []) + [pair for _, _, pair in sampled]
+        values = _cat(parts).tolist() if parts else []  # the step's one host synchronisation
         outcomes, at = {}, 0
         for gen, drafts, _ in greedy:
             targets = values[at : at + len(drafts) + 1]  # the target's argmax at each row
@@ -400,6 +402,10 @@ class Engine:
         if self.synthetic_acceptance is not None and draft_tokens.shape[0]:
             return verify_synthetic(draft_tokens, logits, self.synthetic_acceptance, gen.generator)
         return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, gen.sampling), gen.generator)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def score_rows(logits: torch.Tensor, draft_tokens: torch.Tensor, token: torch.Tensor | None,
