@@ -16,6 +16,9 @@
 #   hf        tandem plain beside Hugging Face transformers: eager plain and assisted, static-cache compiled plain
 #   batching  the batched engine (bench/results/h200-2026-12-04f-batching): its kernels' tests, the packed step
 #             against batch size, the logits kernel, N requests together against one after another (synthetic)
+#   cudaworker llama.cpp's CUDA build beside torch's CUDA (issue 26): the crash in one process, recorded, then the
+#             worker process (bench/gpu_llamacpp_worker.py) and tandem bench through it; needs setup with
+#             CUDA_LIBS=1 (libllama and libggml-cuda built shared from .xfer/llama-src.tar.xz, ~10 min)
 #   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8 (or one of them:
 #             synthdoctor, synthbench; as two device calls each fits the 10-minute limit, the second one compiling
 #             from the first one's cache)
@@ -38,6 +41,14 @@ setup)
         setsid nohup bash -c "cd /root/llama/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
             -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=off -DCMAKE_BUILD_TYPE=Release && \
             cmake --build build --target llama-server -j 10; echo build-exit \$?" >/root/build.log 2>&1 </dev/null &
+    fi
+    if [ "${CUDA_LIBS:-0}" = 1 ] && [ -f .xfer/llama-src.tar.xz ]; then  # for the cudaworker phase
+        mkdir -p /root/llama-libs /root/llama/cuda-libs && tar xJf .xfer/llama-src.tar.xz -C /root/llama-libs
+        setsid nohup bash -c "cd /root/llama-libs/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
+            -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=OFF \
+            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && \
+            cmake --build build --target llama -j 10 && find build -name '*.so*' -exec cp -a {} /root/llama/cuda-libs/ \; ; \
+            echo build-exit \$?" >/root/build-libs.log 2>&1 </dev/null &
     fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     ls /usr/local/nvidia/share/vulkan/icd.d/ /usr/share/vulkan/icd.d/ /etc/vulkan/icd.d/ 2>&1 | head
@@ -117,6 +128,25 @@ batching)
         --requests 1,4,16 --repeats 3 2>&1 | grep -v Warn | tee $OUT/batching.txt
     TANDEM_COMPILE=0 python3 bench/batching.py --synthetic-shape $S --device cuda --dtype bfloat16 --requests 64 \
         --repeats 1 --configs plain,adaptive 2>&1 | grep -v Warn | tee -a $OUT/batching.txt
+    ;;
+cudaworker)
+    tail -2 /root/build-libs.log
+    # The installed llama-cpp-python loads libllama (and libggml-cuda beside it) from LLAMA_CPP_LIB_PATH.
+    export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs
+    # 1. In one process, torch's CUDA first: the crash this phase is about (expected: a signal, exit >= 128).
+    python3 -c "import torch; torch.zeros(1, device='cuda'); import tandem
+m = tandem.load('$T', backend='llama.cpp', device='cuda', isolation='none'); print('in process: loaded', m)" \
+        >$OUT/inprocess.txt 2>&1; echo "in-process exit status $?" | tee -a $OUT/inprocess.txt
+    # Which CUDA runtime / cuBLAS files each import maps (two copies of one soname would be the clash).
+    python3 -c "import torch; torch.zeros(1, device='cuda'); print(open('/proc/self/maps').read())" \
+        | grep -oE '/[^ ]*lib(cudart|cublas)[^ ]*' | sort -u > $OUT/torch_cuda_libs.txt
+    LD_DEBUG=libs python3 -c "import llama_cpp" 2>&1 | grep -E 'calling init: .*lib(cudart|cublas|ggml)' \
+        > $OUT/llama_cuda_libs.txt; cat $OUT/torch_cuda_libs.txt $OUT/llama_cuda_libs.txt
+    # 2. The worker process (auto on a CUDA build beside CUDA torch): equality flags, tok/s, each process's maps.
+    python3 bench/gpu_llamacpp_worker.py --model $T --draft $D --max-tokens 128 \
+        --json $OUT/llamacpp_worker_cuda.json 2>&1 | grep -v Warn | tail -40
+    tandem bench --model $T --draft $D --backend llama.cpp --device cuda --max-tokens 128 --repeats 3 \
+        --configs plain,adaptive,ngram --json $OUT/bench_llamacpp_cuda_worker.json 2>&1 | grep -v Warn | tail -15
     ;;
 synthetic|synthdoctor)
     tandem doctor --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --device cuda --json > $OUT/doctor_synth_32b.json \

@@ -26,6 +26,7 @@ def load(
     backend: str = "torch",
     n_ctx: int | None = None,
     progress: bool = False,
+    isolation: str = "auto",
     **backend_options,
 ) -> Model:
     """Load a GGUF model by path or registry name (see `tandem models list`).
@@ -36,6 +37,8 @@ def load(
         dtype: compute dtype of the torch backend: float64, float32, bfloat16, float16.
         backend: "torch", "llama.cpp", or "auto" (llama.cpp for quantized files off CUDA when it is installed).
         n_ctx: tokens a sequence may hold (default min(4096, the model's trained context)).
+        isolation: llama.cpp only: "process" runs it in a worker process, "none" in this one, "auto" in a worker
+            where a CUDA build of llama.cpp would share this process with torch's CUDA (docs/backends.md).
     Returns:
         A Model with .tokenizer, .logits(ids), .path, .config.
     """
@@ -47,6 +50,11 @@ def load(
     if backend == "auto":
         backend = pick_backend(path, device)
     if backend == "llama.cpp":
+        from tandem.backends.llamacpp_worker import WorkerModel, wants_worker
+
+        # In a worker process where llama.cpp and torch cannot share one (a CUDA build): see llamacpp_worker.
+        if wants_worker(device, isolation):
+            return WorkerModel(path, device=device, n_ctx=n_ctx, **backend_options)
         from tandem.backends.llamacpp_backend import load_llamacpp
 
         return load_llamacpp(path, device=device, n_ctx=n_ctx, **backend_options)
@@ -69,16 +77,18 @@ def default_draft(model: str, draft: str | None = None, no_draft: bool = False) 
 
 def load_pair(model: str, draft: str | None = None, no_draft: bool = False, device: str = "cpu",
               dtype: str | None = None, backend: str = "auto", n_ctx: int | None = None,
-              draft_device: str | None = None, progress: bool = False) -> tuple[Model, Model | str | None]:
+              draft_device: str | None = None, progress: bool = False,
+              isolation: str = "auto") -> tuple[Model, Model | str | None]:
     """Load a target and its draft (a Model, "ngram" or None; see `default_draft`) on one backend. dtype defaults
-    to bfloat16 on CUDA and float32 elsewhere."""
+    to bfloat16 on CUDA and float32 elsewhere; isolation: as `load`."""
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    target = load(model, device=device, dtype=dtype, backend=backend, n_ctx=n_ctx, progress=progress)
+    target = load(model, device=device, dtype=dtype, backend=backend, n_ctx=n_ctx, progress=progress,
+                  isolation=isolation)
     name = default_draft(model, draft, no_draft)
     if name is None or name == "ngram":
         return target, name
     return target, load(name, device=draft_device or device, dtype=dtype, backend=target.backend, n_ctx=n_ctx,
-                        progress=progress)
+                        progress=progress, isolation=isolation)
 
 
 def pick_backend(path: str, device: str) -> str:

@@ -29,6 +29,9 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--backend", choices=["auto", "torch", "llama.cpp"], default="auto",
                    help="auto: llama.cpp for GGUF on CPU/Vulkan/Metal when installed, else torch [auto]")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (torch); cpu, vulkan, metal (llama.cpp)")
+    p.add_argument("--llamacpp-isolation", choices=["auto", "process", "none"], default="auto",
+                   help="run llama.cpp in a worker process (process) or in this one (none); auto: a worker where a "
+                   "CUDA build of llama.cpp would share the process with torch's CUDA [auto]")
     p.add_argument("--dtype", default=None, help="torch compute dtype [float32 on cpu, bfloat16 on cuda]")
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens [min(4096, trained)]")
 
@@ -48,7 +51,8 @@ def load_pair(args: argparse.Namespace):
     from tandem.api import load_pair
 
     return load_pair(args.model, args.draft, getattr(args, "no_draft", False), args.device, args.dtype,
-                     args.backend, args.ctx, getattr(args, "draft_device", None), progress=sys.stderr.isatty())
+                     args.backend, args.ctx, getattr(args, "draft_device", None), progress=sys.stderr.isatty(),
+                     isolation=getattr(args, "llamacpp_isolation", "auto"))
 
 
 def _comma_list(text: str) -> list[str]:

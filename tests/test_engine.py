@@ -338,6 +338,34 @@ def test_llamacpp_engine_batched_equals_alone(llama_pair):
     assert second.tokens == alone(target, turn2, max_tokens=10).tokens
 
 
+def test_llamacpp_repacked_target_chunked_batched_and_reused_equals_alone(tiny_model_path):
+    """Repacked CPU weights (Q4_K): prompt rows take llama.cpp's GEMM, the rest its GEMV (KERNELS in
+    llamacpp_core). Prompt chunks of a budget that is no multiple of 4, batch mates, drafts and a reused prefix must
+    still give each request the tokens it gets alone."""
+    pytest.importorskip("llama_cpp")
+    from conftest import K_QUANT_SHAPES
+
+    target = tandem.load(tiny_model_path(qtype="Q4_K", seed=5, **K_QUANT_SHAPES), backend="llama.cpp", n_ctx=256)
+    draft = tandem.load(tiny_model_path(qtype="Q4_K", seed=5, rope_base=300_000.0, **K_QUANT_SHAPES),
+                        backend="llama.cpp", n_ctx=256)
+    assert target.weights.repacked
+    prompts = PROMPTS[2:]
+    expected = [alone(target, p, max_tokens=24).tokens for p in prompts]
+    engine = Engine(target, draft, slots=2, draft_max=3, prefill_chunk=7)
+    assert engine.target_kv.prefill_align == 4
+    results = engine.generate(requests(target, prompts, max_tokens=24, draft_policy="fixed"))
+    assert [r.tokens for r in results] == expected
+    assert_drafted_and_accepted(results)
+    prompt = target.tokenizer.encode(prompts[2])
+    turn2 = prompt + results[2].tokens + target.tokenizer.encode(" again")
+    second = engine.generate([Request(turn2, max_tokens=10, draft_policy="fixed")])[0]
+    # The earlier prompt's GEMM rows are kept, aligned; its reply's GEMV rows are recomputed as prompt rows.
+    assert second.stats.cached_tokens == len(prompt) - len(prompt) % 4 > 0
+    assert second.tokens == alone(target, turn2, max_tokens=10).tokens
+    target.close()
+    draft.close()
+
+
 # --- log-probabilities -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("draft_kind", [None, "model"])

@@ -292,12 +292,12 @@ def test_both_backends_refuse_with_one_line_and_exit_2(malformed, kind, backend,
     from tandem.cli import main
 
     if backend == "llama.cpp":
-        llamacpp_backend = pytest.importorskip("tandem.backends.llamacpp_backend")
+        llamacpp_core = pytest.importorskip("tandem.backends.llamacpp_core")
 
         def refuse(*args):
             raise AssertionError("llama.cpp was handed a malformed file")
 
-        monkeypatch.setattr(llamacpp_backend.llc, "llama_model_load_from_file", refuse)
+        monkeypatch.setattr(llamacpp_core.llc, "llama_model_load_from_file", refuse)
     code = main(["generate", "--model", malformed[kind], "--no-draft", "--backend", backend, "--prompt", "hi",
                  "--max-tokens", "1"])
     err = capsys.readouterr().err

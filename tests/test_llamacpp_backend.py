@@ -178,12 +178,15 @@ def test_agrees_with_torch_reference(load, tiny_model_path, arch):
 
 
 def batch_dependent_rows(path: str, context: list[int], ids: list[int], sizes=VERIFY_SIZES, f16_kv: bool = False,
-                         **load_options) -> dict[int, float]:
+                         mixed_kernels: bool = False, **load_options) -> dict[int, float]:
     """{n: largest difference} for each verify of n of `ids` after `context` whose logits differ, bit for bit, from
-    the same tokens fed one at a time; {} when every row is batch-invariant."""
+    the same tokens fed one at a time; {} when every row is batch-invariant. mixed_kernels: verify rows go in one
+    call, as llama.cpp alone would run them (repacked weights: the GEMM for the first n - n % 4 rows)."""
     model = load_llamacpp(path, n_ctx=1024, n_threads=2, **load_options)
     if f16_kv:  # the cache llama.cpp would pick itself (flash attention stays on)
         model.kv_q8 = False
+    if mixed_kernels:
+        model.weights.repacked = False  # the backend then no longer keeps the two kernels apart
     seq = model.new_sequence()
     seq.forward(context, logits="last")
     differing = {}
@@ -216,18 +219,81 @@ def test_float_rows_do_not_depend_on_their_batch(tiny_model_path, qtype):
     assert batch_dependent_rows(tiny_model_path(qtype=qtype, **K_QUANT_SHAPES), ids[:6], ids[6:]) == {}
 
 
-def test_batch_invariance_check_catches_repacked_weights(tiny_model_path):
-    # The negative control: with llama.cpp's repacked Q4_K layout (4-row groups) the same check finds rows that
-    # depend on their batch. (On this AVX2 build llama.cpp repacks Q4_K, not Q4_0/Q8_0.)
+def test_batch_invariance_check_catches_repacked_weights_in_one_call(tiny_model_path):
+    # The negative control: llama.cpp's repacked Q4_K layout computes a call's rows in groups of 4 by a GEMM and
+    # the rest by a GEMV; verify rows in one call then depend on their batch, and the same check finds them.
     ids = IDS + IDS
-    assert batch_dependent_rows(tiny_model_path(qtype="Q4_K", **K_QUANT_SHAPES), ids[:6], ids[6:], repack=True)
+    path = tiny_model_path(qtype="Q4_K", **K_QUANT_SHAPES)
+    assert load_llamacpp(path, n_ctx=64, n_threads=1).weights.repacked  # what the tests above ran on
+    differing = batch_dependent_rows(path, ids[:6], ids[6:], mixed_kernels=True)
+    assert differing and min(differing) == 4, differing  # the GEMM from 4 rows a call on
+
+
+def test_repacked_prompt_rows_take_the_gemm_in_any_aligned_chunks(tiny_model_path):
+    # KERNELS in llamacpp_core: prompt rows (logits="last") take the GEMM whatever the 4-aligned chunking, so a
+    # prompt fed in chunks (the engine's chunked prefill) sees the KV of one whole call; decode rows take the GEMV.
+    model = load_llamacpp(tiny_model_path(qtype="Q4_K", **K_QUANT_SHAPES), n_ctx=64, n_threads=1, n_batch=8)
+    assert model.weights.repacked
+    prompt, nxt = (IDS + IDS)[:22], [9, 10, 11]
+    model.weights.repacked = False  # a sequence opened now runs every call whole: 8 rows by the GEMM
+    one_call = model.new_sequence()
+    model.weights.repacked = True
+    gemm = one_call.forward(prompt[:8])
+    seq = model.new_sequence()
+    gemv = seq.forward(prompt[:8])
+    assert not torch.equal(gemm[-1], gemv[-1])  # the control: the kernels give this row other logits
+    seq.rewind(0)
+    assert torch.equal(seq.forward(prompt[:8], logits="last"), gemm[-1:])
+    seq.rewind(0)
+    assert torch.equal(torch.cat([seq.forward(prompt[i : i + 4], logits="last") for i in (0, 4)]), gemm[3::4])
+    seq.rewind(0)
+    whole = seq.forward(prompt, logits="last")  # calls of 8, 8 and 6 rows (the last 2 by the GEMV)
+    after = seq.forward(nxt)
+    seq.rewind(0)
+    for start in range(0, 20, 4):
+        seq.forward(prompt[start : start + 4], logits="last")
+    assert torch.equal(seq.forward(prompt[20:], logits="last"), whole)
+    assert torch.equal(seq.forward(nxt), after)
+    for s in (one_call, seq):
+        s.close()
+    model.close()
+
+
+@pytest.mark.real
+def test_repacked_batched_cache_aligned_prompt_chunks_and_reuse_are_exact(real_pair):
+    # The batched cache keeps the kernels apart too: prompt chunks that start on a multiple of 4 give the KV of one
+    # whole call, batch mates change nothing, and `reusable` keeps only a prompt's GEMM rows, aligned. (The real
+    # Q4_K_M target: a tiny model's kernel differences, ~1e-6, vanish in its Q8_0 KV cache, so the control below
+    # would find nothing there.)
+    model = load_llamacpp(real_pair[0], n_ctx=64)
+    assert model.weights.repacked
+    prompt = model.tokenizer.encode("def fibonacci(n):\n    # return the n-th Fibonacci number of the sequence, "
+                                    "computed iteratively, not recursively, in constant memory")[:22]
+    steps = model.tokenizer.encode("\n    a, b = 0, 1")[:5]
+    cache = model.new_batched_cache(4, 64)
+    assert cache.prefill_align == 4 and len(prompt) == 22
+    cache.forward([(0, prompt)], [True])
+    cache.forward([(1, prompt[:8]), (2, prompt[:7])], [True, True])  # 2: a chunk off the alignment
+    cache.forward([(1, prompt[8:12]), (2, prompt[7:])], [True, True])
+    cache.forward([(1, prompt[12:]), (3, steps[:1])], [True, False])
+    verify = cache.forward([(0, steps), (1, steps), (2, steps)], [False] * 3)
+    assert torch.equal(verify[1], verify[0])
+    assert not torch.equal(verify[2], verify[0])  # the control: 7 + 15 put rows 4-6 on the GEMV
+    assert cache.reusable(0, 27) == 20 and cache.reusable(0, 13) == 12 and cache.reusable(2, 22) == 4
+    cache.copy_prefix(0, 3, 16)
+    assert cache.reusable(3, 16) == 16
+    cache.forward([(3, prompt[16:])], [True])
+    assert torch.equal(cache.forward([(3, steps)], [False])[0], verify[0])
+    cache.close()
+    model.close()
 
 
 def test_batch_invariance_check_catches_the_tiled_matmul(tiny_model_path):
     # The negative control: ggml reads GGML_CPU_TILED_MM once a process, so the tiled matmul (8+ rows) is switched
     # on in a process of its own, which runs this file's batch_dependent_rows.
+    # Q6_K: not repacked on x86, so its verify rows go in one call (repacked Q4_K's go 3 a call: KERNELS).
     ids = IDS + IDS
-    for qtype in ("Q4_K", "Q6_K"):
+    for qtype in ("Q6_K",):
         path = tiny_model_path(qtype=qtype, **K_QUANT_SHAPES)
         out = subprocess.run([sys.executable, __file__, path, json.dumps(ids)], capture_output=True, text=True,
                              env={**os.environ, "GGML_CPU_TILED_MM": "1"}, cwd=os.path.dirname(__file__),

@@ -70,6 +70,9 @@ class BatchedCache(ABC):
     slots: int  # sequences it holds at most
     capacity: int  # tokens a sequence may hold
     can_copy: bool = False  # whether copy_prefix can copy KV between slots
+    # A prompt chunk that does not end its prompt must be a multiple of this many tokens (llama.cpp's repacked CPU
+    # weights compute prompt rows in groups of 4: KERNELS in llamacpp_core)
+    prefill_align: int = 1
 
     @abstractmethod
     def length(self, slot: int) -> int: ...
@@ -77,12 +80,19 @@ class BatchedCache(ABC):
     @abstractmethod
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         """Feed each (slot, tokens) of batch at that slot's next positions, every slot at most once, in one forward
-        where the backend can. Returns per entry its logits: [T, vocab], or [1, vocab] where last_only[i].
+        where the backend can. Returns per entry its logits: [T, vocab], or [1, vocab] where last_only[i]; entries
+        with last_only are prompt chunks (a backend may compute them with its prompt kernel), the others decode
+        and verify rows.
         Raises ContextOverflowError (and changes nothing) when a slot would pass its capacity."""
 
     @abstractmethod
     def rewind(self, slot: int, length: int) -> None:
         """Forget every position >= length of that slot."""
+
+    def reusable(self, slot: int, length: int) -> int:
+        """How many of the first `length` positions of slot a new prompt sharing them may keep: the rest it
+        recomputes, so that it sees the KV a fresh prompt would."""
+        return length
 
     def copy_prefix(self, src: int, dst: int, length: int) -> bool:
         """Make dst hold src's first `length` positions (dst's length becomes `length`); False where the backend

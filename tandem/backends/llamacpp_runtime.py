@@ -7,6 +7,8 @@ import ctypes
 import os
 import sys
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import llama_cpp.llama_cpp as llc
 
@@ -14,13 +16,15 @@ import llama_cpp.llama_cpp as llc
 _LOG_LEVEL_ERROR = 4
 _LOG_LEVEL_CONT = 5
 recent_errors: deque[str] = deque(maxlen=20)  # llama.cpp's last error lines, quoted when a load fails
-_log_state = {"last_level": 0}
+_log_state: dict = {"last_level": 0, "capture": None}  # capture: a list collecting every line (captured_log)
 
 
 def _log_callback(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
     if level == _LOG_LEVEL_CONT:
         level = _log_state["last_level"]
     _log_state["last_level"] = level
+    if _log_state["capture"] is not None and text:
+        _log_state["capture"].append(text.decode("utf-8", errors="replace"))
     if level >= _LOG_LEVEL_ERROR and text:
         message = text.decode("utf-8", errors="replace")
         recent_errors.append(message.rstrip())
@@ -30,6 +34,17 @@ def _log_callback(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -
 # Kept alive on the module: llama.cpp holds a raw pointer to it for the life of the process.
 _LOG_CALLBACK = llc.llama_log_callback(_log_callback)
 _initialized = False
+
+
+@contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """Every line llama.cpp logs meanwhile, info included (e.g. which buffer types a model load used)."""
+    lines: list[str] = []
+    _log_state["capture"] = lines
+    try:
+        yield lines
+    finally:
+        _log_state["capture"] = None
 
 
 def init_llama() -> None:

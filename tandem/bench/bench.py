@@ -127,7 +127,8 @@ def load_target(args: argparse.Namespace) -> Model:
         _check_synthetic_backend(args)
         return random_model(shapes["target"], args.device, compute_dtype(args), n_ctx=args.ctx or SYNTHETIC_CTX, seed=0)
     return tandem.load(args.model, device=args.device, dtype=compute_dtype(args), backend=args.backend,
-                       n_ctx=args.ctx, progress=sys.stderr.isatty())
+                       n_ctx=args.ctx, progress=sys.stderr.isatty(),
+                       isolation=getattr(args, "llamacpp_isolation", "auto"))
 
 
 def load_draft(args: argparse.Namespace, backend: str | None) -> Model | str | None:
@@ -145,7 +146,8 @@ def load_draft(args: argparse.Namespace, backend: str | None) -> Model | str | N
     if name is None or name == "ngram":
         return name
     return tandem.load(name, device=device, dtype=compute_dtype(args), backend=backend or args.backend,
-                       n_ctx=args.ctx, progress=sys.stderr.isatty())
+                       n_ctx=args.ctx, progress=sys.stderr.isatty(),
+                       isolation=getattr(args, "llamacpp_isolation", "auto"))
 
 
 def environment(target: Model) -> dict:
@@ -154,11 +156,9 @@ def environment(target: Model) -> dict:
     if device.startswith("cuda") and torch.cuda.is_available() and target.backend == "torch":
         device_name = torch.cuda.get_device_name(torch.device(device))
     elif target.backend == "llama.cpp" and not device.startswith("cpu"):
-        from tandem.backends.devices import device_info
-
-        # llama.cpp's own name for the device, with its memory kind (device-local, unified, host).
-        info = device_info(device)
-        device_name = info.summary() if info is not None else device
+        # llama.cpp's own name for the device, with its memory kind (device-local, unified, host), as the model
+        # (or its worker process, where llama.cpp may not load beside torch) found it.
+        device_name = getattr(target, "device_description", None) or device
     else:
         device_name = cpu_model()
     return {

@@ -193,10 +193,15 @@ class Engine:
         # The chunk bounds what prompts add to a step only to keep decoding streams flowing; with none decoding
         # (a burst of arrivals) the prompts take IDLE_PREFILL_CHUNKS chunks at once, so the last of the burst
         # does not wait a step for every chunk before it.
-        prefills, budget = [], self.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)
+        prefills, align = [], self.target_kv.prefill_align
+        budget = self.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)
         for gen in self.running:
             if gen.prefilling and budget > 0:
-                rows = gen.tokens[gen.fed : gen.fed + min(gen.prompt_len - gen.fed, budget)]
+                remaining = gen.prompt_len - gen.fed
+                n = min(remaining, budget)
+                if n < remaining:  # a chunk that does not end its prompt ends on the backend's alignment
+                    n = max(n - n % align, min(align, remaining))
+                rows = gen.tokens[gen.fed : gen.fed + n]
                 prefills.append((gen, rows))
                 budget -= len(rows)
         prefill_rows = sum(len(rows) for _, rows in prefills)
@@ -209,10 +214,11 @@ class Engine:
 
         batch = [(g.slot, [g.tokens[-1]] + proposals[g.id][0]) for g in decoding]
         batch += [(g.slot, rows) for g, rows in prefills]
-        last_only = [False] * len(decoding) + [g.fed + len(rows) == g.prompt_len for g, rows in prefills]
+        # Prompt chunks want no logits but the last row of a prompt's last chunk.
+        last_only = [False] * len(decoding) + [True] * len(prefills)
         logits = self.target_kv.forward(batch, last_only)
-        firsts = [(gen, rows) for (gen, _), rows, last in
-                  zip(prefills, logits[len(decoding) :], last_only[len(decoding) :], strict=True) if last]
+        firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
+                  if gen.fed + len(chunk) == gen.prompt_len]
         outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
         finished = time.perf_counter()
         draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
@@ -266,12 +272,12 @@ class Engine:
             prompt = gen.request.prompt
             placement = self.table.place(prompt, self.target_kv.can_copy)
             slot = placement.slot
-            own = min(placement.own, self.target_kv.length(slot))
+            own = self.target_kv.reusable(slot, min(placement.own, self.target_kv.length(slot)))
             reuse = own
             draft_valid = min(own, self.draft_kv.length(slot)) if self.draft_kv is not None else 0
             if placement.copy_from is not None:
                 source = placement.copy_from
-                copied = min(placement.reuse, self.target_kv.length(source))
+                copied = self.target_kv.reusable(source, min(placement.reuse, self.target_kv.length(source)))
                 if copied > own:
                     self.target_kv.copy_prefix(source, slot, copied)
                     reuse = copied
@@ -532,9 +538,11 @@ class Engine:
                 sampled.append((gen, drafts, torch.stack([n_accepted, own])))
             if gen.request.logprobs is not None:
                 scored[gen.id] = score_rows(rows, draft_tokens, own, gen.request.logprobs)
-        parts = ([torch.cat([rows for _, _, rows in greedy]).argmax(dim=-1)] if greedy else []) + \
-            [pair for _, _, pair in sampled]
-        values = torch.cat(parts).tolist() if parts else []  # the step's one host synchronisation
+        # One sequence (batch 1) skips the concatenations: on a CPU, copying its 152k-float rows cost more than
+        # the argmax.
+        greedy_rows = [rows for _, _, rows in greedy]
+        parts = ([_cat(greedy_rows).argmax(dim=-1)] if greedy else []) + [pair for _, _, pair in sampled]
+        values = _cat(parts).tolist() if parts else []  # the step's one host synchronisation
         outcomes, at = {}, 0
         for gen, drafts, _ in greedy:
             targets = values[at : at + len(drafts) + 1]  # the target's argmax at each row
@@ -562,6 +570,10 @@ def best_rate(acceptance: float, ms: list[float], k_max: int, extra_ms: float = 
     """max over k = 1..k_max of E(acceptance, k) / (ms[k] + extra_ms): one sequence's best draft length's tokens
     per ms."""
     return max(expected_tokens(acceptance, k) / (ms[k] + extra_ms) for k in range(1, k_max + 1))
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def score_rows(logits: torch.Tensor, draft_tokens: torch.Tensor, token: torch.Tensor | None,

@@ -733,7 +733,8 @@ def serve(args) -> int:
     served_names = args.served_model_name or [os.path.basename(args.model).removesuffix(".gguf")]
     app = create_app(
         load=lambda: load_pair(args.model, args.draft, args.no_draft, args.device, args.dtype, args.backend,
-                               args.ctx, args.draft_device, progress=sys.stderr.isatty()),
+                               args.ctx, args.draft_device, progress=sys.stderr.isatty(),
+                               isolation=getattr(args, "llamacpp_isolation", "auto")),
         warm_up=lambda target, draft: _warm_up(target, draft, args.draft_max, args.draft_policy),
         model_name=served_names[0], aliases=[*served_names[1:], args.model],
         draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,

@@ -1,0 +1,464 @@
+"""The llama.cpp backend in a worker process: the same Model, Sequence and BatchedCache, llama.cpp out of process.
+
+Why: a CUDA build of llama.cpp and torch's CUDA libraries crash in one process (llama-cpp-python loads libllama
+with RTLD_GLOBAL; libggml-cuda links the system's CUDA runtime and cuBLAS, torch brings its own: docs/backends.md).
+Here llama.cpp lives in a child process that never imports torch (`python -m tandem.backends.llamacpp_worker`,
+which imports only llamacpp_core, numpy and llama_cpp), and the engine cannot tell: `WorkerModel` is a `Model`.
+
+Transport. Requests are small tuples pickled over a Unix socket pair (token ids, positions, slot numbers); logits
+come back through one shared buffer (an unlinked file, mapped by both processes, grown with ftruncate when a
+forward needs more rows) that the worker writes straight from llama.cpp's output and the parent copies once into
+the tensor it returns: no logits are pickled. One worker serves every model of the process (target and draft: one
+CUDA context, and on a CPU no second OpenMP team spinning beside the first); requests are serialised by a lock.
+
+A dead worker (a crash in llama.cpp, a kill) fails the request in flight and every later one with WorkerDiedError,
+saying how it died, and logs it once; nothing waits on it.
+
+When: `isolation="process"` (load option, `--llamacpp-isolation process`, or TANDEM_LLAMACPP_WORKER=1), and by
+default (`auto`) where the installed llama.cpp is a CUDA build and torch has CUDA too. TANDEM_LLAMACPP_WORKER=0
+keeps llama.cpp in process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import mmap
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence as Seq
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from tandem.backends.base import BatchedCache, Model, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.config import ModelConfig
+    from tandem.loading.tokenizer import Tokenizer
+
+log = logging.getLogger("tandem.llamacpp")
+
+WORKER_ENV = "TANDEM_LLAMACPP_WORKER"  # 1: always a worker process; 0: never; unset: as isolation says
+ISOLATIONS = ("auto", "process", "none")
+CUDA_BACKEND_LIBS = ("libggml-cuda.so", "ggml-cuda.dll", "libggml-cuda.dylib")  # a CUDA build of llama.cpp ships one
+FLOAT32 = 4  # bytes
+
+
+# --- when ---------------------------------------------------------------------------------------------------------
+
+
+def llamacpp_has_cuda() -> bool:
+    """Whether the installed llama-cpp-python is a CUDA build, read from its files: loading it is what crashes."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    # LLAMA_CPP_LIB_PATH: llama-cpp-python then loads libllama (and its ggml) from there instead
+    libs = [os.environ.get("LLAMA_CPP_LIB_PATH", "")]
+    libs += [os.path.join(root, "lib") for root in spec.submodule_search_locations]
+    return any(os.path.isdir(lib) and any(name.startswith(CUDA_BACKEND_LIBS) for name in os.listdir(lib))
+               for lib in libs if lib)
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.version.cuda is not None
+
+
+def wants_worker(device: str, isolation: str = "auto") -> bool:
+    """Whether llama.cpp should run in a worker process: TANDEM_LLAMACPP_WORKER if set, else `isolation`
+    ("process", "none", or "auto": a CUDA device, or a CUDA build of llama.cpp beside a CUDA torch)."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"unknown llama.cpp isolation {isolation!r}; choose one of {', '.join(ISOLATIONS)}")
+    env = os.environ.get(WORKER_ENV, "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"{WORKER_ENV} must be 0 or 1, got {env!r}")
+        return env == "1"
+    if isolation != "auto":
+        return isolation == "process"
+    # Even with no layer offloaded a CUDA libllama crashed beside CUDA torch (docs/backends.md).
+    return device.split(":")[0].lower() == "cuda" or (llamacpp_has_cuda() and torch_has_cuda())
+
+
+# --- the parent's side ----------------------------------------------------------------------------------------------
+
+
+class WorkerDiedError(RuntimeError):
+    """The llama.cpp worker process is gone; every model it held is unusable."""
+
+
+class WorkerProcess:
+    """The child process running llama.cpp, its socket and the shared logits buffer; one per parent process."""
+
+    _shared: WorkerProcess | None = None
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> WorkerProcess:
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared.dead is not None:
+                cls._shared = cls()
+            return cls._shared
+
+    def __init__(self) -> None:
+        parent, child = socket.socketpair()
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._buffer_file = tempfile.TemporaryFile(dir=shm_dir)  # unlinked: gone with both processes
+        self._buffer_bytes = 0
+        self._buffer: mmap.mmap | None = None
+        fds = (child.fileno(), self._buffer_file.fileno())
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tandem.backends.llamacpp_worker", *map(str, fds)],
+            pass_fds=fds, stdin=subprocess.DEVNULL)
+        child.close()
+        self._conn = Connection(parent.detach())
+        self._lock = threading.Lock()
+        self.dead: str | None = None  # how it died, once it has
+        self.models = 0  # open WorkerModels on it; the worker exits when the last closes
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def rows(self, count: int, vocab: int) -> np.ndarray:
+        """A view [count, vocab] of the shared buffer, grown first where it is too small."""
+        need = max(count * vocab * FLOAT32, 1)
+        if need > self._buffer_bytes:
+            size = max(need, 2 * self._buffer_bytes)
+            os.ftruncate(self._buffer_file.fileno(), size)
+            # the old mapping unmaps when the last view of it goes (closing it under a live view would raise)
+            self._buffer = mmap.mmap(self._buffer_file.fileno(), size)
+            self._buffer_bytes = size
+        return np.ndarray((count, vocab), dtype=np.float32, buffer=self._buffer)
+
+    def call(self, *request, rows: tuple[int, int] | None = None):
+        """Send a request and wait for its reply; rows=(count, vocab) makes room for that many logits rows first
+        and returns them (copied) with the reply."""
+        with self._lock:
+            if self.dead is not None:
+                raise WorkerDiedError(self.dead)
+            view = self.rows(*rows) if rows is not None else None
+            try:
+                self._conn.send((*request, self._buffer_bytes))
+                reply = self._conn.recv()
+            except (EOFError, OSError, pickle.UnpicklingError) as e:
+                self.dead = self._death(request[0], e)
+                log.error("%s", self.dead)
+                raise WorkerDiedError(self.dead) from None
+            if reply[0] == "error":
+                _, kind, message = reply
+                raise (ValueError if kind == "ValueError" else RuntimeError)(message)
+            return reply[1] if view is None else (reply[1], np.array(view[: rows[0]]))
+
+    def _death(self, doing: str, error: Exception) -> str:
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        how = f"exit status {code}" if code >= 0 else f"signal {-code} ({signal.Signals(-code).name})"
+        return (f"the llama.cpp worker process (pid {self.pid}) died ({how}) during {doing!r}: its models are "
+                f"gone; restart the server or load them again")
+
+    def close(self) -> None:
+        """Ask the worker to exit and wait for it (it also exits on its own when this process closes the socket)."""
+        if self.dead is None:
+            try:
+                with self._lock:
+                    self._conn.send(("exit", 0))
+            except OSError:
+                pass
+        self._conn.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._buffer = None
+        self._buffer_file.close()
+        self.dead = self.dead or "closed"
+
+
+class WorkerSequence(Sequence):
+    def __init__(self, model: WorkerModel, handle: int, capacity: int) -> None:
+        self.model, self.handle, self.capacity = model, handle, capacity
+        self._length = 0
+        self._open = True
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def forward(self, tokens: Seq[int] | torch.Tensor, logits: Literal["all", "last"] = "all") -> torch.Tensor:
+        import torch
+
+        self._live()
+        ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        self._check_room(len(ids))
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        vocab = self.model.vocab_size
+        if not ids:
+            return torch.empty((0, vocab), dtype=torch.float32)
+        count = 1 if logits == "last" else len(ids)
+        _, rows = self.model.worker.call("forward", self.handle, ids, logits == "last", rows=(count, vocab))
+        self._length += len(ids)
+        return torch.from_numpy(rows)
+
+    def rewind(self, length: int) -> None:
+        self._live()
+        self._check_rewind(length)
+        if length != self._length:
+            self.model.worker.call("rewind", self.handle, length)
+            self._length = length
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            if self.model.worker.dead is None:
+                self.model.worker.call("close", self.handle)
+
+    def _live(self) -> None:
+        if not self._open:
+            raise RuntimeError("this sequence is closed")
+
+
+class WorkerBatchedCache(BatchedCache):
+    can_copy = True
+
+    def __init__(self, model: WorkerModel, slots: int, capacity: int, drafting: bool) -> None:
+        self.model, self.slots, self.capacity = model, slots, capacity
+        self.handle, self.prefill_align = model.worker.call("batched", model.handle, slots, capacity, model.n_batch,
+                                                            not drafting)
+        self._lengths = [0] * slots
+        self._open = True
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
+        import torch
+
+        self._check(batch)
+        batch = [(slot, list(tokens)) for slot, tokens in batch]
+        counts = [1 if last else len(tokens) for (_, tokens), last in zip(batch, last_only, strict=True)]
+        _, rows = self.model.worker.call("batch_forward", self.handle, batch, list(last_only),
+                                         rows=(sum(counts), self.model.vocab_size))
+        for slot, tokens in batch:
+            self._lengths[slot] += len(tokens)
+        out, at = [], 0
+        for count in counts:
+            out.append(torch.from_numpy(rows[at : at + count]))
+            at += count
+        return out
+
+    def rewind(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self._lengths[slot]:
+            raise ValueError(f"cannot rewind slot {slot} to {length}: it holds {self._lengths[slot]} tokens")
+        if length < self._lengths[slot]:
+            self.model.worker.call("batch_rewind", self.handle, slot, length)
+            self._lengths[slot] = length
+
+    def reusable(self, slot: int, length: int) -> int:
+        return self.model.worker.call("reusable", self.handle, slot, length) if self.prefill_align > 1 else length
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> bool:
+        self.model.worker.call("copy_prefix", self.handle, src, dst, length)
+        self._lengths[dst] = length
+        return True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            if self.model.worker.dead is None:
+                self.model.worker.call("close", self.handle)
+
+
+class WorkerModel(Model):
+    """A GGUF file loaded by llama.cpp in the worker process; config and tokenizer read here from its metadata."""
+
+    backend = "llama.cpp"
+    isolation = "process"
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, n_threads: int | None = None,
+                 n_gpu_layers: int = 0, device: str = "cpu", n_batch: int | None = None,
+                 flash_attn: bool | None = None, use_mmap: bool = True, repack: bool = True) -> None:
+        """Arguments as LlamaCppModel's."""
+        from tandem.backends.llamacpp_settings import DEFAULT_N_BATCH, DEFAULT_N_CTX, kv_q8_ok
+        from tandem.loading.gguf import open_gguf
+        from tandem.loading.tokenizer import Tokenizer
+
+        self.path = os.fspath(path)
+        gguf = open_gguf(self.path)  # a bad file is refused here, before llama.cpp sees it
+        self.config: ModelConfig = gguf.config
+        self.tokenizer: Tokenizer = Tokenizer.from_gguf(gguf)
+        self.device = device
+        self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_N_CTX, self.config.context_length)
+        self.n_batch = n_batch or DEFAULT_N_BATCH
+        self.worker = WorkerProcess.shared()
+        self.worker.models += 1
+        options = dict(n_threads=n_threads, n_gpu_layers=n_gpu_layers, device=device, flash_attn=flash_attn,
+                       kv_q8_ok=kv_q8_ok(self.config), use_mmap=use_mmap, repack=repack)
+        try:
+            self.handle, info = self.worker.call("load", self.path, self.config.vocab_size, options)
+        except Exception:
+            self._release_worker()
+            raise
+        self.n_threads, self.kv_q8, self.repacked = info["n_threads"], info["kv_q8"], info["repacked"]
+        self.device_description = info["device_description"]
+        self._open = True
+
+    @property
+    def worker_pid(self) -> int:
+        return self.worker.pid
+
+    def new_sequence(self, n_ctx: int | None = None, drafting: bool = False,
+                     n_batch: int | None = None) -> WorkerSequence:
+        from tandem.backends.llamacpp_settings import DRAFT_N_BATCH
+
+        self._live()
+        capacity = n_ctx or self.n_ctx
+        n_batch = min(n_batch or (DRAFT_N_BATCH if drafting else self.n_batch), capacity)
+        handle = self.worker.call("sequence", self.handle, capacity, n_batch, not drafting)
+        return WorkerSequence(self, handle, capacity)
+
+    def new_batched_cache(self, slots: int, n_ctx: int | None = None, drafting: bool = False) -> WorkerBatchedCache:
+        self._live()
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        return WorkerBatchedCache(self, slots, n_ctx or self.n_ctx, drafting)
+
+    def kv_bytes_per_token(self) -> int:
+        from tandem.backends.llamacpp_settings import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.config, self.kv_q8)
+
+    def close(self) -> None:
+        if getattr(self, "_open", False):
+            self._open = False
+            if self.worker.dead is None:
+                self.worker.call("close", self.handle)
+            self._release_worker()
+
+    def _release_worker(self) -> None:
+        self.worker.models -= 1
+        if self.worker.models == 0:
+            self.worker.close()
+
+    def _live(self) -> None:
+        if not self._open:
+            raise RuntimeError(f"model {self.path!r} is closed")
+        if self.worker.dead is not None:
+            raise WorkerDiedError(self.worker.dead)
+
+    # No __del__ that closes: a collection inside another request's round trip would send a request of its own in
+    # the middle of it. What is not closed goes with the worker, which exits when this process closes its socket.
+
+
+# --- the worker's side ----------------------------------------------------------------------------------------------
+
+
+class _Worker:
+    """Objects by handle, and the request handlers; runs in the child process."""
+
+    def __init__(self, buffer_fd: int) -> None:
+        self.objects: dict[int, object] = {}
+        self.next_handle = 1
+        self.buffer_fd = buffer_fd
+        self.buffer: mmap.mmap | None = None
+        self.buffer_bytes = 0
+
+    def allocate(self, rows: int, vocab: int) -> np.ndarray:
+        return np.ndarray((rows, vocab), dtype=np.float32, buffer=self.buffer)
+
+    def map_buffer(self, size: int) -> None:
+        if size > self.buffer_bytes:
+            self.buffer = mmap.mmap(self.buffer_fd, size)
+            self.buffer_bytes = size
+
+    def add(self, obj: object) -> int:
+        handle, self.next_handle = self.next_handle, self.next_handle + 1
+        self.objects[handle] = obj
+        return handle
+
+    def handle(self, op: str, *args):
+        from tandem.backends import llamacpp_core as core
+
+        if op == "load":
+            path, vocab_size, options = args
+            weights = core.LlamaCppWeights(path, vocab_size, **options)
+            return self.add(weights), {"n_threads": weights.n_threads, "kv_q8": weights.kv_q8,
+                                       "repacked": weights.repacked,
+                                       "device_description": weights.device_description}
+        if op == "sequence":
+            model, capacity, n_batch, exact = args
+            weights = self.objects[model]
+            return self.add(core.SequenceForward(weights, weights.context(capacity, n_batch), capacity, exact))
+        if op == "batched":
+            model, slots, capacity, n_batch, exact = args
+            cache = core.BatchedForward(self.objects[model], slots, capacity, n_batch, exact)
+            return self.add(cache), cache.prefill_align
+        if op == "forward":
+            handle, ids, last = args
+            self.objects[handle].forward(ids, last, self.allocate)
+            return None
+        if op == "batch_forward":
+            handle, batch, last_only = args
+            self.objects[handle].forward(batch, last_only, self.allocate)
+            return None
+        if op == "rewind":
+            return self.objects[args[0]].rewind(args[1])
+        if op == "batch_rewind":
+            return self.objects[args[0]].rewind(args[1], args[2])
+        if op == "reusable":
+            return self.objects[args[0]].reusable(args[1], args[2])
+        if op == "copy_prefix":
+            return self.objects[args[0]].copy_prefix(*args[1:])
+        if op == "close":
+            obj = self.objects.pop(args[0])
+            if isinstance(obj, core.SequenceForward):
+                obj.weights.release(obj.context)
+            else:
+                obj.close()
+            return None
+        if op == "imports":  # tests: what this process has loaded
+            return sorted(name for name in ("torch", "llama_cpp") if name in sys.modules)
+        if op == "crash":  # tests: die as llama.cpp would, mid-request
+            os.kill(os.getpid(), signal.SIGSEGV)
+        raise ValueError(f"unknown request {op!r}")
+
+
+def worker_main(socket_fd: int, buffer_fd: int) -> int:
+    """Serve requests until the parent says exit or goes away."""
+    conn = Connection(socket_fd)
+    worker = _Worker(buffer_fd)
+    while True:
+        try:
+            *request, buffer_bytes = conn.recv()
+        except (EOFError, OSError):
+            return 0
+        if request[0] == "exit":
+            return 0
+        worker.map_buffer(buffer_bytes)
+        try:
+            reply = ("ok", worker.handle(*request))
+        except Exception as e:  # noqa: BLE001  (the parent re-raises it; the worker keeps serving)
+            reply = ("error", "ValueError" if isinstance(e, ValueError) else type(e).__name__, str(e))
+        conn.send(reply)
+
+
+if __name__ == "__main__":
+    if "torch" in sys.modules:  # the point of this process (module docstring)
+        raise SystemExit("tandem's llama.cpp worker must not import torch")
+    sys.exit(worker_main(int(sys.argv[1]), int(sys.argv[2])))

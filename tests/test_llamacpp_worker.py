@@ -1,0 +1,144 @@
+"""The llama.cpp backend in a worker process: the same logits, bit for bit, as in process (sequences, batched
+caches, greedy plain, speculative and batched generation), no torch in the worker, and a clear error when it dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.llamacpp
+
+from conftest import K_QUANT_SHAPES, assert_speculated  # noqa: E402
+
+import tandem  # noqa: E402
+from tandem.backends.llamacpp_worker import WORKER_ENV, WorkerDiedError, WorkerModel, wants_worker  # noqa: E402
+from tandem.engine import Engine, Request  # noqa: E402
+
+IDS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 30, 201, 77, 8, 150, 23]
+PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "tandem",']
+
+
+@pytest.fixture(scope="module", params=["Q4_K", "Q8_0"])
+def pair(request, tiny_model_path):
+    """(in-process target, worker target) of one file: Q4_K is repacked (two kernels), Q8_0 is not."""
+    path = tiny_model_path(qtype=request.param, seed=5, **K_QUANT_SHAPES)
+    local = tandem.load(path, backend="llama.cpp", n_ctx=256, isolation="none")
+    remote = tandem.load(path, backend="llama.cpp", n_ctx=256, isolation="process")
+    assert isinstance(remote, WorkerModel) and not isinstance(local, WorkerModel)
+    yield local, remote
+    local.close()
+    remote.close()
+
+
+def test_sequences_give_the_in_process_logits_bit_for_bit(pair):
+    local, remote = pair
+    assert remote.repacked == local.weights.repacked and remote.kv_q8 == local.kv_q8
+    out = []
+    for model in pair:
+        seq = model.new_sequence()
+        rows = [seq.forward(IDS[:10], logits="last"), seq.forward(IDS[10:14]), seq.forward(IDS[14:15])]
+        seq.rewind(11)
+        rows.append(seq.forward(IDS[11:16]))
+        assert seq.length == 16
+        seq.close()
+        out.append(rows + [model.logits(IDS)])
+    for a, b in zip(*out, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_batched_caches_give_the_in_process_logits_bit_for_bit(pair):
+    out = []
+    for model in pair:
+        cache = model.new_batched_cache(3, 64)
+        rows = cache.forward([(0, IDS[:9]), (2, IDS[3:6])], [True, False])
+        rows += cache.forward([(0, IDS[9:12]), (2, IDS[6:7])], [False, False])
+        cache.rewind(0, 10)
+        cache.copy_prefix(0, 1, 8)
+        rows += cache.forward([(1, IDS[8:13]), (0, IDS[10:11])], [False, True])
+        out.append((rows, [cache.length(s) for s in range(3)], cache.prefill_align, cache.reusable(0, 11)))
+        cache.close()
+    (rows_a, *rest_a), (rows_b, *rest_b) = out
+    assert rest_a == rest_b
+    for a, b in zip(rows_a, rows_b, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_greedy_plain_speculative_and_batched_generation_equal_in_process(pair, tiny_model_path):
+    local, remote = pair
+    # A draft that agrees in part (as in test_llamacpp_backend): the K-quant writer draws random blocks, so there
+    # the same file with another RoPE base; else the same weights in Q4_0.
+    k_quant = local.weights.repacked  # the Q4_K file (Q8_0 is not repacked)
+    draft_path = tiny_model_path(qtype="Q4_K", seed=5, rope_base=300_000.0, **K_QUANT_SHAPES) if k_quant else \
+        tiny_model_path(qtype="Q4_0", seed=5, **K_QUANT_SHAPES)
+    draft = tandem.load(draft_path, backend="llama.cpp", n_ctx=256, isolation="process")
+    assert draft.worker is remote.worker  # one worker serves every model of the process
+    specs = []
+    for prompt in PROMPTS:
+        plain = tandem.generate(local, prompt=prompt, max_tokens=24)
+        assert tandem.generate(remote, prompt=prompt, max_tokens=24).tokens == plain.tokens
+        spec = tandem.generate(remote, prompt=prompt, draft=draft, draft_max=3, draft_policy="fixed", max_tokens=24)
+        assert spec.tokens == plain.tokens
+        specs.append(spec.stats)
+    assert_speculated(*specs)
+    expected = [tandem.generate(local, prompt=p, max_tokens=16).tokens for p in PROMPTS]
+    engine = Engine(remote, draft, slots=2, draft_max=3, prefill_chunk=5)
+    requests = [Request(remote.tokenizer.encode(p), max_tokens=16, draft_policy="fixed") for p in PROMPTS]
+    assert [r.tokens for r in engine.generate(requests)] == expected
+    draft.close()
+
+
+def test_the_worker_never_imports_torch(pair):
+    _, remote = pair
+    assert remote.worker.call("imports") == ["llama_cpp"]
+
+
+def test_a_dead_worker_fails_every_request_with_a_clear_error(tiny_model_path, caplog):
+    model = tandem.load(tiny_model_path(qtype="Q8_0", seed=7, **K_QUANT_SHAPES), backend="llama.cpp", n_ctx=64,
+                        isolation="process")
+    engine = Engine(model, None, slots=2)
+    engine.add(Request(model.tokenizer.encode("hello there"), max_tokens=8))
+    engine.step()
+    pid = model.worker_pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match=rf"pid {pid}\) died \(signal 9 \(SIGKILL\)\)"):
+        engine.step()
+    assert any("died" in r.getMessage() for r in caplog.records)  # the server's log says so once
+    with pytest.raises(WorkerDiedError):  # at once: nothing waits on a dead process
+        model.new_sequence()
+    model.close()
+    # A crash inside llama.cpp (as the CUDA runtime clash was) reads the same; a new model gets a new worker.
+    model = tandem.load(tiny_model_path(qtype="Q8_0", seed=7, **K_QUANT_SHAPES), backend="llama.cpp", n_ctx=64,
+                        isolation="process")
+    assert model.worker_pid != pid
+    with pytest.raises(WorkerDiedError, match=r"\(SIGSEGV\)\) during 'crash'"):
+        model.worker.call("crash")
+    model.close()
+
+
+def test_worker_errors_come_back_as_the_in_process_ones(tiny_model_path):
+    model = tandem.load(tiny_model_path(qtype="Q8_0", seed=7, **K_QUANT_SHAPES), backend="llama.cpp", n_ctx=64,
+                        isolation="process")
+    with pytest.raises(ValueError, match="unknown device"):
+        tandem.load(model.path, backend="llama.cpp", device="tpu", isolation="process")
+    assert model.new_sequence().forward([1, 2, 3]).shape == (3, model.vocab_size)  # the worker still serves
+    model.close()
+
+
+def test_when_llamacpp_runs_in_a_worker(monkeypatch):
+    monkeypatch.delenv(WORKER_ENV, raising=False)
+    assert wants_worker("cuda") and wants_worker("cuda:1") and wants_worker("cpu", "process")
+    assert not wants_worker("cuda", "none")
+    assert not wants_worker("cpu")  # this machine: a CPU build of llama.cpp
+    monkeypatch.setenv(WORKER_ENV, "1")
+    assert wants_worker("cpu", "none")
+    monkeypatch.setenv(WORKER_ENV, "0")
+    assert not wants_worker("cuda")
+    monkeypatch.setenv(WORKER_ENV, "yes")
+    with pytest.raises(ValueError, match=WORKER_ENV):
+        wants_worker("cpu")
+    with pytest.raises(ValueError, match="isolation"):
+        wants_worker("cpu", "thread")
