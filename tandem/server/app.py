@@ -280,6 +280,7 @@ class Server:
                 # The server's draft_max is a ceiling: requests may lower k, not raise it past what the operator chose.
                 draft_max=self.draft_max if draft_max is None else min(draft_max, self.draft_max),
                 draft_policy=self.draft_policy, logprobs=req.logprobs_count(),
+                logits=req.logits_settings(self.target.vocab_size),
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None

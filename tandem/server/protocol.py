@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.engine.sequence import MAX_TOP_LOGPROBS, TokenLogprob
+from tandem.logits.grammar import GrammarError, response_format_grammar, text_grammar
+from tandem.logits.processor import DEFAULT_REPEAT_LAST_N, MAX_BIAS, MAX_PENALTY, LogitsError, LogitsSettings
 from tandem.spec.stats import GenerationStats
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -73,6 +75,20 @@ class SpeculativeOptions(_Lenient):
     draft_max: int | None = Field(None, ge=0, le=MAX_DRAFT_OVERRIDE)
 
 
+class JSONSchemaFormat(_Lenient):
+    """response_format.json_schema: the schema the output must match (name, description, strict: informative)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _GenerationRequest(_Lenient):
     """Fields common to chat and text completions. Defaults are OpenAI's (temperature 1, top_p 1)."""
 
@@ -90,6 +106,14 @@ class _GenerationRequest(_Lenient):
     n: int = 1
     user: str | None = None
     speculative: bool | SpeculativeOptions | None = None
+    # Logits processing (tandem.logits): structured output, OpenAI's bias and penalties, llama-server's extras.
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama-server's: a GBNF grammar (or a Lark one) the output must match
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # llama-server's; 1 = off
+    repeat_last_n: int = Field(DEFAULT_REPEAT_LAST_N, ge=-1)  # its window: -1 = the whole context, 0 = off
 
     def checked(self) -> _GenerationRequest:
         """Cross-field checks pydantic's per-field constraints can't express."""
@@ -101,6 +125,34 @@ class _GenerationRequest(_Lenient):
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise APIError(400, f"seed must fit in 64 bits, got {self.seed}", param="seed")
         return self
+
+    def logits_settings(self, vocab: int) -> LogitsSettings | None:
+        """The request's logits processing for a model of `vocab` logits (None: none), or a 400 naming the field."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not re.fullmatch(r"\d+", key.strip()):
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if not -MAX_BIAS <= value <= MAX_BIAS:
+                raise APIError(400, f"logit_bias[{key}] must be in [-100, 100], got {value}", param="logit_bias")
+            bias[int(key)] = value
+        if self.response_format is not None and self.grammar is not None and self.response_format.type != "text":
+            raise APIError(400, "give response_format or grammar, not both", param="grammar")
+        try:
+            if self.grammar is not None:
+                grammar = text_grammar(self.grammar)
+            else:
+                fmt = self.response_format
+                grammar = response_format_grammar(None if fmt is None else {
+                    "type": fmt.type, "json_schema": fmt.json_schema and {"schema": fmt.json_schema.schema_}})
+        except GrammarError as e:
+            raise APIError(400, str(e), param="grammar" if self.grammar is not None else "response_format") from None
+        try:
+            settings = LogitsSettings(bias, self.frequency_penalty, self.presence_penalty, self.repeat_penalty,
+                                      self.repeat_last_n, grammar)
+            settings.check_vocab(vocab)
+        except LogitsError as e:
+            raise APIError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
+        return settings if settings.active else None
 
     @property
     def requested_max_tokens(self) -> int | None:

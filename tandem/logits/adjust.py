@@ -1,0 +1,63 @@
+"""Logits adjustments as pure tensor functions: a bias per token id, OpenAI's frequency and presence penalties,
+llama.cpp's repeat penalty, and a grammar's allowed-token bitmask. The engine applies them, in this order, to the
+rows it samples or takes the argmax of, and to the rows its verifier reads (tandem.logits.processor says which
+tokens each row counts); sampling's temperature, top-k/p and min-p then act on the adjusted logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+BITS = 32  # tokens a word of the bitmask covers (xgrammar's and llguidance's layout: bit i of word w = token 32w+i)
+
+
+def apply_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """OpenAI's logit_bias: values added to the logits of ids. logits: [N, V]; ids, values: [B]."""
+    return logits.index_add(-1, ids, values.to(logits.dtype).expand(logits.shape[0], -1))
+
+
+def apply_frequency_presence(logits: torch.Tensor, counts: torch.Tensor, frequency: float,
+                             presence: float) -> torch.Tensor:
+    """OpenAI's penalties: logit[t] -= counts[t] * frequency + (counts[t] > 0) * presence.
+    logits: [N, V]; counts: [N, V] how often each token occurs in what the row follows."""
+    penalty = counts * frequency + (counts > 0).to(counts.dtype) * presence
+    return logits - penalty.to(logits.dtype)
+
+
+def apply_repeat_penalty(logits: torch.Tensor, ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """llama.cpp's (and CTRL's) repeat penalty on the tokens of the recent window: a positive logit divided by
+    `penalty`, a negative one multiplied, so both move towards less likely (once per token, however often it
+    occurs). logits: [N, V]; ids: [N, n] each row's window (repeats allowed)."""
+    picked = logits.gather(-1, ids)
+    return logits.scatter(-1, ids, torch.where(picked > 0, picked / penalty, picked * penalty))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, ceil(V/32)] int32 words -> [N, vocab] bool, True where the token is allowed (on the words' device)."""
+    if bitmask.device.type == "cpu":  # numpy's unpackbits: ~50x torch's shifts on a 152k vocabulary
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(bits[:, :vocab].view(np.bool_))
+    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def ceiling_from_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device | str,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """[N, vocab] of +inf where the CPU bitmask allows a token, -inf where not (past its words: not), on device:
+    torch.minimum(logits, ceiling) is then the masked logits. A minimum, not masked_fill: on CPU masked_fill with
+    a scattered boolean mask ran ~7x slower than this whole function (0.6 ms against 0.08 for 152k tokens)."""
+    if torch.device(device).type != "cpu":  # upload the words (V/8 bytes), unpack on the device
+        bitmask = bitmask.to(device, non_blocking=True)
+    allowed = unpack_bitmask(bitmask, min(vocab, bitmask.shape[-1] * BITS)).to(dtype)
+    if allowed.shape[-1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
+    return allowed.mul_(2).sub_(1).mul_(math.inf)  # 1 -> +inf, 0 -> -inf (never 0 * inf)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Forbidden tokens' logits set to -inf. logits: [N, V]; bitmask: [N, ceil(V'/32)] int32 on the CPU."""
+    return torch.minimum(logits, ceiling_from_bitmask(bitmask, logits.shape[-1], logits.device, logits.dtype))
