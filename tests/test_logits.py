@@ -136,6 +136,22 @@ def test_json_object_and_gbnf_grammar(pair64):
         assert result.text in ("answer: yes.", "answer: no.") and result.finish_reason == "stop"
 
 
+def test_logprobs_of_constrained_tokens_are_the_targets_raw_ones(pair64):
+    """Greedy under a schema picks the adjusted argmax, not the raw one: its logprob is that token's raw one."""
+    target, draft = pair64
+    prompt = target.tokenizer.encode(PROMPTS[0])
+    settings = tandem.api.logits_settings(response_format=RESPONSE_FORMAT)
+    for source in (None, draft):
+        engine = Engine(target, source, draft_max=4)
+        result = engine.generate([Request(prompt, max_tokens=30, draft_policy="fixed", logprobs=2,
+                                          logits=settings)])[0]
+        assert [e.token for e in result.logprobs] == result.tokens
+        raw = torch.log_softmax(target.logits(prompt + result.tokens)[len(prompt) - 1 : -1].double(), dim=-1)
+        expected = raw[torch.arange(len(result.tokens)), torch.tensor(result.tokens)]
+        assert torch.allclose(torch.tensor([e.logprob for e in result.logprobs], dtype=torch.float64), expected)
+        assert any(e.logprob < e.top[0][1] for e in result.logprobs)  # the grammar overrode the raw argmax
+
+
 @pytest.mark.parametrize("draft_kind", ["model", "ngram"])
 def test_greedy_speculative_equals_plain_with_bias_and_penalties(pair64, draft_kind):
     target, draft = pair64

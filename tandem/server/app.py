@@ -569,6 +569,14 @@ def _warm_up(target: Model, draft: Draft, draft_max: int, draft_policy: str) -> 
     first = target.tokenizer.bos_token_id or 0
     tandem.generate(target, prompt=[first], draft=draft, max_tokens=2, draft_max=draft_max, draft_policy=draft_policy,
                     n_ctx=None)
+    # The grammar library's view of the vocabulary (~1 s for 152k tokens), or the first structured request would
+    # stall every running stream while the engine builds it.
+    from tandem.logits.grammar import ll_tokenizer
+
+    try:
+        ll_tokenizer(target.tokenizer, target.vocab_size)
+    except Exception:  # noqa: BLE001  (structured requests then fail with the reason; the rest are unaffected)
+        log.warning("the grammar library cannot read this vocabulary: structured output will fail", exc_info=True)
 
 
 class _DrainingServer(uvicorn.Server):
