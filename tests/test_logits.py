@@ -82,6 +82,7 @@ def test_adjustments_follow_openai_and_llamacpp_formulas():
     allowed = [[bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(2)]
     masked = adjust.apply_bitmask(torch.randn(2, vocab), bitmask)
     assert (masked > -math.inf).tolist() == allowed
+    assert adjust.unpack_bitmask_torch(bitmask, vocab).tolist() == allowed  # the accelerators' unpacking
 
 
 def test_settings_and_grammars_refuse_bad_input():
@@ -158,7 +159,7 @@ def test_greedy_speculative_equals_plain_with_bias_and_penalties(pair64, draft_k
     bias = {target.tokenizer.encode(" ")[0]: -100.0, target.tokenizer.encode("e")[0]: 3.0}
     # Negative penalties too: they make the output repeat itself, so drafts hold tokens the rows after them count.
     options = [dict(logit_bias=bias), dict(**PENALTIES), dict(logit_bias=bias, **PENALTIES),
-               dict(frequency_penalty=-0.6, presence_penalty=-0.5)]
+               dict(frequency_penalty=-0.6, presence_penalty=-0.5), dict(repeat_penalty=1.5, repeat_last_n=-1)]
     source = draft if draft_kind == "model" else "ngram"
     raw = [generate(target, p, max_tokens=32).tokens for p in PROMPTS]
     stats = []

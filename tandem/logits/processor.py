@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.loading.tokenizer import Tokenizer
-from tandem.logits.adjust import apply_bias, apply_frequency_presence, apply_repeat_penalty, ceiling_from_bitmask
+from tandem.logits.adjust import apply_bias, apply_bitmask, apply_frequency_presence, apply_repeat_penalty
 from tandem.logits.grammar import Grammar, Matcher
 
 MAX_BIAS = 100.0  # OpenAI's logit_bias range: -100..100
@@ -97,9 +97,13 @@ class LogitsProcessor:
         self.settings, self.vocab, self.device = settings, vocab, device
         self.bias_ids = torch.tensor(list(settings.logit_bias), dtype=torch.long, device=device)
         self.bias_values = torch.tensor(list(settings.logit_bias.values()), dtype=torch.float64, device=device)
-        # Generated tokens' counts (frequency/presence) and prompt + output (the repeat window), when asked for.
+        # Generated tokens' counts (frequency/presence), when asked for.
         self.counts = torch.zeros(vocab, dtype=torch.float32, device=device) if settings.counts_tokens else None
-        self.history = list(prompt) if settings.windowed else None
+        # The repeat window: the last n tokens of prompt + output, or (n = -1) the set of every token seen; only
+        # what a row needs is kept, so a step's cost does not grow with the output.
+        n = settings.repeat_last_n
+        self.recent = list(prompt[-n:]) if settings.windowed and n > 0 else None
+        self.seen = set(prompt) if settings.windowed and n < 0 else None
         self.matcher = Matcher(settings.grammar, tokenizer, vocab) if settings.grammar is not None else None
 
     @property
@@ -128,12 +132,12 @@ class LogitsProcessor:
                 counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], device=logits.device),
                                   accumulate=True)
             out = apply_frequency_presence(out, counts, settings.frequency_penalty, settings.presence_penalty)
-        if self.history is not None:
+        if settings.windowed:
             n = settings.repeat_last_n
             windows = []
             for i in range(m):
-                seen = self.history + drafts[: first + i]
-                window = seen if n < 0 else seen[-n:]
+                extra = drafts[: first + i]
+                window = (self.recent + extra)[-n:] if n > 0 else list(self.seen.union(extra))
                 windows.append([min(t, width - 1) for t in window])  # a narrower draft: ids past it, clipped
             longest = max(len(w) for w in windows)
             # Rows padded with their own first id: penalizing a token twice writes the same value twice.
@@ -141,8 +145,7 @@ class LogitsProcessor:
                                device=logits.device)
             out = apply_repeat_penalty(out, ids, settings.repeat_penalty)
         if self.matcher is not None:
-            out = torch.minimum(out, ceiling_from_bitmask(self.matcher.bitmask(drafts, first, m), width,
-                                                          logits.device, out.dtype))
+            out = apply_bitmask(out, self.matcher.bitmask(drafts, first, m))
         return out
 
     def accept(self, tokens: list[int]) -> None:
@@ -150,8 +153,10 @@ class LogitsProcessor:
         if self.counts is not None and tokens:
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             self.counts.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
-        if self.history is not None:
-            self.history += tokens
+        if self.recent is not None:
+            self.recent = (self.recent + tokens)[-self.settings.repeat_last_n :]
+        if self.seen is not None:
+            self.seen.update(tokens)
         if self.matcher is not None:
             self.matcher.commit(tokens)
 
