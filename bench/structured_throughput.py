@@ -24,6 +24,7 @@ import torch
 
 import tandem
 from tandem.engine import Engine, Request
+from tandem.logits.options import logits_settings
 from tandem.logits.processor import LogitsProcessor
 from tandem.sampling import SamplingParams
 
@@ -78,7 +79,7 @@ def run(engine: Engine, target, prompt: str, schema: dict | None, max_tokens: in
     ids = target.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema}} if schema else None
     request = Request(ids, SamplingParams(), max_tokens=max_tokens, draft_max=draft_max, draft_policy="fixed",
-                      logits=tandem.api.logits_settings(response_format=fmt))
+                      logits=logits_settings(response_format=fmt))
     PROCESSING_MS[0] = 0.0
     result = engine.generate([request])[0]
     s = result.stats

@@ -8,8 +8,8 @@ from collections.abc import Sequence as Seq
 
 from tandem.backends.base import Model
 from tandem.engine.sequence import GenerationChunk, GenerationResult, TextStream
-from tandem.logits.grammar import json_grammar, response_format_grammar, text_grammar
-from tandem.logits.processor import DEFAULT_REPEAT_LAST_N, LogitsSettings
+from tandem.logits.options import logits_settings
+from tandem.logits.processor import LogitsSettings
 from tandem.sampling import SamplingParams
 from tandem.spec.compat import check_compatible
 from tandem.spec.decoder import SpeculativeDecoder
@@ -142,21 +142,6 @@ def prompt_ids(target: Model, prompt: str | Seq[int] | None, messages: list[dict
     return [int(t) for t in prompt]
 
 
-def logits_settings(response_format: dict | None = None, json_schema: dict | None = None,
-                    grammar: str | None = None, logit_bias: dict[int, float] | None = None,
-                    frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_penalty: float = 1.0,
-                    repeat_last_n: int = DEFAULT_REPEAT_LAST_N) -> LogitsSettings | None:
-    """The logits processing these options ask for (None: none). At most one of response_format (OpenAI's),
-    json_schema (a schema) and grammar (GBNF or Lark) constrains the output."""
-    if sum(x is not None for x in (response_format, json_schema, grammar)) > 1:
-        raise ValueError("give at most one of response_format, json_schema and grammar")
-    constraint = response_format_grammar(response_format) if response_format is not None else \
-        json_grammar(json_schema) if json_schema is not None else text_grammar(grammar) if grammar is not None else None
-    settings = LogitsSettings(dict(logit_bias or {}), frequency_penalty, presence_penalty, repeat_penalty,
-                              repeat_last_n, constraint)
-    return settings if settings.active else None
-
-
 def _stream_engine(target: Model, ids: list[int], draft: Model | str | None, sampling: SamplingParams,
                    logits: LogitsSettings, max_tokens: int, draft_max: int, draft_policy: str, stops: list[str],
                    n_ctx: int | None, synthetic_acceptance: float | None,
@@ -202,7 +187,7 @@ def stream_generate(
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     ids = prompt_ids(target, prompt, messages)
-    logits = logits_settings(**logits_options)
+    logits = logits_settings(**logits_options, vocab=target.vocab_size)
     if logits is not None:
         yield from _stream_engine(target, ids, draft, sampling, logits, max_tokens, draft_max, draft_policy, stops,
                                   n_ctx, synthetic_acceptance, ignore_eos)
@@ -284,7 +269,7 @@ def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]
     if draft is not None and not isinstance(draft, Model) and draft != "ngram":
         draft = _as_model(draft, device=target.device, backend=target.backend)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-    logits = logits_settings(**logits_options)
+    logits = logits_settings(**logits_options, vocab=target.vocab_size)
     requests = []
     for i, p in enumerate(prompts):
         chat = isinstance(p, list) and p and isinstance(p[0], dict)

@@ -20,6 +20,7 @@ import tandem
 from tandem.engine import Engine, Request
 from tandem.logits import adjust
 from tandem.logits.grammar import GrammarError, json_grammar, ll_tokenizer, response_format_grammar, text_grammar
+from tandem.logits.options import logits_settings
 from tandem.logits.processor import LogitsError, LogitsSettings
 from tandem.sampling import SamplingParams, probs_from_logits
 from tandem.server.app import create_app
@@ -101,6 +102,11 @@ def test_settings_and_grammars_refuse_bad_input():
     with pytest.raises(GrammarError, match="type"):
         response_format_grammar({"type": "xml"})
     assert response_format_grammar({"type": "text"}) is None
+    with pytest.raises(LogitsError, match="not both") as error:
+        logits_settings(response_format={"type": "json_object"}, grammar='root ::= "a"')
+    assert error.value.param == "grammar"
+    assert logits_settings(logit_bias={"7": 1.5}).logit_bias == {7: 1.5}  # JSON's string keys
+    assert logits_settings(response_format={"type": "text"}, logit_bias={}) is None
     assert not LogitsSettings().active and LogitsSettings(repeat_penalty=1.1).active
 
 
@@ -141,7 +147,7 @@ def test_logprobs_of_constrained_tokens_are_the_targets_raw_ones(pair64):
     """Greedy under a schema picks the adjusted argmax, not the raw one: its logprob is that token's raw one."""
     target, draft = pair64
     prompt = target.tokenizer.encode(PROMPTS[0])
-    settings = tandem.api.logits_settings(response_format=RESPONSE_FORMAT)
+    settings = logits_settings(response_format=RESPONSE_FORMAT)
     for source in (None, draft):
         engine = Engine(target, source, draft_max=4)
         result = engine.generate([Request(prompt, max_tokens=30, draft_policy="fixed", logprobs=2,
@@ -183,7 +189,7 @@ def test_constrained_request_batched_beside_unconstrained_equals_alone(pair64):
     alone = [generate(target, p, max_tokens=48, **kw) for p, kw in zip(prompts, asks, strict=True)]
     engine = Engine(target, draft, slots=3, draft_max=4, prefill_chunk=16)
     reqs = [Request(target.tokenizer.encode(p), max_tokens=48, draft_policy="fixed",
-                    logits=tandem.api.logits_settings(**kw)) for p, kw in zip(prompts, asks, strict=True)]
+                    logits=logits_settings(**kw)) for p, kw in zip(prompts, asks, strict=True)]
     batched = engine.generate(reqs)
     assert [r.tokens for r in batched] == [r.tokens for r in alone]
     assert_speculated(*(r.stats for r in batched), rejected=True)
@@ -233,7 +239,7 @@ def test_sampled_speculation_matches_the_adjusted_distribution(tiny_model_path):
     draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=11), dtype="float32")
     prompt = target.tokenizer.encode("Once upon a time abc")
     bias = {target.tokenizer.encode("a")[0]: 0.4}
-    settings = tandem.api.logits_settings(grammar=GRAMMAR, logit_bias=bias, **PENALTIES)
+    settings = logits_settings(grammar=GRAMMAR, logit_bias=bias, **PENALTIES)
     dist = reference_distribution(target, prompt, N_GENERATED, settings, SamplingParams(**SAMPLING))
     engine = Engine(target, draft, slots=4, draft_max=2)
     counts, stats = {}, []
@@ -309,6 +315,7 @@ def test_server_bias_penalties_and_grammar_fields(servers):
      "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"grammar": "root ::= ("}, "grammar"),
+    ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),

@@ -27,7 +27,11 @@ DEFAULT_REPEAT_LAST_N = 64  # llama.cpp's default window
 
 
 class LogitsError(ValueError):
-    """Invalid logits-processing settings."""
+    """Invalid logits-processing settings; `param` names the offending option."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -52,17 +56,17 @@ class LogitsSettings:
     def __post_init__(self) -> None:
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-                raise LogitsError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                raise LogitsError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
             if not _number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
-                raise LogitsError(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
+                raise LogitsError(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}", "logit_bias")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise LogitsError(f"{name} must be a number in [-2, 2], got {value!r}")
+                raise LogitsError(f"{name} must be a number in [-2, 2], got {value!r}", name)
         if not _number(self.repeat_penalty) or self.repeat_penalty <= 0:
-            raise LogitsError(f"repeat_penalty must be a number > 0, got {self.repeat_penalty!r}")
+            raise LogitsError(f"repeat_penalty must be a number > 0, got {self.repeat_penalty!r}", "repeat_penalty")
         if not isinstance(self.repeat_last_n, int) or self.repeat_last_n < -1:
-            raise LogitsError(f"repeat_last_n must be an integer >= -1, got {self.repeat_last_n!r}")
+            raise LogitsError(f"repeat_last_n must be an integer >= -1, got {self.repeat_last_n!r}", "repeat_last_n")
 
     @property
     def active(self) -> bool:
@@ -80,7 +84,7 @@ class LogitsSettings:
         """Every biased id must be a row of the model's logits."""
         bad = sorted(t for t in self.logit_bias if t >= vocab)
         if bad:
-            raise LogitsError(f"logit_bias token ids {bad[:5]} are out of range [0, {vocab})")
+            raise LogitsError(f"logit_bias token ids {bad[:5]} are out of range [0, {vocab})", "logit_bias")
 
 
 def _number(x) -> bool:

@@ -17,8 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.engine.sequence import MAX_TOP_LOGPROBS, TokenLogprob
-from tandem.logits.grammar import GrammarError, response_format_grammar, text_grammar
-from tandem.logits.processor import DEFAULT_REPEAT_LAST_N, MAX_BIAS, MAX_PENALTY, LogitsError, LogitsSettings
+from tandem.logits.options import logits_settings
+from tandem.logits.processor import DEFAULT_REPEAT_LAST_N, MAX_PENALTY, LogitsError, LogitsSettings
 from tandem.spec.stats import GenerationStats
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -128,31 +128,13 @@ class _GenerationRequest(_Lenient):
 
     def logits_settings(self, vocab: int) -> LogitsSettings | None:
         """The request's logits processing for a model of `vocab` logits (None: none), or a 400 naming the field."""
-        bias = {}
-        for key, value in (self.logit_bias or {}).items():
-            if not re.fullmatch(r"\d+", key.strip()):
-                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
-            if not -MAX_BIAS <= value <= MAX_BIAS:
-                raise APIError(400, f"logit_bias[{key}] must be in [-100, 100], got {value}", param="logit_bias")
-            bias[int(key)] = value
-        if self.response_format is not None and self.grammar is not None and self.response_format.type != "text":
-            raise APIError(400, "give response_format or grammar, not both", param="grammar")
+        fmt = self.response_format
         try:
-            if self.grammar is not None:
-                grammar = text_grammar(self.grammar)
-            else:
-                fmt = self.response_format
-                grammar = response_format_grammar(None if fmt is None else {
-                    "type": fmt.type, "json_schema": fmt.json_schema and {"schema": fmt.json_schema.schema_}})
-        except GrammarError as e:
-            raise APIError(400, str(e), param="grammar" if self.grammar is not None else "response_format") from None
-        try:
-            settings = LogitsSettings(bias, self.frequency_penalty, self.presence_penalty, self.repeat_penalty,
-                                      self.repeat_last_n, grammar)
-            settings.check_vocab(vocab)
+            return logits_settings(fmt and fmt.model_dump(by_alias=True), None, self.grammar, self.logit_bias,
+                                   self.frequency_penalty, self.presence_penalty, self.repeat_penalty,
+                                   self.repeat_last_n, vocab)
         except LogitsError as e:
-            raise APIError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
-        return settings if settings.active else None
+            raise APIError(400, str(e), param=e.param) from None
 
     @property
     def requested_max_tokens(self) -> int | None:
