@@ -327,3 +327,17 @@ def test_server_refuses_bad_schemas_grammars_bias_and_penalties(servers, body, p
     server = servers[1]
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, **body})
     assert_openai_error(r, 400, param)
+
+
+def test_cli_generate_takes_a_json_schema_and_a_grammar(tiny_model_path, tmp_path, capsys):
+    from tandem.cli import main
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    base = ["generate", "--model", tiny_model_path(seed=0), "--backend", "torch", "--prompt", "hi", "--json",
+            "--max-tokens", str(MAX_TOKENS)]
+    assert main(base + ["--json-schema", f"@{schema_file}"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    valid(out["text"])
+    assert main(base + ["--grammar", 'root ::= "yes" | "no"']) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("yes", "no")
