@@ -123,17 +123,17 @@ class LogitsProcessor:
     def rows(self, logits: torch.Tensor, drafts: list[int], first: int = 0) -> torch.Tensor:
         """logits [m, W] adjusted, row i as at offset first + i (after drafts[:first + i] on top of the accepted
         tokens). W may be narrower than the vocabulary (a draft's rows)."""
-        settings, (m, width) = self.settings, logits.shape
+        settings, (m, width), device = self.settings, logits.shape, logits.device  # a draft may live elsewhere
         out = logits
         if settings.logit_bias:
             keep = self.bias_ids < width
-            out = apply_bias(out, self.bias_ids[keep], self.bias_values[keep])
+            out = apply_bias(out, self.bias_ids[keep].to(device), self.bias_values[keep].to(device))
         if self.counts is not None:
-            counts = self.counts[:width].expand(m, width).clone()
+            counts = self.counts[:width].to(device).expand(m, width).clone()
             pairs = [(i, t) for i in range(m) for t in drafts[: first + i] if t < width]
             if pairs:
-                index = torch.tensor(pairs, dtype=torch.long, device=logits.device).T
-                counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], device=logits.device),
+                index = torch.tensor(pairs, dtype=torch.long, device=device).T
+                counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], device=device),
                                   accumulate=True)
             out = apply_frequency_presence(out, counts, settings.frequency_penalty, settings.presence_penalty)
         if settings.windowed:
@@ -145,8 +145,7 @@ class LogitsProcessor:
                 windows.append([min(t, width - 1) for t in window])  # a narrower draft: ids past it, clipped
             longest = max(len(w) for w in windows)
             # Rows padded with their own first id: penalizing a token twice writes the same value twice.
-            ids = torch.tensor([w + w[:1] * (longest - len(w)) for w in windows], dtype=torch.long,
-                               device=logits.device)
+            ids = torch.tensor([w + w[:1] * (longest - len(w)) for w in windows], dtype=torch.long, device=device)
             out = apply_repeat_penalty(out, ids, settings.repeat_penalty)
         if self.matcher is not None:
             out = apply_bitmask(out, self.matcher.bitmask(drafts, first, m))
