@@ -110,6 +110,17 @@ def test_settings_and_grammars_refuse_bad_input():
     assert not LogitsSettings().active and LogitsSettings(repeat_penalty=1.1).active
 
 
+def test_json_grammars_bound_the_free_whitespace(pair64):
+    from tandem.logits.grammar import WHITESPACE_BOUND, Matcher
+
+    target, _ = pair64
+    tokenizer = target.tokenizer
+    brace, space = tokenizer.encode("{")[0], tokenizer.encode(" ")[0]
+    for grammar in (json_grammar(), json_grammar(SCHEMA)):
+        matcher = Matcher(grammar, tokenizer, target.vocab_size)
+        assert matcher.extend([brace] + [space] * (WHITESPACE_BOUND + 5)) == 1 + WHITESPACE_BOUND
+
+
 # --- structured output on the engine ---------------------------------------------------------------------------
 
 def test_json_schema_output_validates_and_speculation_changes_nothing(pair64):
