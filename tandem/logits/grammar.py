@@ -2,7 +2,7 @@
 
 llguidance was measured against xgrammar on Qwen's 152k vocabulary (bench/structured_mask.py,
 bench/results/cpu-2026-12-04-structured): a 16 us mask a token against 38 us, 1 ms to compile a JSON schema against
-43 ms, and a wheel with no dependencies (xgrammar pulls torch, triton and transformers pins).
+43 ms, and a wheel with no dependencies (xgrammar requires torch, transformers and, on Linux x86, triton).
 
 A `Matcher` is one sequence's grammar state. Speculation needs the state after each prefix of the drafts, so it
 holds the committed tokens' state plus drafts advanced tentatively on top (`extend`), the mask after each of those
@@ -22,8 +22,8 @@ import torch
 from tandem.loading.tokenizer import Tokenizer
 from tandem.logits.adjust import BITS
 
-# Free whitespace a JSON grammar allows between tokens: a weak or random-weight model could otherwise emit blanks
-# until max_tokens. 16 holds the indentation of pretty-printed JSON a few levels deep.
+# Free whitespace a JSON grammar allows in one gap (after a brace, around a colon or comma): a weak or random-weight
+# model could otherwise emit blanks until max_tokens. 16 holds the indentation of pretty-printed JSON a few levels deep.
 WHITESPACE_BOUND = 16
 JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{WHITESPACE_BOUND}}}"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
