@@ -37,10 +37,14 @@ def apply_repeat_penalty(logits: torch.Tensor, ids: torch.Tensor, penalty: float
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[N, W] int32 words -> [N, vocab] bool, True where the token is allowed (on the words' device)."""
-    if bitmask.device.type == "cpu":  # numpy's unpackbits: ~50x torch's shifts on a 152k vocabulary
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
-        return torch.from_numpy(bits[:, :vocab].view(np.bool_))
+    if bitmask.device.type == "cpu":
+        return torch.from_numpy(_unpack_numpy(bitmask, vocab).view(np.bool_))
     return unpack_bitmask_torch(bitmask, vocab)
+
+
+def _unpack_numpy(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
+    """[N, vocab] uint8 (0 or 1) of CPU words: numpy's unpackbits, ~50x torch's shifts on a 152k vocabulary."""
+    return np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
 
 
 def unpack_bitmask_torch(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -55,9 +59,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     (a narrower draft's rows read the first V bits)."""
     vocab = logits.shape[-1]
     if logits.device.type != "cpu":  # upload the words (V/8 bytes), unpack on the device
-        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+        allowed = unpack_bitmask_torch(bitmask.to(logits.device, non_blocking=True), vocab)
         return logits.masked_fill(~allowed, -math.inf)
-    # On the CPU a minimum with +-inf, not masked_fill: masked_fill with a scattered boolean mask ran ~7x slower
-    # than this whole path here (0.6 ms against 0.08 for 152k tokens).
-    ceiling = unpack_bitmask(bitmask, vocab).to(logits.dtype).mul_(2).sub_(1).mul_(math.inf)  # 1: +inf, 0: -inf
-    return torch.minimum(logits, ceiling)
+    # On the CPU, from uint8 through float32 to a minimum with +-inf: torch's masked_fill with a scattered boolean
+    # mask, and its bool -> float conversion, each cost ~0.5 ms for 152k tokens; this whole path ~0.06 ms.
+    ceiling = torch.from_numpy(_unpack_numpy(bitmask, vocab)).to(torch.float32).mul_(2).sub_(1).mul_(math.inf)
+    return torch.minimum(logits, ceiling.to(logits.dtype))  # 1 -> +inf, 0 -> -inf: logits where allowed
