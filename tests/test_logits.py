@@ -230,14 +230,15 @@ def reference_distribution(target, prompt, n_tokens, settings, params):
             for token in set((prompt + list(prefix))[-settings.repeat_last_n:]):
                 x = logits[token]
                 logits[token] = x / settings.repeat_penalty if x > 0 else x * settings.repeat_penalty
-            matcher = llguidance.LLMatcher(ll, settings.grammar.source, log_level=0)
-            assert matcher.consume_tokens(list(prefix))
-            if matcher.is_stopped():  # the grammar is complete: the generation ended with this prefix
-                grown[prefix] = mass
-                continue
-            for token in range(target.vocab_size):
-                if matcher.validate_tokens([token]) == 0 or token in target.tokenizer.eos_token_ids:
-                    logits[token] = -math.inf
+            if settings.grammar is not None:
+                matcher = llguidance.LLMatcher(ll, settings.grammar.source, log_level=0)
+                assert matcher.consume_tokens(list(prefix))
+                if matcher.is_stopped():  # the grammar is complete: the generation ended with this prefix
+                    grown[prefix] = mass
+                    continue
+                for token in range(target.vocab_size):
+                    if matcher.validate_tokens([token]) == 0 or token in target.tokenizer.eos_token_ids:
+                        logits[token] = -math.inf
             probs = probs_from_logits(logits[None], params)[0]
             for token in torch.nonzero(probs > 0).flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
@@ -245,19 +246,23 @@ def reference_distribution(target, prompt, n_tokens, settings, params):
     return dist
 
 
-def test_sampled_speculation_matches_the_adjusted_distribution(tiny_model_path):
+@pytest.mark.parametrize("constrained", [True, False], ids=["grammar-bias-penalties", "penalties"])
+def test_sampled_speculation_matches_the_adjusted_distribution(tiny_model_path, constrained):
     target = tandem.load(tiny_model_path(seed=11), dtype="float32")
     draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=11), dtype="float32")
     prompt = target.tokenizer.encode("Once upon a time abc")
-    bias = {target.tokenizer.encode("a")[0]: 0.4}
-    settings = logits_settings(grammar=GRAMMAR, logit_bias=bias, **PENALTIES)
+    if constrained:
+        settings = logits_settings(grammar=GRAMMAR, logit_bias={target.tokenizer.encode("a")[0]: 0.4}, **PENALTIES)
+    else:  # negative penalties too: the rows after a draft then favour repeating it, which counting must follow
+        settings = logits_settings(frequency_penalty=-0.8, presence_penalty=0.5, repeat_penalty=1.4,
+                                   repeat_last_n=4)
     dist = reference_distribution(target, prompt, N_GENERATED, settings, SamplingParams(**SAMPLING))
     engine = Engine(target, draft, slots=4, draft_max=2)
     counts, stats = {}, []
     mate = target.tokenizer.encode("The quick brown fox")
     for batch in range(N_SAMPLES // 3):
         reqs = [Request(prompt, SamplingParams(seed=3 * batch + i, **SAMPLING), max_tokens=N_GENERATED,
-                        draft_policy="fixed", logits=settings) for i in range(3)]
+                        ignore_eos=True, draft_policy="fixed", logits=settings) for i in range(3)]
         reqs.append(Request(mate, SamplingParams(temperature=1.0, seed=batch), max_tokens=N_GENERATED + batch % 3,
                             draft_policy="fixed"))
         for r in engine.generate(reqs)[:3]:
