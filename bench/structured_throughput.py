@@ -129,9 +129,10 @@ def main() -> None:
     print(f"{'mode':<12}{'constraint':<12}{'tok/s':>8}{'tokens':>8}{'acceptance':>12}{'processing':>12}  finish")
     for name, engine in modes.items():
         rows = {"none": [], "json_schema": []}
-        for _ in range(args.repeats):
-            for prompt in PROMPTS:
-                for constraint in rows:
+        for repeat in range(args.repeats):
+            for i, prompt in enumerate(PROMPTS):
+                order = list(rows) if (repeat + i) % 2 == 0 else list(rows)[::-1]  # neither always goes first
+                for constraint in order:
                     rows[constraint].append(run(engine, target, prompt, schema if constraint != "none" else None,
                                                 args.max_tokens, args.draft_max))
         speeds, shares = {}, {}
