@@ -1,8 +1,8 @@
 """Grammars for structured output (OpenAI's response_format, llama-server's GBNF `grammar`), through llguidance.
 
 llguidance was measured against xgrammar on Qwen's 152k vocabulary (bench/structured_mask.py,
-bench/results/cpu-2026-12-04-structured): a 16 us mask a token against 38 us, 1 ms to compile a JSON schema against
-43 ms, and a wheel with no dependencies (xgrammar requires torch, transformers and, on Linux x86, triton).
+bench/results/cpu-2026-12-04-structured): a 20 us mask a token against 44 us, 1 ms to compile a JSON schema against
+41 ms, and a wheel with no dependencies (xgrammar requires torch, transformers and, on Linux x86, triton).
 
 A `Matcher` is one sequence's grammar state. Speculation needs the state after each prefix of the drafts, so it
 holds the committed tokens' state plus drafts advanced tentatively on top (`extend`), the mask after each of those
