@@ -8,6 +8,8 @@ from collections.abc import Sequence as Seq
 
 from tandem.backends.base import Model
 from tandem.engine.sequence import GenerationChunk, GenerationResult, TextStream
+from tandem.logits.options import logits_settings
+from tandem.logits.processor import LogitsSettings
 from tandem.sampling import SamplingParams
 from tandem.spec.compat import check_compatible
 from tandem.spec.decoder import SpeculativeDecoder
@@ -150,6 +152,26 @@ def prompt_ids(target: Model, prompt: str | Seq[int] | None, messages: list[dict
     return [int(t) for t in prompt]
 
 
+def _stream_engine(target: Model, ids: list[int], draft: Model | str | None, sampling: SamplingParams,
+                   logits: LogitsSettings, max_tokens: int, draft_max: int, draft_policy: str, stops: list[str],
+                   n_ctx: int | None, synthetic_acceptance: float | None,
+                   ignore_eos: bool) -> Iterator[GenerationChunk]:
+    """One request on the batched engine: the path every request with logits processing takes, since the engine
+    applies it in drafting, verification and sampling alike (the batch-1 decoder does not)."""
+    from tandem.engine import Engine, Request
+
+    if draft is not None and not isinstance(draft, Model) and draft != "ngram":
+        draft = _as_model(draft, device=target.device, backend=target.backend)
+    engine = Engine(target, draft, slots=1, n_ctx=n_ctx, draft_max=draft_max,
+                    synthetic_acceptance=synthetic_acceptance,
+                    measure_costs=draft is not None and draft_policy == "adaptive")
+    gen = engine.add(Request(ids, sampling, max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
+                             draft_policy=draft_policy, logits=logits))
+    while gen.finish_reason is None:
+        for _, chunk in engine.step():
+            yield chunk
+
+
 def stream_generate(
     target: Model | str,
     prompt: str | Seq[int] | None = None,
@@ -168,12 +190,18 @@ def stream_generate(
     synthetic_acceptance: float | None = None,
     ignore_eos: bool = False,
     prompt_lookup: bool | None = None,
+    **logits_options,
 ) -> Iterator[GenerationChunk]:
     """Like `generate`, but yields text as the target accepts it; the last chunk has finish_reason and stats."""
     target = _as_model(target)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     ids = prompt_ids(target, prompt, messages)
+    logits = logits_settings(**logits_options, vocab=target.vocab_size)
+    if logits is not None:
+        yield from _stream_engine(target, ids, draft, sampling, logits, max_tokens, draft_max, draft_policy, stops,
+                                  n_ctx, synthetic_acceptance, ignore_eos)
+        return
     if prompt_lookup is None:  # mixed where a policy picks the source; a fixed k means the draft model's
         prompt_lookup = draft_policy == "adaptive"
     proposer = make_proposer(target, draft, sampling, n_ctx, prompt_lookup)
@@ -214,6 +242,11 @@ def generate(target: Model | str, prompt: str | Seq[int] | None = None, messages
             the source per iteration; a fixed policy takes lookup where it matches); False: the draft model alone;
             None (default): True under the adaptive policy, False under a fixed one.
         stop: strings that end the generation (not included in the text).
+        response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}),
+            json_schema (a schema), grammar (GBNF or Lark): the output must match it.
+        logit_bias ({token id: -100..100}), frequency_penalty, presence_penalty (-2..2, OpenAI's), repeat_penalty
+            and repeat_last_n (llama.cpp's): logits adjustments before sampling. A request with any of these, or
+            with a grammar, runs on the batched engine (which applies them exactly under speculation).
     Returns:
         GenerationResult with .text, .tokens, .finish_reason and .stats (a list of them for prompts=).
     """
@@ -236,8 +269,8 @@ def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]
                    top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                    draft_max: int = DEFAULT_DRAFT_MAX, draft_policy: str = "adaptive",
                    stop: str | Seq[str] | None = None, n_ctx: int | None = None, ignore_eos: bool = False,
-                   synthetic_acceptance: float | None = None, prompt_lookup: bool | None = None
-                   ) -> list[GenerationResult]:
+                   synthetic_acceptance: float | None = None, prompt_lookup: bool | None = None,
+                   **logits_options) -> list[GenerationResult]:
     """Run many prompts together on the batched engine (continuous batching, speculation per sequence), like
     vLLM's `LLM.generate(prompts)`. Each prompt is text, token ids, or a chat (a list of messages); each result is
     what `generate` gives for that prompt alone. With a seed, prompt i samples with seed + i."""
@@ -247,6 +280,7 @@ def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]
     if draft is not None and not isinstance(draft, Model) and draft != "ngram":
         draft = _as_model(draft, device=target.device, backend=target.backend)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    logits = logits_settings(**logits_options, vocab=target.vocab_size)
     requests = []
     for i, p in enumerate(prompts):
         chat = isinstance(p, list) and p and isinstance(p[0], dict)
@@ -254,7 +288,7 @@ def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                   seed=None if seed is None else seed + i)
         requests.append(Request(ids, sampling, max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
-                                draft_policy=draft_policy))
+                                draft_policy=draft_policy, logits=logits))
     engine = Engine(target, draft, slots=slots or max(1, len(requests)), n_ctx=n_ctx, draft_max=draft_max,
                     synthetic_acceptance=synthetic_acceptance, measure_costs=draft_policy == "adaptive",
                     prompt_lookup=prompt_lookup is not False)

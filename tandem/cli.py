@@ -59,6 +59,14 @@ def _comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def _text_or_file(value: str) -> str:
+    """`@path` reads the file; anything else is the text itself."""
+    if value.startswith("@"):
+        with open(value[1:]) as f:
+            return f.read()
+    return value
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import tandem
 
@@ -68,6 +76,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, seed=args.seed, draft_max=args.draft_max, draft_policy=args.draft_policy,
         stop=args.stop or None, n_ctx=args.ctx, prompt_lookup=args.prompt_lookup,
     )
+    if args.json_schema is not None:
+        options["json_schema"] = json.loads(_text_or_file(args.json_schema))
+    elif args.json_object:
+        options["response_format"] = {"type": "json_object"}
+    elif args.grammar is not None:
+        options["grammar"] = _text_or_file(args.grammar)
     if args.chat is not None:
         options["messages"] = [{"role": "user", "content": args.chat}]
     else:
@@ -150,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, tokens, stats")
+    structured = g.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="SCHEMA|@FILE", help="the output is JSON matching this schema")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--grammar", metavar="GBNF|@FILE", help="the output matches this GBNF (or Lark) grammar")
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="list, pull or locate the registry's models")

@@ -365,10 +365,56 @@ def test_tool_turns_are_accepted_and_rendered(tool_paths, monkeypatch):
                     assert not any(c.choices and c.choices[0].delta.tool_calls for c in answer)
                 else:
                     assert answer.choices[0].message.tool_calls is None
-        # "required" and a named function need constrained decoding: a clear 400 until it is wired.
-        for choice in ("required", {"type": "function", "function": {"name": "calculate"}}):
-            r = post(live, "/v1/chat/completions", messages=CHAT, tools=[CALC_TOOL], tool_choice=choice)
-            assert "not supported yet" in assert_openai_error(r, 400, "tool_choice")["message"]
+
+
+# Tight parameters, so a random-weight model's constrained call is complete well within max_tokens.
+UNIT_TOOL = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "loud": {"type": "boolean"}},
+    "required": ["unit", "loud"], "additionalProperties": False}}}
+MODE_TOOL = {"type": "function", "function": {"name": "set_mode", "parameters": {
+    "type": "object", "properties": {"mode": {"enum": ["a", "b", "c"]}}, "required": ["mode"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("family", ["hermes", "gemma4"])
+def test_forced_tool_choice_is_constrained_to_a_valid_call(family, tool_paths, tiny_model_path):
+    """tool_choice "required" and a named function: a random-weight model (which never writes a call by itself)
+    answers with calls that match the tools' schemas, whatever the template's call format, with and without a
+    draft, streamed as the same deltas; greedy speculative == plain."""
+    jsonschema = pytest.importorskip("jsonschema")
+    target = load(tool_paths[family])
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (UNIT_TOOL, MODE_TOOL)}
+    answers = {}
+    for draft in (None, load(tiny_model_path(qtype="Q4_0", seed=0, context_length=2048))):
+        with LiveServer(create_app(target, draft, model_name="tiny", draft_policy="fixed", draft_max=3)) as live:
+            client = live.client()
+            for choice, parallel in (("required", None), ("required", False),
+                                     ({"type": "function", "function": {"name": "set_mode"}}, None)):
+                kw = dict(model="tiny", messages=CHAT, tools=[UNIT_TOOL, MODE_TOOL], tool_choice=choice,
+                          max_tokens=1000, temperature=0)
+                if parallel is not None:
+                    kw["parallel_tool_calls"] = parallel
+                whole = client.chat.completions.create(**kw).choices[0]
+                assert whole.finish_reason == "tool_calls" and not whole.message.content, (choice, parallel, whole)
+                calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+                assert calls and (parallel is not False or len(calls) == 1)
+                for name, arguments in calls:
+                    jsonschema.validate(arguments, schemas[name])
+                if isinstance(choice, dict):
+                    assert {name for name, _ in calls} == {"set_mode"}
+                streamed = {}
+                for chunk in client.chat.completions.create(stream=True, **kw):
+                    for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                        slot = streamed.setdefault(d.index, ["", ""])
+                        slot[0] += d.function.name or ""
+                        slot[1] += d.function.arguments or ""
+                assert [(n, json.loads(a)) for n, a in (streamed[i] for i in sorted(streamed))] == calls
+                answers.setdefault((str(choice), parallel), []).append(calls)
+            # A forced call and another constraint on the same reply: a clear 400.
+            r = post(live, "/v1/chat/completions", messages=CHAT, tools=[UNIT_TOOL], tool_choice="required",
+                     response_format={"type": "json_object"})
+            assert "constrains the reply to a tool call" in assert_openai_error(r, 400, "response_format")["message"]
+    assert all(plain == spec for plain, spec in answers.values())
 
 
 CALL_TEXTS = {  # what each family's model writes: two calls (one for llama3, whose calls are the whole reply)

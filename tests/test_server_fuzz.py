@@ -55,7 +55,7 @@ FIELDS = {
     "speculative": (st.booleans() | st.fixed_dictionaries({}, optional={"enabled": st.booleans(),
                                                                       "draft_max": st.integers(0, 8)}),
                     st.fixed_dictionaries({"draft_max": st.integers(-2, 70)})),
-    "logit_bias": (json_values, json_values),  # unknown to us: must be ignored
+    "logit_bias": (st.dictionaries(st.integers(0, 300).map(str), st.floats(-100, 100), max_size=3), json_values),
     "echo": (st.booleans(), json_values),
     "best_of": (st.just(1), st.integers(-1, 3) | st.floats(0, 3)),
     "tools": (st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),

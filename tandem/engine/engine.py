@@ -33,6 +33,7 @@ from tandem.engine.sequence import (
     Request,
     TokenLogprob,
 )
+from tandem.logits.processor import processor_for
 from tandem.sampling import make_generator, probs_from_logits, sample
 from tandem.spec.calibrate import shared_prior
 from tandem.spec.compat import check_compatible
@@ -153,6 +154,7 @@ class Engine:
         gen = Generation(request, self.target.tokenizer, self.device, self.draft_max, self.stop_token_ids,
                          proposer, {source: self.prior.counts(source) for source in sources})
         gen.stats.prompt_tokens = n
+        gen.processor = processor_for(request.logits, self.target.tokenizer, vocab, request.prompt, self.device)
         if self.synthetic_acceptance is not None and gen.generator is None:  # greedy, but acceptance is drawn
             gen.generator = make_generator(request.sampling.seed, self.device)
         self.waiting.append(gen)
@@ -233,6 +235,8 @@ class Engine:
             n, new_tokens = outcomes[gen.id]
             self.target_kv.rewind(gen.slot, len(gen.tokens) + n)  # all but the new pending token
             gen.tokens += new_tokens
+            if gen.processor is not None:
+                gen.processor.accept(new_tokens)
             if self.draft_kv is not None and self.draft_kv.length(gen.slot) > len(gen.tokens) - 1:
                 self.draft_kv.rewind(gen.slot, len(gen.tokens) - 1)
             gen.stats.record_iteration(k, n, source)
@@ -247,6 +251,8 @@ class Engine:
             gen.stats.prefill_ms += step_ms
             if not gen.prefilling:
                 gen.tokens += outcomes[gen.id][1]
+                if gen.processor is not None:
+                    gen.processor.accept(outcomes[gen.id][1])
                 if gen.ngram is not None:
                     gen.ngram.start(gen.request.prompt)
                 self._deliver(gen, gen.tokens[-1:], events, scored.get(gen.id))
@@ -255,6 +261,8 @@ class Engine:
     def _deliver(self, gen: Generation, new_tokens: list[int], events: list, scored: list | None) -> None:
         """Hand the caller this iteration's tokens (cut at a stop token or max_tokens), with their logprobs."""
         tokens = gen.emit(new_tokens)
+        if gen.finish_reason is None and gen.processor is not None and gen.processor.finished:
+            gen.finish_reason = "stop"  # the grammar is complete: only a stop token could follow
         if gen.finish_reason is None and self.target_kv.length(gen.slot) >= self.target_kv.capacity:
             gen.finish_reason = "length"  # no room left for the pending token
         logprobs = token_logprobs(new_tokens, scored)[: len(tokens)] if scored is not None else None
@@ -442,7 +450,10 @@ class Engine:
         drafting = {}
         for gen, k in zip(decoding, ks, strict=True):
             if k and gen.draft_source != DRAFT_MODEL:
-                proposals[gen.id] = (gen.ngram.continuation(gen.tokens, k), None)
+                drafts = gen.ngram.continuation(gen.tokens, k)
+                if gen.processor is not None:  # lookup proposes without the grammar: cut at its first refusal
+                    drafts = drafts[: gen.processor.usable(drafts)]
+                proposals[gen.id] = (drafts, None)
             elif k:
                 drafting[gen.id] = (gen, k)
         if not drafting:
@@ -463,6 +474,8 @@ class Engine:
             for i, rows in zip(active, logits, strict=True):
                 gen = drafting[i][0]
                 rows = rows[-1:, :target_vocab]  # a wider draft vocabulary must not propose unknown ids
+                if gen.processor is not None:  # the draft proposes under the request's bias, penalties, grammar
+                    rows = gen.processor.rows(rows, drawn[i], len(drawn[i]))
                 if gen.sampling.greedy:
                     tokens.append(rows.argmax(dim=-1))
                 else:
@@ -471,7 +484,9 @@ class Engine:
                     dists[i].append(probs)
             for i, token in zip(active, torch.cat(tokens).tolist(), strict=True):
                 drawn[i].append(token)
-            active = [i for i in active if len(drawn[i]) < drafting[i][1]]
+            ended = {i for i in active if drafting[i][0].processor is not None and
+                     drafting[i][0].processor.cut_draft(drawn[i], dists[i])}
+            active = [i for i in active if len(drawn[i]) < drafting[i][1] and i not in ended]
             if not active:
                 break
             logits = self.draft_kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in active],
@@ -526,15 +541,19 @@ class Engine:
         greedy, sampled, scored = [], [], {}  # greedy: (gen, drafts, rows); sampled: (gen, drafts, [n, token])
         for gen, rows in decoding + firsts:
             drafts, draft_probs = proposals.get(gen.id, ([], None))  # a prompt just read in has none
+            # What the choice reads: rows adjusted for the request (bias, penalties, grammar) at each draft offset.
+            chosen = rows if gen.processor is None else gen.processor.rows(rows, drafts)
             greedy_step = gen.sampling.greedy and (self.synthetic_acceptance is None or not drafts)
             # On the device only where a verifier or the logprobs need them: a greedy step compares on the host.
             draft_tokens = None if greedy_step and gen.request.logprobs is None else \
                 torch.tensor(drafts, dtype=torch.long, device=self.device)
             own = None
             if greedy_step:
-                greedy.append((gen, drafts, rows))
+                greedy.append((gen, drafts, chosen))
+                if chosen is not rows and gen.request.logprobs is not None:  # the adjusted argmax, not the raw
+                    own = chosen.argmax(dim=-1)
             else:
-                n_accepted, own = self._verify(gen, draft_tokens, draft_probs, rows)
+                n_accepted, own = self._verify(gen, draft_tokens, draft_probs, chosen)
                 sampled.append((gen, drafts, torch.stack([n_accepted, own])))
             if gen.request.logprobs is not None:
                 scored[gen.id] = score_rows(rows, draft_tokens, own, gen.request.logprobs)
@@ -581,13 +600,17 @@ def score_rows(logits: torch.Tensor, draft_tokens: torch.Tensor, token: torch.Te
     """Log-probabilities an iteration may need for its emitted tokens (see TokenLogprob), on the device: each
     draft token's at its row, the target's own token's at every row (where it lands depends on how many drafts are
     accepted, known only after the host sync), and the `top` likeliest at every row.
-    logits: [k+1, V]; draft_tokens: [k]; token: [] the recovered or bonus token (None: greedy, each row's argmax)."""
+    logits: [k+1, V]; draft_tokens: [k]; token: [] the recovered or bonus token, or [k+1] each row's (None: greedy,
+    each row's argmax)."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logprobs = torch.log_softmax(logits.to(dtype), dim=-1)  # [k+1, V]
     k = draft_tokens.shape[0]
     drafted = logprobs[torch.arange(k, device=logits.device), draft_tokens]  # [k]
     best = logprobs.topk(top, dim=-1) if top else None
-    own = logprobs.amax(dim=-1) if token is None else logprobs[:, token]
+    if token is None:
+        own = logprobs.amax(dim=-1)
+    else:  # one token for every row, or each row's own (a greedy choice over adjusted logits)
+        own = logprobs.gather(-1, token.expand(logprobs.shape[0]).unsqueeze(-1)).squeeze(-1)
     return [drafted, own, best.values if best else logprobs[:, :0], best.indices if best else
             torch.empty(logprobs.shape[0], 0, dtype=torch.long, device=logits.device)]
 

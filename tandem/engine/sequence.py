@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
+from tandem.logits.processor import LogitsProcessor, LogitsSettings
 from tandem.sampling import SamplingParams, make_generator
 from tandem.spec.decoder import cut_tokens
 from tandem.spec.proposer import NgramProposer
@@ -70,6 +71,7 @@ class Request:
     draft_max: int | None = None  # at most this many drafts an iteration (None: the engine's draft_max)
     draft_policy: str = "adaptive"  # "adaptive": draft lengths from measured costs; "fixed": always draft_max
     logprobs: int | None = None  # None: none; n >= 0: each token's log-probability and its n likeliest alternatives
+    logits: LogitsSettings | None = None  # logit_bias, penalties, a grammar (tandem.logits): None adjusts nothing
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -215,6 +217,7 @@ class Generation:
         self.plain_iterations = 0  # estimates fade towards their priors over these (see Estimate.acceptance)
         self.draft_source: str | None = None  # the source of this iteration's drafts
         self.draft_declined = False  # the draft model's first catch-up was judged not worth it (see Engine._plan)
+        self.processor: LogitsProcessor | None = None  # set by the engine when request.logits adjusts anything
 
     @property
     def prefilling(self) -> bool:

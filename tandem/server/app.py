@@ -57,7 +57,7 @@ from tandem.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from tandem.server.safety import BrowserGuard, allowed_hosts_for, exposure_warning
 from tandem.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
-from tandem.server.tools import detect_format, template_supports_tools
+from tandem.server.tools import FORCED_FORMAT, detect_format, template_supports_tools
 from tandem.spec.stats import GenerationStats
 
 log = logging.getLogger("tandem.server")
@@ -268,18 +268,15 @@ class Server:
 
     def tool_format(self, req: ChatCompletionRequest) -> str | None:
         """The format to parse tool calls in (None: the reply is text only), or a 400 for tools this server
-        cannot offer: a template that ignores them, or a tool_choice that needs constrained decoding."""
+        cannot offer: a template that ignores them."""
         if req.tools_offered is None:
             return None
         template = self.target.tokenizer.chat_template
         if not template_supports_tools(template):
             raise APIError(400, "this model's chat template does not render tools, so the model would never see "
                            "them", param="tools", code="tools_not_supported")
-        if req.tool_choice == "required" or isinstance(req.tool_choice, protocol.NamedToolChoice):
-            # Needs the reply constrained to tools.tool_call_schema(...): not wired to a constrained decoder yet.
-            shown = req.tool_choice if isinstance(req.tool_choice, str) else "a named function"
-            raise APIError(400, f"tool_choice {shown} is not supported yet (it needs constrained decoding); use "
-                           "\"auto\" or \"none\"", param="tool_choice", code="unsupported_parameter")
+        if req.forces_call:  # the reply is constrained to the calls' JSON (protocol.forced_schema)
+            return FORCED_FORMAT
         return detect_format(template, self.target.config.architecture)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
@@ -303,6 +300,7 @@ class Server:
         requested = req.requested_max_tokens
         enabled, draft_max = req.draft_override()
         loop, events, jobs = asyncio.get_running_loop(), asyncio.Queue(), []
+        logits = req.logits_settings(self.target.vocab_size)
         for index in range(req.n):
             try:
                 sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -313,6 +311,7 @@ class Server:
                     # The server's draft_max is a ceiling: requests may lower k, not raise it past the operator's.
                     draft_max=self.draft_max if draft_max is None else min(draft_max, self.draft_max),
                     draft_policy=self.draft_policy, logprobs=req.logprobs_count(),
+                    logits=logits,
                 )
             except ValueError as e:
                 raise APIError(400, str(e)) from None
@@ -692,6 +691,14 @@ def _warm_up(target: Model, draft: Draft, draft_max: int, draft_policy: str) -> 
     first = target.tokenizer.bos_token_id or 0
     tandem.generate(target, prompt=[first], draft=draft, max_tokens=2, draft_max=draft_max, draft_policy=draft_policy,
                     n_ctx=None)
+    # The grammar library's view of the vocabulary (~1 s for 152k tokens), or the first structured request would
+    # stall every running stream while the engine builds it.
+    from tandem.logits.grammar import ll_tokenizer
+
+    try:
+        ll_tokenizer(target.tokenizer, target.vocab_size)
+    except Exception:  # noqa: BLE001  (structured requests then fail with the reason; the rest are unaffected)
+        log.warning("the grammar library cannot read this vocabulary: structured output will fail", exc_info=True)
 
 
 class _DrainingServer(uvicorn.Server):

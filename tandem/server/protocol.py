@@ -21,6 +21,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from tandem.engine.sequence import MAX_TOP_LOGPROBS, TokenLogprob
+from tandem.logits.grammar import COMPACT_JSON
+from tandem.logits.options import logits_settings
+from tandem.logits.processor import DEFAULT_REPEAT_LAST_N, MAX_PENALTY, LogitsError, LogitsSettings
+from tandem.server.tools import MAX_FORCED_CALLS, tool_call_schema
 from tandem.spec.stats import GenerationStats
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -131,6 +135,20 @@ class SpeculativeOptions(_Lenient):
     draft_max: _whole(ge=0, le=MAX_DRAFT_OVERRIDE) | None = None
 
 
+class JSONSchemaFormat(_Lenient):
+    """response_format.json_schema: the schema the output must match (name, description, strict: informative)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _GenerationRequest(_Lenient):
     """Fields common to chat and text completions. Defaults are OpenAI's (temperature 1, top_p 1)."""
 
@@ -151,6 +169,18 @@ class _GenerationRequest(_Lenient):
     speculative: bool | SpeculativeOptions | None = Field(
         None, description="tandem's per-request drafting: false turns it off, {draft_max: k} caps draft lengths")
 
+    # Logits processing (tandem.logits): structured output, OpenAI's bias and penalties, llama-server's extras.
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: the output is "
+                                                   "constrained to match (llguidance)")
+    grammar: str | None = Field(None, description="llama-server's and vLLM's: a GBNF (or Lark) grammar the output "
+                                "must match")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit")
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="llama-server's; 1 is off")
+    repeat_last_n: _whole(ge=-1) = Field(DEFAULT_REPEAT_LAST_N, description="the repeat penalty's window: -1 the "
+                                         "whole context, 0 off")
+
     # Parameters OpenAI defines that tandem cannot honour: a request that uses them gets a 400 naming them
     # (never a silently different answer). {field: the values that ask for nothing, so they pass}.
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
@@ -168,6 +198,21 @@ class _GenerationRequest(_Lenient):
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise APIError(400, f"seed must fit in 64 bits, got {self.seed}", param="seed")
         return self
+
+    def forced_schema(self) -> dict[str, Any] | None:
+        """A JSON Schema the reply must match beyond response_format (chat: a forced tool call)."""
+        return None
+
+    def logits_settings(self, vocab: int) -> LogitsSettings | None:
+        """The request's logits processing for a model of `vocab` logits (None: none), or a 400 naming the field."""
+        fmt = self.response_format
+        try:
+            return logits_settings(fmt and fmt.model_dump(by_alias=True), self.forced_schema(), self.grammar,
+                                   self.logit_bias,
+                                   self.frequency_penalty, self.presence_penalty, self.repeat_penalty,
+                                   self.repeat_last_n, vocab)
+        except LogitsError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -207,7 +252,7 @@ class ChatCompletionRequest(_GenerationRequest):
                                      "template, as transformers' apply_chat_template(tools=...) does")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='"auto" (default with tools): the model decides; "none": tools are not offered; '
-        '"required" and a named function are not supported yet (400)')
+        '"required": at least one call, constrained to the tools\' schemas; a named function: a call to it')
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (the choice ends when its "
                                              "first call is complete) [true]")
     # OpenAI parameters tandem cannot honour (400 when used): see _UNSUPPORTED.
@@ -264,6 +309,37 @@ class ChatCompletionRequest(_GenerationRequest):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
                            f"({', '.join(names)})", param="tool_choice")
+        if self.forces_call:
+            other = "grammar" if self.grammar is not None else "response_format" if self.response_format is not None \
+                and self.response_format.type != "text" else None
+            if other is not None:
+                raise APIError(400, f"tool_choice {self._shown_choice} constrains the reply to a tool call, so "
+                               f"{other} cannot constrain it too", param=other)
+
+    @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function: the reply is constrained to tool calls."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    @property
+    def _shown_choice(self) -> str:
+        choice = self.tool_choice
+        return repr(choice) if isinstance(choice, str) else f"{{function: {choice.function.name!r}}}"
+
+    def forced_schema(self) -> dict[str, Any] | None:
+        """The schema of the reply a forced tool_choice allows: the named function's call, or for "required" calls
+        to any tool (a JSON list of 1 to MAX_FORCED_CALLS; one call when parallel_tool_calls is false), written
+        compactly. The reply is then the calls' JSON alone, parsed whatever format the model's template teaches."""
+        if not self.forces_call:
+            return None
+        choice, tools = self.tool_choice, self.tools_offered
+        if isinstance(choice, NamedToolChoice):
+            schema = tool_call_schema(tools, choice.function.name)
+        else:
+            schema = tool_call_schema(tools)
+            if self.parallel_tool_calls is not False:
+                schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": MAX_FORCED_CALLS}
+        return {**schema, "x-guidance": COMPACT_JSON}
 
     @property
     def max_tool_calls(self) -> int | None:

@@ -27,6 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMATS = ("hermes", "llama3", "gemma4")
+# A forced tool_choice ("required", a named function) constrains the reply to the calls' JSON (tool_call_schema),
+# whatever format the template teaches: the whole reply is then parsed as bare calls.
+FORCED_FORMAT = "json"
+# At most this many calls in a forced "required" reply: a weak model would otherwise add calls until max_tokens.
+MAX_FORCED_CALLS = 8
 ARCHITECTURE_FORMATS = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3", "gemma4": "gemma4"}
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -192,7 +197,7 @@ class ToolCallParser:
 
     def __init__(self, fmt: str, tool_names: Collection[str] = ()) -> None:
         """tool_names: the offered functions (hermes takes bare-JSON calls to these only)."""
-        if fmt not in FORMATS:
+        if fmt not in (*FORMATS, FORCED_FORMAT):
             raise ValueError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(FORMATS)}")
         self.fmt, self.tool_names = fmt, frozenset(tool_names)
         self.opening, self.closing = {"hermes": (HERMES_OPEN, HERMES_CLOSE),
@@ -200,7 +205,8 @@ class ToolCallParser:
         self.buffer = ""  # received, not yet returned
         self.in_call = False  # the buffer starts inside an opened call (delimited formats)
         # Whether the reply is (maybe) a whole-reply call: None undecided, True held to the end, False not.
-        self.whole = None if fmt == "llama3" or (fmt == "hermes" and self.tool_names) else False
+        self.whole = True if fmt == FORCED_FORMAT else \
+            None if fmt == "llama3" or (fmt == "hermes" and self.tool_names) else False
         self.calls: list[ParsedCall] = []  # every call returned so far
         self.space = ""  # trailing whitespace held back: it is dropped if only calls follow it
 
@@ -225,7 +231,7 @@ class ToolCallParser:
             if calls:
                 self.calls += calls
                 return "", calls
-            if self.fmt == "llama3":
+            if self.fmt in ("llama3", FORCED_FORMAT):  # forced: cut short (max_tokens), it stays text
                 return rest, []
             head, calls = self.push(rest)  # hermes: it may still hold tagged calls
             tail, more = self.finish()
