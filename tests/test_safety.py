@@ -139,3 +139,29 @@ def test_serve_warns_loudly_beyond_loopback_without_a_key(monkeypatch, caplog):
     with pytest.raises(Bound):
         app_module.serve(build_parser().parse_args(["serve", "--host", "0.0.0.0", "--api-key", "k"]))
     assert "WITHOUT an API key" not in caplog.text
+
+
+def test_accepted_connections_send_without_delay():
+    """tandem serve's socket makes asyncio set TCP_NODELAY on each accepted connection (uvicorn writes a response's
+    head and body separately; with Nagle on, a kept-alive connection's next request waited ~40 ms for an ACK)."""
+    import asyncio
+    import socket
+
+    from tandem.server import app as app_module
+
+    async def accept_one() -> int:
+        sock = app_module.bind_socket("127.0.0.1", 0)
+        accepted = asyncio.get_running_loop().create_future()
+
+        def handler(reader, writer):
+            accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(handler, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        nodelay = await asyncio.wait_for(accepted, 10)
+        writer.close()
+        server.close()
+        return nodelay
+
+    assert asyncio.run(accept_one()) != 0
