@@ -81,7 +81,11 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError:
+            self.log.close()
+            raise
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -102,11 +106,11 @@ class ServerProcess:
             return f.read()[-n_chars:]
 
     def stop(self) -> None:
-        """SIGTERM (tandem drains its streams, none are left by now), then SIGKILL after 30 s."""
+        """SIGTERM (tandem drains the streams in flight, if a run was cut off), then SIGKILL after 15 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
@@ -159,8 +163,9 @@ def run_config(name: str, args: argparse.Namespace, clients: list[int],
         argv = server_command(name, args, port, loads[0] if per_load else max(clients))
         result.commands.append(argv)
         log_path = os.path.join(args.logs, f"{name}-{loads[0] if per_load else 'all'}.log")
-        server = ServerProcess(argv, port, log_path)
+        server = None
         try:
+            server = ServerProcess(argv, port, log_path)
             server.wait_ready(args.start_timeout)
             asyncio.run(warm_up(server.url))
             for c in loads:
@@ -179,12 +184,13 @@ def run_config(name: str, args: argparse.Namespace, clients: list[int],
                       + " | reused: " + " ".join(str(reused(asdict(t))) for t in turns), flush=True)
                 on_change(result)
         except Exception as e:  # noqa: BLE001  (a server that fails is reported; the others still run)
-            tail = server.tail()
+            tail = server.tail() if server else ""
             result.errors.append(f"{' '.join(argv)}: {type(e).__name__}: {e}\n{tail}")
             print(f"  {name}: FAILED ({type(e).__name__}: {e}); its log's tail:\n{tail}", flush=True)
             on_change(result)
         finally:
-            server.stop()
+            if server:
+                server.stop()
     return result
 
 
@@ -324,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", default=None, help="llama-server binary (llama-* configs)")
     p.add_argument("--ngl", type=int, default=0, help="llama-server's GPU layers, target and draft (99: all)")
     p.add_argument("--slot-ctx", type=int, default=4096, help="llama-server's context a slot [4096]")
-    p.add_argument("--llama-draft-max", type=int, default=16, help="llama-draft's --spec-draft-n-max [16]")
+    p.add_argument("--llama-draft-max", type=int, default=3,
+                   help="llama-draft's --spec-draft-n-max [3: its best with the default pair on the H200]")
     p.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for llama-server (repeatable; use --llama-arg=--flag)")
     p.add_argument("--start-timeout", type=float, default=480.0, help="seconds a server may take to be ready")
@@ -365,8 +372,13 @@ def main(argv: list[str] | None = None) -> int:
         results[result.name] = asdict(result)
         save()
 
-    for name in names:
-        update(run_config(name, args, clients, update))
+    # A SIGTERM (a `timeout` around this command) unwinds like Ctrl-C: servers stopped, the table of what was measured.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        for name in names:
+            update(run_config(name, args, clients, update))
+    except KeyboardInterrupt:
+        print("interrupted: the table has what was measured", flush=True)
     all_clients = sorted({int(c) for r in results.values() for c in r.get("loads", {})} | set(clients))
     report["goals"] = goals(results)
     save()
