@@ -43,5 +43,7 @@ def test_serve_load_writes_a_row_per_load_and_the_conversation_reuses_its_prefix
     assert reused == [t["cache_n"] for t in turns]  # OpenAI's field and llama-server's agree
     assert reused[1] > reused[0] and reused[2] > reused[1], reused  # each turn reuses the chat before it
     llama = report["configs"]["llama-plain"]
-    assert llama["loads"] == {} and len(llama["errors"]) == 2  # one start per load (-np = clients), both failed
+    assert llama["loads"] == {} and len(llama["errors"]) == 2  # one start per load, both failed
+    for clients, argv in zip((1, 2), llama["commands"], strict=True):  # -np = clients, a 4096-token context a slot
+        assert argv[argv.index("-np") + 1] == str(clients) and argv[argv.index("-c") + 1] == str(4096 * clients)
     assert report["hardware"]
