@@ -281,9 +281,7 @@ def table(results: dict, clients: list[int]) -> str:
         if conv:
             lines.append(f"{n}: " + " ".join(cell(t["ttft_s"], ".3f") for t in conv) + " | reused "
                          + " ".join(cell(reused(t), "d") for t in conv) + f" | {cell(turn_ratio(conv), '.2f')}")
-    for n in names:
-        for how in {results[n].get("started")} - {None}:
-            lines.append(f"({n}: {how})")
+    lines += [f"({n}: {results[n]['started']})" for n in names if results[n].get("started")]
     return "\n".join(lines)
 
 
