@@ -72,6 +72,7 @@ class ConfigResult:
     loads: dict[str, dict] = field(default_factory=dict)  # clients -> LoadReport as a dict
     conversation: list[dict] = field(default_factory=list)  # Turn as dicts
     errors: list[str] = field(default_factory=list)  # servers that failed to start, with their stderr's tail
+    health_rtt_ms: list[float] = field(default_factory=list)  # a start's GET /health on one kept-alive connection
 
 
 class ServerProcess:
@@ -130,6 +131,19 @@ def server_command(name: str, args: argparse.Namespace, port: int, clients: int)
             "-ngl", str(args.ngl), "--no-webui", *draft, *address, *args.llama_arg]
 
 
+def health_rtt_ms(url: str, n: int = 5) -> float:
+    """Median GET /health round trip on one kept-alive connection, as the load's clients reuse theirs: a server whose
+    sockets lack TCP_NODELAY shows ~40 ms here (Nagle's algorithm against delayed ACKs), added to every TTFT."""
+    times = []
+    with httpx.Client() as client:
+        client.get(url + "/health")
+        for _ in range(n):
+            started = time.perf_counter()
+            client.get(url + "/health")
+            times.append(1000 * (time.perf_counter() - started))
+    return sorted(times)[n // 2]
+
+
 async def warm_up(url: str) -> None:
     """One short request before measuring: first-request work (allocations, lazy inits) stays out of the loads."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
@@ -167,6 +181,8 @@ def run_config(name: str, args: argparse.Namespace, clients: list[int],
         try:
             server = ServerProcess(argv, port, log_path)
             server.wait_ready(args.start_timeout)
+            result.health_rtt_ms.append(round(health_rtt_ms(server.url), 2))
+            print(f"  {name}: ready; GET /health on a kept-alive connection {result.health_rtt_ms[-1]} ms", flush=True)
             asyncio.run(warm_up(server.url))
             for c in loads:
                 report: LoadReport = asyncio.run(run_load(server.url, c, c * args.requests_per_client,
@@ -281,7 +297,8 @@ def table(results: dict, clients: list[int]) -> str:
         if conv:
             lines.append(f"{n}: " + " ".join(cell(t["ttft_s"], ".3f") for t in conv) + " | reused "
                          + " ".join(cell(reused(t), "d") for t in conv) + f" | {cell(turn_ratio(conv), '.2f')}")
-    lines += [f"({n}: {results[n]['started']})" for n in names if results[n].get("started")]
+    lines += [f"({n}: {results[n]['started']}; GET /health kept alive, ms: {results[n].get('health_rtt_ms')})"
+              for n in names if results[n].get("started")]
     return "\n".join(lines)
 
 
