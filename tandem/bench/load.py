@@ -111,9 +111,9 @@ async def one_request(client, url: str, model: str, kind: str, prompt: str | lis
                 choices = chunk.get("choices") or []
                 content = choices[0].get("delta", {}).get("content") if choices else None
                 if content:
-                    result.text += content
                     if result.ttft_s is None:
                         result.ttft_s = time.perf_counter() - started
+                    result.text += content
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     result.completion_tokens = usage["completion_tokens"]
