@@ -19,6 +19,9 @@
 #   cudaworker llama.cpp's CUDA build beside torch's CUDA (issue 26): the crash in one process, recorded, then the
 #             worker process (bench/gpu_llamacpp_worker.py) and tandem bench through it; needs setup with
 #             CUDA_LIBS=1 (libllama and libggml-cuda built shared from .xfer/llama-src.tar.xz, ~10 min)
+#   loadtest  issue 22's load test (bench/serve_load.py): tandem plain and adaptive at 1/4/16/64 clients (4x as many
+#             requests, max_tokens 128) and a 10-turn conversation; needs pair. Then loadllama: llama-server (CUDA,
+#             from setup) plain and with the draft, -np = clients, one table with loadtest's numbers (~5 min each)
 #   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8 (or one of them:
 #             synthdoctor, synthbench; as two device calls each fits the 10-minute limit, the second one compiling
 #             from the first one's cache)
@@ -147,6 +150,25 @@ m = tandem.load('$T', backend='llama.cpp', device='cuda', isolation='none'); pri
         --json $OUT/llamacpp_worker_cuda.json 2>&1 | grep -v Warn | tail -40
     tandem bench --model $T --draft $D --backend llama.cpp --device cuda --max-tokens 128 --repeats 3 \
         --configs plain,adaptive,ngram --json $OUT/bench_llamacpp_cuda_worker.json 2>&1 | grep -v Warn | tail -15
+    ;;
+loadtest)
+    # tandem starts once per config with --slots = the most clients (CONFIGS=tandem-plain, then =tandem-adaptive,
+    # splits it in two calls); timeout: a slow run still stops its servers and prints what it measured. The JSON
+    # stays on the box for loadllama's table.
+    c=${CONFIGS:-tandem-plain,tandem-adaptive}
+    timeout -k 30 550 python3 bench/serve_load.py --model $T --draft $D --device cuda --clients ${CLIENTS:-1,4,16,64} \
+        --max-tokens 128 --configs $c --json $OUT/load_$c.json --logs $OUT/logs 2>&1 \
+        | grep --line-buffered -v Warn | tee $OUT/load_$c.txt
+    cp $OUT/load_$c.json /root/m/
+    ;;
+loadllama)
+    tail -2 /root/build.log
+    # llama-server restarts for each load with -np = clients; the table joins loadtest's tandem numbers.
+    with=$(for f in /root/m/load_tandem*.json; do [ -f $f ] && echo --with $f; done)
+    timeout -k 30 550 python3 bench/serve_load.py --model $T --draft $D --clients ${CLIENTS:-1,4,16,64} \
+        --max-tokens 128 --configs ${CONFIGS:-llama-plain,llama-draft} --ngl 99 \
+        --llama-server /root/llama/llama.cpp.src/build/bin/llama-server $with --json $OUT/load_all.json \
+        --logs $OUT/logs 2>&1 | tee $OUT/load_all.txt
     ;;
 synthetic|synthdoctor)
     tandem doctor --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --device cuda --json > $OUT/doctor_synth_32b.json \

@@ -49,6 +49,9 @@ class RequestResult:
     prompt_tokens: int = 0
     draft_n: int = 0
     draft_n_accepted: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
+    cache_n: int | None = None  # timings.cache_n (llama-server's name for the same)
+    text: str = ""
     error: str | None = None
 
 
@@ -84,9 +87,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-async def one_request(client, url: str, model: str, kind: str, prompt: str, max_tokens: int,
+async def one_request(client, url: str, model: str, kind: str, prompt: str | list[dict], max_tokens: int,
                       temperature: float) -> RequestResult:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    """One streamed chat completion; prompt: a user message, or a whole chat's messages."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(kind=kind, ok=False)
     started = time.perf_counter()
@@ -104,14 +109,20 @@ async def one_request(client, url: str, model: str, kind: str, prompt: str, max_
                     result.error = chunk["error"].get("message", "error event")
                     return result
                 choices = chunk.get("choices") or []
-                if result.ttft_s is None and choices and choices[0].get("delta", {}).get("content"):
-                    result.ttft_s = time.perf_counter() - started
+                content = choices[0].get("delta", {}).get("content") if choices else None
+                if content:
+                    if result.ttft_s is None:
+                        result.ttft_s = time.perf_counter() - started
+                    result.text += content
                 if chunk.get("usage"):
-                    result.completion_tokens = chunk["usage"]["completion_tokens"]
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    usage = chunk["usage"]
+                    result.completion_tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 if chunk.get("timings"):
                     result.draft_n = chunk["timings"].get("draft_n", 0)
                     result.draft_n_accepted = chunk["timings"].get("draft_n_accepted", 0)
+                    result.cache_n = chunk["timings"].get("cache_n")
         result.ok = True
     except Exception as e:  # noqa: BLE001  (a load test reports failures, it does not stop at them)
         result.error = f"{type(e).__name__}: {e}"
