@@ -188,6 +188,7 @@ def main() -> None:
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--configs", default="plain,mixed,draft,ngram,fixed3,fixed8")
+    p.add_argument("--detail", default="mixed", help="comma list of configs whose per-prompt choices are printed")
     p.add_argument("--replies", help="where the real replies are kept between runs [a file in the temp dir]")
     args = p.parse_args()
     target = tandem.load(args.model, device="cpu", backend=args.backend, n_ctx=args.n_ctx)
@@ -242,6 +243,7 @@ def main() -> None:
               "; speed-up over plain (acceptance)")
         base, plain_tokens, _, plain_groups = run("plain", batch)
         rows: dict[str, list] = {}
+        details: dict[str, list] = {}
         for config in [c for c in args.configs.split(",") if c != "plain"]:
             rate, tokens, stats, groups = run(config, batch)
             assert tokens == plain_tokens, f"{config}: output differs from plain decoding"
@@ -249,25 +251,24 @@ def main() -> None:
             drafted = sum(s.draft_tokens for s in stats)
             accepted = sum(s.accepted_tokens for s in stats)
             rows[config].append(accepted / drafted if drafted else float("nan"))
-            if config == "mixed":
-                mixed_stats = stats
+            details[config] = stats
         labels = names if batch == 1 else []
         print(f"{'config':8s} " + " ".join(f"{n:>10s}" for n in labels) + f" {'overall':>8s} {'accept':>6s}")
         for config, values in rows.items():
             cells = values[:-2] if batch == 1 else []
             print(f"{config:8s} " + " ".join(f"{v:10.3f}" for v in cells) + f" {values[-2]:8.3f} {values[-1]:6.2f}")
-        if batch == 1:
+        if batch == 1 and len(rows) > 1:
             best = {n: max(rows[c][i] for c in rows if c != "mixed") for i, n in enumerate(names)}
             print("mixed / best other: " + ", ".join(f"{n} {rows['mixed'][i] / best[n]:.3f}"
                                                      for i, n in enumerate(names) if "mixed" in rows))
             geo = {c: math.exp(sum(math.log(v) for v in rows[c][: len(names)]) / len(names)) for c in rows}
             print("geomean: " + ", ".join(f"{c} {g:.3f}" for c, g in geo.items()))
-        if "mixed" in rows and batch == 1:
-            for name, s in zip(names, mixed_stats, strict=True):
+        for config in [c for c in args.detail.split(",") if c in details and batch == 1]:
+            for name, s in zip(names, details[config], strict=True):
                 used = ", ".join(f"{src} {v['iterations']} it {v['accepted_tokens']}/{v['draft_tokens']}"
                                  + (f" ev {v['evidence_matches']}/{v['evidence_positions']}"
                                     if v["evidence_positions"] else "") for src, v in s.sources.items())
-                print(f"  mixed {name}: k {dict(sorted(s.draft_len_counts.items()))}; {used}")
+                print(f"  {config} {name}: k {dict(sorted(s.draft_len_counts.items()))}; {used}")
     time.perf_counter = real_clock
 
 

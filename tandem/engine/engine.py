@@ -382,10 +382,12 @@ class Engine:
     def _first_read_pays(self, gen: Generation) -> bool:
         """The batch-1 policy's first switch-on test: the draft takes in the prompt only where the drafting this may
         buy over the rest of the reply (expected over the estimate's uncertainty) is worth PROBE_VALUE_MARGIN
-        times that catch-up. A long prompt, a reply near its end or a draft barely ahead of plain decline."""
+        times that catch-up. A long prompt, a reply near its end or a draft barely ahead of plain decline. Of the
+        rest, the draft serves only what prompt lookup leaves (as it has so far): beside a lookup that copies most
+        of the reply, reading a long prompt would buy a few tokens."""
         costs, policy = self._batch1_view(gen)
         gain_ms, _ = policy.value_of_drafting_ms(policy.primary)
-        tokens = min(self.prior.reply_tokens, gen.request.max_tokens - gen.emitted)
+        tokens = min(self.prior.reply_tokens, gen.request.max_tokens - gen.emitted) * (1.0 - gen.lookup_share())
         return gain_ms * tokens >= PROBE_VALUE_MARGIN * costs.catch_up_ms(len(gen.tokens) - self.draft_kv.length(
             gen.slot))
 
@@ -426,7 +428,11 @@ class Engine:
             return None
         gen.draft_source = DRAFT_MODEL
         lag = len(gen.tokens) - self.draft_kv.length(gen.slot)
-        return planner.Candidate(gen.acceptance(DRAFT_MODEL), k_max, max(0, lag - STEADY_CATCH_UP), fixed=fixed)
+        # Beside prompt lookup, a draft's accepted token is worth only what lookup would not have copied for free
+        # in the iterations after (its share of the reply so far): planned as that much less acceptance.
+        acceptance = gen.acceptance(DRAFT_MODEL) * (1.0 - gen.lookup_share()) if gen.ngram is not None else \
+            gen.acceptance(DRAFT_MODEL)
+        return planner.Candidate(acceptance, k_max, max(0, lag - STEADY_CATCH_UP), fixed=fixed)
 
     def _lookup_beats_draft(self, gen: Generation, source: str, k_lookup: int, k_draft: int, lag: int) -> bool:
         """Whether one sequence drafting by lookup yields at least the tokens per ms of drafting by the draft model,

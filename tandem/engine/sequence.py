@@ -228,6 +228,11 @@ class Generation:
         prior by IDLE_DECAY (counted, not applied per source a step: a plain step costs one increment)."""
         return self.estimates[source].acceptance(self.plain_iterations)
 
+    def lookup_share(self) -> float:
+        """The share of the reply so far that prompt lookup's accepted drafts made (0 at the start)."""
+        copied = sum(v["accepted_tokens"] for s, v in self.stats.sources.items() if s != DRAFT_MODEL)
+        return copied / (self.emitted + 1)
+
     def observe(self, source: str | None, k: int, n_accepted: int) -> None:
         """One iteration's outcome: k drafts from `source`, n_accepted kept (k = 0: a plain step)."""
         if k == 0:
