@@ -376,3 +376,23 @@ def test_policy_reports_what_it_believed():
     belief = policy.belief()
     assert belief["acceptance"]["draft-model"] == pytest.approx(0.7)
     assert belief["predicted_speedup"] == pytest.approx(plan.predicted_speedup)
+
+
+def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves():
+    # H200-like costs (the draft half a target step): a draft at acceptance 0.75 pays on fresh text, but where prompt
+    # lookup has made 12 of the reply's 13 tokens, the draft's tokens are mostly ones lookup would copy for free:
+    # at a position lookup misses, a plain step (and lookup after it) beats a draft run.
+    gpu = {"draft-model": CostModel(0.75, {1: 1.59, 2: 1.6, 9: 1.62}, catch_up_ms_per_token=0.0),
+           "ngram3": CostModel(0.0, {1: 1.59, 2: 1.6, 9: 1.62})}
+    lags = {"draft-model": 0, "ngram3": None}  # lookup has no match here
+    fresh = AdaptivePolicy(copy.deepcopy(gpu), K_MAX, prior=(1.5, 2.0))
+    for _ in range(3):
+        fresh.observe(4, 3, 3.0, 1.6, source="draft-model")
+    assert fresh.plan(lags, remaining=100, generated=13).source == "draft-model"
+    copying = AdaptivePolicy(copy.deepcopy(gpu), K_MAX, prior=(1.5, 2.0))
+    for _ in range(3):
+        copying.observe(4, 3, 3.0, 1.6, source="draft-model")
+    for _ in range(3):
+        copying.observe(4, 4, 0.0, 1.6, source="ngram3")
+    assert copying.sources["draft-model"].acceptance == fresh.sources["draft-model"].acceptance
+    assert copying.plan(lags, remaining=100, generated=13).k == 0

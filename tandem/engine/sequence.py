@@ -12,6 +12,7 @@ from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.logits.processor import LogitsProcessor, LogitsSettings
 from tandem.sampling import SamplingParams, make_generator
 from tandem.spec.decoder import cut_tokens
+from tandem.spec.policy import DRAFT_MODEL_SOURCE
 from tandem.spec.proposer import NgramProposer
 from tandem.spec.stats import GenerationStats
 
@@ -86,7 +87,7 @@ class Request:
             raise ValueError(f"unknown draft policy {self.draft_policy!r}; choose adaptive or fixed")
 
 
-DRAFT_MODEL = "draft-model"
+DRAFT_MODEL = DRAFT_MODEL_SOURCE
 
 
 class Estimate:

@@ -52,6 +52,7 @@ DEFAULT_REPLY_TOKENS = 128  # the reply length a fresh process expects (the valu
 PRIOR_REQUEST_WEIGHT = 0.3  # weight of a completed request in the shared prior's acceptance
 PRIOR_MIN_POSITIONS = 6  # a request that tried fewer draft positions says too little to move the prior
 PRIOR_MAX_STRENGTH = 6.0  # pseudo-positions the learned prior is held with: requests differ (0.44-0.92 on one pair)
+DRAFT_MODEL_SOURCE = "draft-model"  # the source name of a draft model (the others are prompt lookup's)
 BETA_GRID = 32  # points of the acceptance grid the expected value of drafting is integrated over
 
 
@@ -276,7 +277,7 @@ class AdaptivePolicy(DraftPolicy):
         EVIDENCE_TOKENS); without it a first switch-on is a plain probe."""
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
-        by_source = costs if isinstance(costs, dict) else {"draft-model": costs}
+        by_source = costs if isinstance(costs, dict) else {DRAFT_MODEL_SOURCE: costs}
         if not by_source:
             raise ValueError("the adaptive policy needs the costs of at least one source")
         self.k_max = k_max
@@ -290,6 +291,7 @@ class AdaptivePolicy(DraftPolicy):
             self.sources[name] = SourceState(name, source_costs, start)
         self.primary = next(iter(self.sources.values()))
         self._predicted: list[float] = []  # predicted speed-up of each planned iteration
+        self.copied = 0  # tokens of this reply made by prompt lookup's accepted drafts (see _candidate)
 
     # The single-source view the tests and the doctor use.
     @property
@@ -335,10 +337,14 @@ class AdaptivePolicy(DraftPolicy):
         plain_rate = 1.0 / costs.verify(1)
         lag = src.idle if lag is None else lag
         catch_up_ms = costs.catch_up_ms(lag) if lag > STEADY_CATCH_UP else 0.0
+        # Beside prompt lookup, a draft model's token is worth only what lookup would not have copied for free in
+        # the iterations after: the share of the reply lookup did not make so far.
+        left = 1.0 - self.copied / (generated + 1) if src.name == DRAFT_MODEL_SOURCE and len(self.sources) > 1 \
+            else 1.0
         if catch_up_ms > 0 and not src.started:
             # First switch-on: take in the prompt only where the drafting it may buy is worth it.
             tokens = self.shared.reply_tokens if self.shared is not None else DEFAULT_REPLY_TOKENS
-            tokens = min(tokens, remaining) if remaining is not None else tokens
+            tokens = (min(tokens, remaining) if remaining is not None else tokens) * left
             gain_ms, p_no_gain = self.value_of_drafting_ms(src)
             if gain_ms * tokens < PROBE_VALUE_MARGIN * catch_up_ms:
                 src.started, src.idle = True, max(src.idle, 1)  # declined: from here on only a re-probe turns it on
@@ -359,7 +365,7 @@ class AdaptivePolicy(DraftPolicy):
         # the argmax over k, so that a policy staying off costs a few us an iteration, not ~45 (Python, 2-core CPU).
         if src.idle > 0 and self.switch_on_cost_ms(lag, src) > PROBE_BUDGET * src.idle * costs.verify(1):
             return 0, plain_rate
-        a = src.acceptance
+        a = src.acceptance * left
         # A catch-up after another source drafted is charged to the tokens its run is expected to yield.
         best_k, best_rate = 0, plain_rate
         for k in range(1, self.k_max + 1):
@@ -421,6 +427,8 @@ class AdaptivePolicy(DraftPolicy):
                 other.mean_run_tokens += EWMA_WEIGHT * 2 * (other.run_tokens - other.mean_run_tokens)
                 other.run_tokens = 0
         src.run_tokens += n_accepted + 1
+        if src.name != DRAFT_MODEL_SOURCE:
+            self.copied += n_accepted
         # Positions reached: every accepted one, plus the rejected one if the run stopped early.
         attempted = n_accepted + (1 if n_accepted < k else 0)
         src.accepted = ACCEPTANCE_DECAY * src.accepted + n_accepted

@@ -16,6 +16,7 @@ import torch
 
 from tandem.backends.base import Model, Sequence
 from tandem.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from tandem.spec.policy import DRAFT_MODEL_SOURCE
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Proposer(ABC):
 class DraftModelProposer(Proposer):
     """A small model of the same tokenizer, run autoregressively for k steps on its own KV cache."""
 
-    name = "draft-model"
+    name = DRAFT_MODEL_SOURCE
 
     def __init__(self, draft: Model, params: SamplingParams, target_vocab: int, target_device: torch.device | str,
                  n_ctx: int | None = None) -> None:
