@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 import zlib
+from dataclasses import dataclass
 
 import tandem
 from tandem.bench import doctor
@@ -46,6 +47,7 @@ from tandem.bench.suite import BenchPrompt
 from tandem.engine import Engine, Request
 from tandem.sampling import SamplingParams
 from tandem.spec.policy import CostModel
+from tandem.spec.stats import GenerationStats
 
 H200_BANDWIDTH_GBS = 4800.0
 PROMPTS = [BenchPrompt(f"{kind}{i}", kind, ({"role": "user", "content": text},))
@@ -114,13 +116,31 @@ def cost_model(costs: dict) -> CostModel:
 # --- bench --------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class AcceptanceSeen:
+    """The per-position acceptance the runs showed: iterations accepting their first draft / iterations drafting
+    (what --acceptance sets; accepted / drafted is lower, a rejection discarding the drafts after it)."""
+    first_accepted: int = 0
+    drafting: int = 0
+    drafted: int = 0
+
+    def add(self, stats: GenerationStats) -> None:
+        self.first_accepted += stats.accepted_per_position[0] if stats.accepted_per_position else 0
+        self.drafting += sum(n for k, n in stats.draft_len_counts.items() if k > 0)
+        self.drafted += stats.draft_tokens
+
+    def row(self) -> dict:
+        return {"acceptance_seen": self.first_accepted / self.drafting if self.drafting else None,
+                "drafted": self.drafted, "drafting_iterations": self.drafting}
+
+
 def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> dict:
     """One request at a time through tandem.generate, plain and adaptive with the draft model alone, as `tandem bench
     --configs plain,draft --synthetic-acceptance A` runs them (rounds interleaved, speedup the median ratio)."""
     configs = parse_configs("plain,draft", draft, args.draft_max)
     bench = Bench(target, draft, configs, args.max_tokens, acceptance, ignore_eos=True, repeats=args.repeats)
     tps = {"plain": [], "draft": []}
-    speedups, accepted, drafted = [], 0, 0
+    speedups, seen = [], AcceptanceSeen()
     for prompt in PROMPTS[:args.prompts]:
         for config in configs:
             bench.warm_up(prompt, config)
@@ -128,23 +148,23 @@ def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> 
         speedups.append(ratio["draft"])
         for name in tps:
             tps[name].append(runs[name].stats.tokens_per_second)
-        accepted += runs["draft"].stats.accepted_tokens
-        drafted += runs["draft"].stats.draft_tokens
+        seen.add(runs["draft"].stats)
     return {"plain_tps": statistics.fmean(tps["plain"]), "adaptive_tps": statistics.fmean(tps["draft"]),
-            "speedup": math.exp(statistics.fmean(math.log(s) for s in speedups)),
-            "accepted_rate": accepted / drafted if drafted else None, "drafted": drafted}
+            "speedup": math.exp(statistics.fmean(math.log(s) for s in speedups)), **seen.row()}
 
 
-def engine_round(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> tuple[float, int, int]:
-    """(output tokens/s, accepted, drafted) of the prompts decoded together to --max-tokens each."""
+def engine_round(engine: Engine, prompts: list[list[int]], args: argparse.Namespace, seen: AcceptanceSeen | None = None
+                 ) -> float:
+    """Output tokens/s of the prompts decoded together to --max-tokens each; their acceptance counted in `seen`."""
     # seeded per prompt: synthetic acceptance draws, and a round should draw as the last one did
     requests = [Request(ids, SamplingParams(seed=zlib.crc32(str(ids).encode())), max_tokens=args.max_tokens,
                         ignore_eos=True) for ids in prompts]
     started = time.perf_counter()
     results = engine.generate(requests)
     seconds = time.perf_counter() - started
-    return (sum(len(r.tokens) for r in results) / seconds, sum(r.stats.accepted_tokens for r in results),
-            sum(r.stats.draft_tokens for r in results))
+    for r in results if seen is not None else ():
+        seen.add(r.stats)
+    return sum(len(r.tokens) for r in results) / seconds
 
 
 def run_engine(target, draft, acceptance: float, n: int, args: argparse.Namespace) -> dict:
@@ -155,19 +175,15 @@ def run_engine(target, draft, acceptance: float, n: int, args: argparse.Namespac
                "adaptive": Engine(target, draft, slots=n, n_ctx=args.ctx, draft_max=args.draft_max,
                                   synthetic_acceptance=acceptance, prompt_lookup=False)}
     rates: dict[str, list[float]] = {name: [] for name in engines}
-    accepted = drafted = 0
-    for engine in engines.values():  # warm-up: first-use allocations, and the draft's first catch-up
-        engine_round(engine, prompts, argparse.Namespace(max_tokens=min(16, args.max_tokens)))
+    seen = AcceptanceSeen()
+    for engine in engines.values():  # a whole round of warm-up, as for llama-server: first-use allocations, graphs
+        engine_round(engine, prompts, args)
     for r in range(args.repeats):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            tps, acc, dr = engine_round(engines[name], prompts, args)
-            rates[name].append(tps)
-            if name == "adaptive":
-                accepted, drafted = accepted + acc, drafted + dr
+            rates[name].append(engine_round(engines[name], prompts, args, seen if name == "adaptive" else None))
     ratios = [a / p for a, p in zip(rates["adaptive"], rates["plain"], strict=True)]
     return {"plain_tps": statistics.median(rates["plain"]), "adaptive_tps": statistics.median(rates["adaptive"]),
-            "speedup": statistics.median(ratios), "accepted_rate": accepted / drafted if drafted else None,
-            "drafted": drafted}
+            "speedup": statistics.median(ratios), **seen.row()}
 
 
 def run_bench(target, draft, costs: dict, args: argparse.Namespace) -> list[dict]:
@@ -207,9 +223,10 @@ def run_server(args: argparse.Namespace) -> list[dict]:
         for n in args.concurrency:
             log(f"llama-server {'with the draft' if with_draft else 'plain'}, {n} slots")
             with serving(args.server, args.model, args.draft if with_draft else None, args.server_n_max, args.ngl,
-                         None, args.ctx, slots=n) as url:
+                         args.server_threads, args.ctx, slots=n) as url:
                 extra = {"ignore_eos": True, "seed": 0}
-                asyncio.run(run_load(url, n, n, min(16, args.max_tokens), kinds, extra_body=extra))  # warm-up
+                # a whole round of warm-up: llama-server's first requests ran 4-40x slower than its third here
+                asyncio.run(run_load(url, n, n, args.max_tokens, kinds, extra_body=extra))
                 reports = [asyncio.run(run_load(url, n, n, args.max_tokens, kinds, extra_body=extra))
                            for _ in range(args.repeats)]
             failed = sum(r.failed for r in reports)
@@ -255,7 +272,7 @@ def format_table(doc: dict) -> str:
     server = {(r["draft"], r["requests"]): r for r in doc.get("server", [])}
     if doc.get("bench") or server:
         lines += ["", f"{'a':>4} {'path':<9} {'n':>2} {'plain t/s':>10} {'adaptive':>9} {'speedup':>8} "
-                      f"{'predicted':>10} {'fraction':>8} {'accepted':>8} {'ls plain':>9} {'ls draft':>9}  goal"]
+                      f"{'predicted':>10} {'fraction':>8} {'a seen':>8} {'ls plain':>9} {'ls draft':>9}  goal"]
     for row in doc.get("bench", []):
         plain_ls, draft_ls = server.get((False, row["requests"])), server.get((True, row["requests"]))
         best_ls = max([r["tps"] for r in (plain_ls, draft_ls) if r] or [0.0])
@@ -271,7 +288,7 @@ def format_table(doc: dict) -> str:
             f"{row['acceptance']:>4} {row['path']:<9} {row['requests']:>2} {row['plain_tps']:>10.1f} "
             f"{row['adaptive_tps']:>9.1f} {row['speedup']:>7.3f}x "
             + (f"{row['predicted']:>9.3f}x {row['fraction']:>8.2f}" if row["predicted"] else f"{'-':>10} {'-':>8}")
-            + f" {_fmt(row['accepted_rate']):>8}"
+            + f" {_fmt(row['acceptance_seen']):>8}"
             f" {_fmt(plain_ls and plain_ls['tps'], '.1f'):>9} {_fmt(draft_ls and draft_ls['tps'], '.1f'):>9}  {goal}")
     if server and not doc.get("bench"):
         for (with_draft, n), r in sorted(server.items()):
@@ -310,6 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server", help="llama-server binary (the server part)")
     p.add_argument("--ngl", type=int, default=99, help="llama-server's GPU layers")
     p.add_argument("--server-n-max", type=int, default=3, help="llama-server's --spec-draft-n-max")
+    p.add_argument("--server-threads", type=int, default=None, help="llama-server's -t (CPU runs: tandem's threads)")
     p.add_argument("--json", help="results file: read if present, this call's parts added, written back")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
