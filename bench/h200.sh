@@ -166,20 +166,25 @@ regimewrite)
         [ -f $1 ] || { python3 -m tandem.loading.random_gguf $1.part --shape $2 --mix $3 --tokenizer-from $tok \
             && mv $1.part $1; }
     }
-    write /root/m/big/T32_$mix.gguf qwen2.5-32b $mix 2>&1 | tail -3
-    write /root/m/big/D1.5b_Q4_0.gguf qwen2.5-1.5b Q4_0 2>&1 | tail -1
-    write /root/m/big/D0.5b_Q4_0.gguf qwen2.5-0.5b Q4_0 2>&1 | tail -1
+    # TSHAPE / DSHAPE: other shapes (tandem.models.shapes.parse_shape), for a dry run of these phases on a CPU
+    write /root/m/big/T32_$mix.gguf ${TSHAPE:-qwen2.5-32b} $mix 2>&1 | tail -3
+    write /root/m/big/D1.5b_Q4_0.gguf ${DSHAPE:-qwen2.5-1.5b} Q4_0 2>&1 | tail -1
+    write /root/m/big/D0.5b_Q4_0.gguf ${DSHAPE:-qwen2.5-0.5b} Q4_0 2>&1 | tail -1
     ls -la /root/m/big; df -h /root | tail -1
     ;;
 regime|regimevk|regimellama)
     BT=/root/m/big/T32_${MIX:-Q4_0}.gguf BD=/root/m/big/D${DRAFT:-1.5b}_Q4_0.gguf
     name=${MIX:-Q4_0}_${DRAFT:-1.5b}
-    regime() { python3 bench/gpu_report_regime.py --model $BT --draft $BD --acceptance ${ACCEPTANCE:-0.6,0.8} "$@"; }
+    # REGIME_ARGS: more flags of bench/gpu_report_regime.py (e.g. --max-tokens 32 --repeats 1 for a dry run; they win)
+    regime() { python3 bench/gpu_report_regime.py --model $BT --draft $BD --acceptance ${ACCEPTANCE:-0.6,0.8} "$@" \
+        ${REGIME_ARGS:-}; }
     ;;&
 regime)
-    tail -1 /root/build-libs.log
-    export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs
-    regime --device cuda --parts ${PARTS:-costs,bench} --json /root/m/big/regime_cuda_$name.json \
+    if [ -d /root/llama/cuda-libs ]; then  # the CUDA libllama setup built (CUDA_LIBS=1), as in cudaworker
+        tail -1 /root/build-libs.log
+        export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs
+    fi
+    regime --device ${DEVICE:-cuda} --parts ${PARTS:-costs,bench} --json /root/m/big/regime_cuda_$name.json \
         2>$OUT/regime_cuda_$name.err | tee $OUT/regime_cuda_$name.txt
     cp /root/m/big/regime_cuda_$name.json $OUT/
     ;;
@@ -192,7 +197,7 @@ regimevk)
     cp /root/m/big/regime_vulkan_$name.json $OUT/
     ;;
 regimellama)
-    tail -1 /root/build.log
+    tail -1 /root/build.log 2>/dev/null
     regime --parts server --server ${SERVER:-/root/llama/llama.cpp.src/build/bin/llama-server} --ngl 99 \
         --json /root/m/big/regime_${REGIME:-cuda}_$name.json 2>$OUT/regime_llama_$name.err \
         | tee $OUT/regime_llama_$name.txt

@@ -62,6 +62,7 @@ class WriteSummary:
     path: str
     bytes: int
     seconds: float
+    data_seconds: float  # of `seconds`, drawing and writing the tensors (the rest: reading the tokenizer, the header)
     tensor_types: dict[str, int]  # ggml type -> tensors stored in it
 
 
@@ -276,7 +277,9 @@ def write_random_gguf(path: str | os.PathLike[str], shape: ModelConfig | str, mi
     data_start, alignment = _write_header(path, config, mix, plans, tokenizer)
     chunks, total = _chunks(path, plans, data_start, alignment, seed)
     os.truncate(path, total)  # the padding between tensors stays zero; chunks fill the rest in any order
-    log(f"{path}: {len(plans)} tensors, {total / 1e9:.2f} GB, {len(chunks)} chunks")
+    data_started = time.perf_counter()
+    log(f"{path}: {len(plans)} tensors, {total / 1e9:.2f} GB, {len(chunks)} chunks; tokenizer and header took "
+        f"{data_started - started:.1f} s")
     workers = workers or min(16, os.cpu_count() or 1)
     written, next_report = 0, total / 10
     pool = ProcessPoolExecutor(workers) if workers > 1 else None
@@ -284,13 +287,14 @@ def write_random_gguf(path: str | os.PathLike[str], shape: ModelConfig | str, mi
         for n in (pool.map(_write_chunk, chunks) if pool is not None else map(_write_chunk, chunks)):
             written += n
             if written >= next_report:
-                seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - data_started
                 log(f"  {written / 1e9:.2f} GB written, {written / 1e9 / seconds:.2f} GB/s")
                 next_report += total / 10
     finally:
         if pool is not None:
             pool.shutdown()
-    return WriteSummary(path, total, time.perf_counter() - started, dict(Counter(p.qtype for p in plans)))
+    ended = time.perf_counter()
+    return WriteSummary(path, total, ended - started, ended - data_started, dict(Counter(p.qtype for p in plans)))
 
 
 def _tiny_tokenizer() -> dict[str, MetadataValue]:
@@ -335,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--shape is required (or --extract-tokenizer)")
     summary = write_random_gguf(args.out, args.shape, args.mix, args.tokenizer_from, args.seed, args.workers,
                                 log=lambda message: print(message, file=sys.stderr, flush=True))
-    print(f"{summary.path}: {summary.bytes / 1e9:.2f} GB in {summary.seconds:.1f} s "
-          f"({summary.bytes / 1e9 / summary.seconds:.2f} GB/s); tensor types {summary.tensor_types}")
+    print(f"{summary.path}: {summary.bytes / 1e9:.2f} GB in {summary.seconds:.1f} s (tensors "
+          f"{summary.bytes / 1e9 / summary.data_seconds:.2f} GB/s); tensor types {summary.tensor_types}")
     return 0
 
 
