@@ -223,7 +223,7 @@ def run_server(args: argparse.Namespace) -> list[dict]:
         for n in args.concurrency:
             log(f"llama-server {'with the draft' if with_draft else 'plain'}, {n} slots")
             with serving(args.server, args.model, args.draft if with_draft else None, args.server_n_max, args.ngl,
-                         args.server_threads, args.ctx, slots=n) as url:
+                         args.server_threads, args.ctx, slots=n, extra=args.server_args.split()) as url:
                 extra = {"ignore_eos": True, "seed": 0}
                 # a whole round of warm-up: llama-server's first requests ran 4-40x slower than its third here
                 asyncio.run(run_load(url, n, n, args.max_tokens, kinds, extra_body=extra))
@@ -328,6 +328,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ngl", type=int, default=99, help="llama-server's GPU layers")
     p.add_argument("--server-n-max", type=int, default=3, help="llama-server's --spec-draft-n-max")
     p.add_argument("--server-threads", type=int, default=None, help="llama-server's -t (CPU runs: tandem's threads)")
+    # On this 2-core CPU, a random 32B-layout file served with -np 1 decoded at 4 tok/s after llama-server's own
+    # warm-up and at ~200 without it (--no-warmup; -np 2 was fast either way): a flag to try where that shows.
+    p.add_argument("--server-args", default="", help="more llama-server flags, space-separated (e.g. --no-warmup)")
     p.add_argument("--json", help="results file: read if present, this call's parts added, written back")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
