@@ -328,8 +328,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ngl", type=int, default=99, help="llama-server's GPU layers")
     p.add_argument("--server-n-max", type=int, default=3, help="llama-server's --spec-draft-n-max")
     p.add_argument("--server-threads", type=int, default=None, help="llama-server's -t (CPU runs: tandem's threads)")
-    # On this 2-core CPU, a random 32B-layout file served with -np 1 decoded at 4 tok/s after llama-server's own
-    # warm-up and at ~200 without it (--no-warmup; -np 2 was fast either way): a flag to try where that shows.
+    # On this shared 2-core CPU, llama-server's decode of one small random file swung between ~4 and ~200 tok/s from
+    # one start to the next (with and without --no-warmup, -np 1 or 2): flags to try where a number looks like that.
     p.add_argument("--server-args", default="", help="more llama-server flags, space-separated (e.g. --no-warmup)")
     p.add_argument("--json", help="results file: read if present, this call's parts added, written back")
     args = p.parse_args(argv)
