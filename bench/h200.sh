@@ -22,6 +22,16 @@
 #   loadtest  issue 22's load test (bench/serve_load.py): tandem plain and adaptive at 1/4/16/64 clients (4x as many
 #             requests, max_tokens 128) and a 10-turn conversation; needs pair. Then loadllama: llama-server (CUDA,
 #             from setup) plain and with the draft, -np = clients, one table with loadtest's numbers (~5 min each)
+#   regimewrite random-weight GGUFs of the report's regime in /root/m/big/ (tandem/loading/random_gguf.py, the real
+#             Qwen tokenizer from /root/m/T.gguf, else from .xfer/qwen-tokenizer.gguf, made here with --extract-tokenizer):
+#             a Qwen2.5-32B-shape target in MIX (Q4_0 ~18.6 GB, default; Q4_K_M ~19.9 GB; Q6_K ~26.9 GB: one big
+#             target at a time on the 64 GiB disk, the other removed) and 1.5B- and 0.5B-shape Q4_0 drafts (~1 GB)
+#   regime    bench/gpu_report_regime.py on the CUDA build through tandem's llama.cpp worker: V(n), the draft step
+#             alone and paired, plain vs adaptive at synthetic acceptance 0.6 and 0.8, 1, 2, 4 requests (needs setup
+#             with CUDA_LIBS=1, as cudaworker; MIX, DRAFT=1.5b|0.5b, ACCEPTANCE=0.8 or PARTS=costs for a shorter call)
+#   regimevk  the same on the Vulkan build (/root/vk, NVIDIA's Vulkan driver), in process
+#   regimellama llama-server (the CUDA one setup builds; SERVER=path for another) on the same files, plain and
+#             draft-simple, -np 1, 2, 4, added to regime's table (REGIME=vulkan: to regimevk's)
 #   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8 (or one of them:
 #             synthdoctor, synthbench; as two device calls each fits the 10-minute limit, the second one compiling
 #             from the first one's cache)
@@ -169,6 +179,51 @@ loadllama)
         --max-tokens 128 --configs ${CONFIGS:-llama-plain,llama-draft} --ngl 99 \
         --llama-server /root/llama/llama.cpp.src/build/bin/llama-server $with --json $OUT/load_all.json \
         --logs $OUT/logs 2>&1 | tee $OUT/load_all.txt
+    ;;
+regimewrite)
+    tok=/root/m/T.gguf; [ -f $tok ] || tok=.xfer/qwen-tokenizer.gguf
+    mix=${MIX:-Q4_0}; mkdir -p /root/m/big
+    for f in /root/m/big/T32_*.gguf; do [ "$f" = /root/m/big/T32_$mix.gguf ] || rm -f "$f"; done
+    write() {  # to a temporary name first: a call cut off mid-file leaves nothing that looks finished
+        [ -f $1 ] || { python3 -m tandem.loading.random_gguf $1.part --shape $2 --mix $3 --tokenizer-from $tok \
+            && mv $1.part $1; }
+    }
+    # TSHAPE / DSHAPE: other shapes (tandem.models.shapes.parse_shape), for a dry run of these phases on a CPU
+    write /root/m/big/T32_$mix.gguf ${TSHAPE:-qwen2.5-32b} $mix 2>&1 | tail -3
+    write /root/m/big/D1.5b_Q4_0.gguf ${DSHAPE:-qwen2.5-1.5b} Q4_0 2>&1 | tail -1
+    write /root/m/big/D0.5b_Q4_0.gguf ${DSHAPE:-qwen2.5-0.5b} Q4_0 2>&1 | tail -1
+    ls -la /root/m/big; df -h /root | tail -1
+    ;;
+regime|regimevk|regimellama)
+    BT=/root/m/big/T32_${MIX:-Q4_0}.gguf BD=/root/m/big/D${DRAFT:-1.5b}_Q4_0.gguf
+    name=${MIX:-Q4_0}_${DRAFT:-1.5b}
+    # REGIME_ARGS: more flags of bench/gpu_report_regime.py (e.g. --max-tokens 32 --repeats 1 for a dry run; they win)
+    regime() { python3 bench/gpu_report_regime.py --model $BT --draft $BD --acceptance ${ACCEPTANCE:-0.6,0.8} "$@" \
+        ${REGIME_ARGS:-}; }
+    ;;&
+regime)
+    if [ -d /root/llama/cuda-libs ]; then  # the CUDA libllama setup built (CUDA_LIBS=1), as in cudaworker
+        tail -1 /root/build-libs.log
+        export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs
+    fi
+    regime --device ${DEVICE:-cuda} --parts ${PARTS:-costs,bench} --json /root/m/big/regime_cuda_$name.json \
+        2>$OUT/regime_cuda_$name.err | tee $OUT/regime_cuda_$name.txt
+    cp /root/m/big/regime_cuda_$name.json $OUT/
+    ;;
+regimevk)
+    export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
+    icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+    [ -f $icd ] && export VK_DRIVER_FILES=$icd
+    regime --device vulkan --parts ${PARTS:-costs,bench} --json /root/m/big/regime_vulkan_$name.json \
+        2>$OUT/regime_vulkan_$name.err | tee $OUT/regime_vulkan_$name.txt
+    cp /root/m/big/regime_vulkan_$name.json $OUT/
+    ;;
+regimellama)
+    tail -1 /root/build.log 2>/dev/null
+    regime --parts server --server ${SERVER:-/root/llama/llama.cpp.src/build/bin/llama-server} --ngl 99 \
+        --json /root/m/big/regime_${REGIME:-cuda}_$name.json 2>$OUT/regime_llama_$name.err \
+        | tee $OUT/regime_llama_$name.txt
+    cp /root/m/big/regime_${REGIME:-cuda}_$name.json $OUT/
     ;;
 synthetic|synthdoctor)
     tandem doctor --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --device cuda --json > $OUT/doctor_synth_32b.json \

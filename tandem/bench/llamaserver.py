@@ -11,11 +11,13 @@ draft_n_accepted). llama.cpp is not built by tandem; build it from its sources (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 
 import httpx
 
@@ -28,21 +30,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(server: str, model: str, draft: str | None, n_max: int, ngl: int, threads: int | None,
-               prompts, max_tokens: int, ctx: int) -> dict:
+@contextlib.contextmanager
+def serving(server: str, model: str, draft: str | None, n_max: int, ngl: int, threads: int | None, ctx: int,
+            slots: int = 1, extra: Sequence[str] = ()) -> Iterator[str]:
+    """llama-server on a free loopback port, plain or with `draft` (classic draft-model speculation, at most n_max
+    tokens an iteration), `slots` parallel sequences of `ctx` tokens each; yields its base URL once healthy."""
     port = free_port()
-    cmd = [server, "-m", model, "--port", str(port), "--host", "127.0.0.1", "-ngl", str(ngl), "-c", str(ctx),
-           "-np", "1", "--no-webui"]
+    cmd = [server, "-m", model, "--port", str(port), "--host", "127.0.0.1", "-ngl", str(ngl), "-c", str(ctx * slots),
+           "-np", str(slots), "--no-webui", *extra]
     if threads:
         cmd += ["-t", str(threads)]
     if draft:
-        # Passing only -md drafts nothing in current builds (CONTEXT.md): the spec type must be named.
+        # Passing only -md drafts nothing in current builds: the type is inferred from the draft's metadata (MTP,
+        # DFlash, ...), none for a plain model; `draft-simple` is the classic draft-model speculation.
         cmd += ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(n_max),
                 "--spec-draft-ngl", str(ngl)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
+        for _ in range(1200):
             try:
                 if httpx.get(base + "/health", timeout=1).status_code == 200:
                     break
@@ -51,6 +57,17 @@ def run_config(server: str, model: str, draft: str | None, n_max: int, ngl: int,
             if proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited: {proc.stderr.read()[-2000:]}")
             time.sleep(0.5)
+        else:
+            raise RuntimeError("llama-server did not become healthy in 10 minutes")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def run_config(server: str, model: str, draft: str | None, n_max: int, ngl: int, threads: int | None,
+               prompts, max_tokens: int, ctx: int) -> dict:
+    with serving(server, model, draft, n_max, ngl, threads, ctx) as base:
         rows = []
         for prompt in prompts:
             body = {"messages": list(prompt.messages), "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}
@@ -65,9 +82,6 @@ def run_config(server: str, model: str, draft: str | None, n_max: int, ngl: int,
                 "text": reply["choices"][0]["message"]["content"],
             })
         return {"draft": bool(draft), "n_max": n_max if draft else 0, "prompts": rows}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,11 +88,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(client, url: str, model: str, kind: str, prompt: str | list[dict], max_tokens: int,
-                      temperature: float) -> RequestResult:
+                      temperature: float, extra_body: dict | None = None) -> RequestResult:
     """One streamed chat completion; prompt: a user message, or a whole chat's messages."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True},
+            **(extra_body or {})}
     result = RequestResult(kind=kind, ok=False)
     started = time.perf_counter()
     try:
@@ -132,8 +133,10 @@ async def one_request(client, url: str, model: str, kind: str, prompt: str | lis
 
 
 async def run_load(url: str, concurrency: int, n_requests: int, max_tokens: int, kinds: list[str],
-                   temperature: float = 0.0, api_key: str | None = None, model: str | None = None) -> LoadReport:
-    """Send n_requests chat completions from `concurrency` clients at once; return the summary."""
+                   temperature: float = 0.0, api_key: str | None = None, model: str | None = None,
+                   extra_body: dict | None = None) -> LoadReport:
+    """Send n_requests chat completions from `concurrency` clients at once; return the summary. extra_body: more
+    request fields (e.g. llama-server's ignore_eos)."""
     import httpx
 
     url = url.rstrip("/")
@@ -152,7 +155,8 @@ async def run_load(url: str, concurrency: int, n_requests: int, max_tokens: int,
             while next_index < n_requests:
                 kind, prompt = pool[next_index % len(pool)]
                 next_index += 1  # no await in between: asyncio makes this claim atomic
-                results.append(await one_request(client, url, model, kind, prompt, max_tokens, temperature))
+                results.append(await one_request(client, url, model, kind, prompt, max_tokens, temperature,
+                                                 extra_body))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -98,17 +98,10 @@ FILE_TYPE = {
     "Q6_K": 18,
     "BF16": 32,
 }
-# Byte offsets of the fp16 super-block scale `d` and, where the type has one, the min scale `dmin` in each block.
-K_QUANT_SCALE_OFFSETS: dict[str, tuple[int, int | None]] = {
-    "Q2_K": (80, 82),
-    "Q3_K": (108, None),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208, None),
-}
 SUPPORTED_QTYPES = tuple(FILE_TYPE)
 
 from tandem.loading import synthetic_gemma4 as gemma4  # noqa: E402
+from tandem.loading.random_blocks import K_QUANTS, set_scales  # noqa: E402
 from tandem.loading.synthetic_gemma4 import tiny_gemma4_vocab  # noqa: E402
 from tandem.loading.tokenizer import CHATML_TEMPLATE  # noqa: E402  (the tiny files' chat template)
 
@@ -136,29 +129,11 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 def _random_k_blocks(rows: int, cols: int, qtype: str, std: float, rng: np.random.Generator) -> np.ndarray:
     """Random but valid K-quant blocks [rows, row_bytes] whose values have ~zero mean and ~`std` spread."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
 
-    gtype = GGMLQuantizationType[qtype]
-    block, type_size = GGML_QUANT_SIZES[gtype]
-    n_blocks = rows * cols // block
-    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-    d_off, dmin_off = K_QUANT_SCALE_OFFSETS[qtype]
-
-    def set_scales(d: float, dmin: float) -> np.ndarray:
-        blocks[:, d_off : d_off + 2] = np.full((n_blocks, 1), d, np.float16).view(np.uint8)
-        if dmin_off is not None:
-            blocks[:, dmin_off : dmin_off + 2] = np.full((n_blocks, 1), dmin, np.float16).view(np.uint8)
-        return dequantize(blocks, gtype)
-
-    # Values are d * A - dmin * B: measure A and B once, then pick dmin to centre and a common factor for std.
-    mean_a = float(set_scales(1.0, 0.0).mean())
-    dmin_ratio = mean_a / float(-set_scales(0.0, 1.0).mean()) if dmin_off is not None else 0.0
-    spread = float(set_scales(1.0, dmin_ratio).std()) or 1.0
-    factor = std / spread
-    values = set_scales(factor, factor * dmin_ratio)
-    if not np.isfinite(values).all():
-        raise AssertionError(f"random {qtype} blocks dequantised to non-finite values")
-    return blocks.reshape(rows, n_blocks // rows * type_size)
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, type_size), dtype=np.uint8)
+    set_scales(blocks, qtype, std, signs=False)
+    return blocks.reshape(rows, -1)
 
 
 def _encode_matrix(values: np.ndarray, qtype: str, std: float, rng: np.random.Generator) -> tuple[np.ndarray, Any]:
@@ -179,7 +154,7 @@ def _encode_matrix(values: np.ndarray, qtype: str, std: float, rng: np.random.Ge
             f"{qtype} needs rows that are a multiple of {block} values; got a row of {values.shape[-1]} "
             f"(pick d_model/d_ffn/n_heads*head_dim multiples of {block}, e.g. d_model=256)"
         )
-    if qtype in K_QUANT_SCALE_OFFSETS:
+    if qtype in K_QUANTS:
         return _random_k_blocks(values.shape[0], values.shape[1], qtype, std, rng), gtype
     return quantize(values.astype(np.float32), gtype), gtype
 
@@ -200,10 +175,26 @@ def _value_type(value: Any) -> Any:
     raise TypeError(f"cannot store metadata value {value!r} of type {type(value).__name__} in GGUF")
 
 
+def architecture_kv(arch: str, context_length: int, d_model: int, d_ffn: int, n_layers: int, n_heads: int,
+                    n_kv_heads: int, rms_eps: float, rope_base: float, head_dim: int) -> dict[str, Any]:
+    """The `{arch}.*` hyperparameter keys llama.cpp reads for a transformer of these dimensions."""
+    return {
+        f"{arch}.context_length": context_length,
+        f"{arch}.embedding_length": d_model,
+        f"{arch}.feed_forward_length": d_ffn,
+        f"{arch}.block_count": n_layers,
+        f"{arch}.attention.head_count": n_heads,
+        f"{arch}.attention.head_count_kv": n_kv_heads,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(rms_eps),
+        f"{arch}.rope.freq_base": float(rope_base),
+        f"{arch}.rope.dimension_count": head_dim,
+    }
+
+
 TensorSpec = tuple[str, tuple[int, ...], str]  # (GGUF name, torch shape, kind: matrix | norm | bias | ...)
 
 
-def _tensor_specs(arch: str, n_layers: int, d_model: int, d_ffn: int, n_heads: int, n_kv_heads: int,
+def tensor_specs(arch: str, n_layers: int, d_model: int, d_ffn: int, n_heads: int, n_kv_heads: int,
                   head_dim: int, vocab_size: int, qkv_bias: bool, tie_embeddings: bool) -> list[TensorSpec]:
     """(name, torch shape, kind) of every tensor of a qwen2/llama/gemma3 file."""
     q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
@@ -326,15 +317,8 @@ def write_tiny_gguf(
         "general.name": f"tiny-{arch}-{qtype.lower()}",
         "general.file_type": FILE_TYPE.get(qtype, 0),
         "general.quantization_version": 2,
-        f"{a}.context_length": context_length,
-        f"{a}.embedding_length": d_model,
-        f"{a}.feed_forward_length": d_ffn,
-        f"{a}.block_count": n_layers,
-        f"{a}.attention.head_count": n_heads,
-        f"{a}.attention.head_count_kv": n_kv_heads,
-        f"{a}.attention.layer_norm_rms_epsilon": float(rms_eps),
-        f"{a}.rope.freq_base": float(rope_base),
-        f"{a}.rope.dimension_count": head_dim,
+        **architecture_kv(arch, context_length, d_model, d_ffn, n_layers, n_heads, n_kv_heads, rms_eps, rope_base,
+                          head_dim),
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.merges": merges,
@@ -374,7 +358,7 @@ def write_tiny_gguf(
     if arch == "gemma4":
         specs = gemma4_specs
     else:
-        specs = _tensor_specs(arch, n_layers, d_model, d_ffn, n_heads, n_kv_heads, head_dim, vocab_size, qkv_bias,
+        specs = tensor_specs(arch, n_layers, d_model, d_ffn, n_heads, n_kv_heads, head_dim, vocab_size, qkv_bias,
                               tie_embeddings)
 
     skip, shape_overrides, tensor_qtypes = set(skip_tensors), shape_overrides or {}, tensor_qtypes or {}

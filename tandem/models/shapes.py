@@ -53,6 +53,31 @@ def get_shape(name: str) -> ModelConfig:
     return SHAPES[name]
 
 
+SHAPE_OVERRIDES = ("n_layers", "d_model", "d_ffn", "n_heads", "n_kv_heads", "head_dim", "vocab_size",
+                   "context_length")
+
+
+def parse_shape(spec: str) -> ModelConfig:
+    """A named shape, optionally with dimensions replaced: "qwen2.5-0.5b" or "qwen2.5-0.5b:n_layers=4,d_ffn=1024"
+    (a small model with the real vocabulary, say, for a CPU run of a GPU benchmark). Setting d_model or n_heads
+    alone keeps head_dim = d_model / n_heads."""
+    name, _, overrides = spec.partition(":")
+    config = get_shape(name.strip())
+    if not overrides:
+        return config
+    values: dict[str, int] = {}
+    for item in overrides.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in SHAPE_OVERRIDES:
+            raise ValueError(f"bad shape override {item!r} in {spec!r}; use KEY=INT with KEY one of "
+                             f"{', '.join(SHAPE_OVERRIDES)}")
+        values[key] = int(value)
+    if "head_dim" not in values and ("d_model" in values or "n_heads" in values):
+        values["head_dim"] = values.get("d_model", config.d_model) // values.get("n_heads", config.n_heads)
+    return replace(config, **values, name=spec)
+
+
 def weight_count(config: ModelConfig) -> int:
     """Parameters of a config (tied embeddings counted once)."""
     from tandem.loading.weights import expected_tensors
