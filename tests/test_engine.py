@@ -11,7 +11,7 @@ from tandem.backends.base import ContextOverflowError
 from tandem.engine import Engine, Request, planner
 from tandem.engine.kv_pool import SlotTable
 from tandem.sampling import SamplingParams
-from tandem.spec.policy import CostModel
+from tandem.spec.policy import LOOKUP_SHARE_PRIOR_TOKENS, CostModel
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,", "hi",
            "Once upon a time there was a long prompt that takes several prefill chunks to read in full"]
@@ -501,12 +501,12 @@ def test_planner_charges_prompt_lookup_no_draft_step():
 
 def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves(pair64):
     """A draft token is worth only what prompt lookup would not have copied for free: the draft model is planned
-    at its acceptance times the share of the reply lookup did not make, and a first read of the prompt that pays
-    on a fresh reply is declined once lookup has made most of it."""
+    at its acceptance times the share of the reply lookup did not make, and a first read of the prompt that would
+    pay on a reply lookup does not copy is declined once lookup has made most of it."""
     target, draft = pair64
     engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False)
     engine.costs = cheap_rows(1, draft_ms=0.5)
-    gen = engine.add(requests(target, ["x = [1, 2, 3]"], max_tokens=40)[0])
+    gen = engine.add(requests(target, ["x = [1, 2, 3]"], max_tokens=200)[0])
     while gen.prefilling:
         engine.step()
     gen.ngram.match = lambda tokens: (None, 0)  # no lookup match here: the draft model is the candidate
@@ -515,16 +515,17 @@ def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves(pair
     # The catch-up is priced so that the read pays for the whole reply but not for a quarter of it.
     costs, policy = engine._batch1_view(gen)
     gain_ms, _ = policy.value_of_drafting_ms(policy.primary)
-    tokens = min(engine.prior.reply_tokens, 40 - gen.emitted)
+    tokens = min(engine.prior.reply_tokens, 200 - gen.emitted)
     lag = len(gen.tokens) - engine.draft_kv.length(gen.slot)
     engine.costs.catch_up_ms_per_token = gain_ms * tokens / (4 * 2.0 * lag)  # PROBE_VALUE_MARGIN = 2
     assert engine._first_read_pays(gen)
-    for _ in range(3):  # lookup's accepted drafts make 12 of 13 tokens
+    for _ in range(12):  # lookup's accepted drafts make 48 of 60 tokens
         gen.stats.record_iteration(4, 4, "ngram3")
-    gen.emitted = 13
-    assert gen.lookup_share() == 12 / 14
+    gen.emitted = 60
+    share = 48 / (60 + LOOKUP_SHARE_PRIOR_TOKENS)
+    assert gen.lookup_share() == share
     copying = engine._candidate(gen)
-    assert copying.acceptance == pytest.approx(gen.acceptance("draft-model") * (1 - 12 / 14))
-    tokens = min(engine.prior.reply_tokens, 40 - gen.emitted)
-    engine.costs.catch_up_ms_per_token = gain_ms * tokens / (4 * 2.0 * lag)
+    assert copying.acceptance == pytest.approx(gen.acceptance("draft-model") * (1 - share))
+    tokens = min(engine.prior.reply_tokens, 200 - gen.emitted)
+    engine.costs.catch_up_ms_per_token = gain_ms * tokens / (2 * 2.0 * lag)  # pays twice over, were it all drafted
     assert not engine._first_read_pays(gen)

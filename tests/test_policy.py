@@ -380,7 +380,7 @@ def test_policy_reports_what_it_believed():
 
 def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves():
     # H200-like costs (the draft half a target step): a draft at acceptance 0.75 pays on fresh text, but where prompt
-    # lookup has made 12 of the reply's 13 tokens, the draft's tokens are mostly ones lookup would copy for free:
+    # lookup has made 48 of the reply's 60 tokens, the draft's tokens are mostly ones lookup would copy for free:
     # at a position lookup misses, a plain step (and lookup after it) beats a draft run.
     gpu = {"draft-model": CostModel(0.75, {1: 1.59, 2: 1.6, 9: 1.62}, catch_up_ms_per_token=0.0),
            "ngram3": CostModel(0.0, {1: 1.59, 2: 1.6, 9: 1.62})}
@@ -388,11 +388,29 @@ def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves():
     fresh = AdaptivePolicy(copy.deepcopy(gpu), K_MAX, prior=(1.5, 2.0))
     for _ in range(3):
         fresh.observe(4, 3, 3.0, 1.6, source="draft-model")
-    assert fresh.plan(lags, remaining=100, generated=13).source == "draft-model"
+    assert fresh.plan(lags, remaining=100, generated=60).source == "draft-model"
     copying = AdaptivePolicy(copy.deepcopy(gpu), K_MAX, prior=(1.5, 2.0))
     for _ in range(3):
         copying.observe(4, 3, 3.0, 1.6, source="draft-model")
-    for _ in range(3):
+    for _ in range(12):
         copying.observe(4, 4, 0.0, 1.6, source="ngram3")
     assert copying.sources["draft-model"].acceptance == fresh.sources["draft-model"].acceptance
-    assert copying.plan(lags, remaining=100, generated=13).k == 0
+    assert copying.plan(lags, remaining=100, generated=60).k == 0
+
+
+def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt():
+    # Beside prompt lookup, a draft's first catch-up buys little on a reply that copies its prompt, which lookup's
+    # hindsight on the first generated tokens shows: where completed replies copied most of theirs, the policy waits
+    # for those tokens before reading a long prompt; where they copied nothing, it reads at once.
+    from tandem.spec.policy import AcceptancePrior
+
+    gpu = {"draft-model": CostModel(0.75, {1: 1.59, 2: 1.6, 9: 1.62}, catch_up_ms_per_token=0.08),
+           "ngram3": CostModel(0.0, {1: 1.59, 2: 1.6, 9: 1.62})}
+    for share, waits in ((0.0, False), (0.9, True)):
+        shared = AcceptancePrior()
+        for _ in range(40):
+            shared.record_copied(share)
+        assert shared.copied_share == pytest.approx(share, abs=0.01)
+        policy = AdaptivePolicy(copy.deepcopy(gpu), K_MAX, prior=(1.7, 2.0), shared=shared, evidence=True)
+        plan = policy.plan({"draft-model": 120, "ngram3": None}, remaining=128, generated=1)
+        assert (plan.k == 0) is waits, (share, plan)

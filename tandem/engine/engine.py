@@ -43,6 +43,7 @@ from tandem.spec.policy import (
     PROBE_VALUE_MARGIN,
     AdaptivePolicy,
     CostModel,
+    copied_risk,
     expected_tokens,
 )
 from tandem.spec.proposer import NgramProposer
@@ -306,6 +307,8 @@ class Engine:
         if gen.proposer is not None and not gen.cancelled:
             for source, estimate in gen.estimates.items():
                 self.prior.record(source, estimate.request_accepted, estimate.request_reached)
+            if gen.proposer == "mixed" and gen.emitted:
+                self.prior.record_copied(gen.copied_tokens / gen.emitted)
             if gen.finish_reason == "stop":
                 self.prior.record_reply(gen.emitted)  # a natural reply length: what a first catch-up is repaid over
             gen.stats.belief = {"acceptance": {s: gen.acceptance(s) for s in gen.estimates},
@@ -397,6 +400,8 @@ class Engine:
         by the chance that the acceptance, a Beta of the estimate's counts, turns out too low to pay)."""
         costs, policy = self._batch1_view(gen)
         gain_ms, p_no_gain = policy.value_of_drafting_ms(policy.primary)
+        if gen.ngram is not None:  # or the reply copies its prompt, which lookup's hindsight would show
+            p_no_gain = copied_risk(p_no_gain, self.prior)
         catch_up_ms = costs.catch_up_ms(len(gen.tokens) - self.draft_kv.length(gen.slot))
         learning_ms = LEARNING_ITERATIONS * (costs.draft_step_ms + max(0.0, costs.verify(2) - costs.verify(1)))
         wait = EVIDENCE_TOKENS - (len(gen.tokens) - gen.prompt_len)

@@ -12,7 +12,7 @@ from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.logits.processor import LogitsProcessor, LogitsSettings
 from tandem.sampling import SamplingParams, make_generator
 from tandem.spec.decoder import cut_tokens
-from tandem.spec.policy import DRAFT_MODEL_SOURCE
+from tandem.spec.policy import DRAFT_MODEL_SOURCE, LOOKUP_SHARE_PRIOR_TOKENS
 from tandem.spec.proposer import NgramProposer
 from tandem.spec.stats import GenerationStats
 
@@ -230,9 +230,14 @@ class Generation:
         return self.estimates[source].acceptance(self.plain_iterations)
 
     def lookup_share(self) -> float:
-        """The share of the reply so far that prompt lookup's accepted drafts made (0 at the start)."""
-        copied = sum(v["accepted_tokens"] for s, v in self.stats.sources.items() if s != DRAFT_MODEL)
-        return copied / (self.emitted + 1)
+        """The share of the reply so far that prompt lookup's accepted drafts made (0 at the start; counted over
+        LOOKUP_SHARE_PRIOR_TOKENS more tokens, none copied)."""
+        return self.copied_tokens / (self.emitted + LOOKUP_SHARE_PRIOR_TOKENS)
+
+    @property
+    def copied_tokens(self) -> int:
+        """Tokens of the reply that prompt lookup's accepted drafts made."""
+        return sum(v["accepted_tokens"] for s, v in self.stats.sources.items() if s != DRAFT_MODEL)
 
     def observe(self, source: str | None, k: int, n_accepted: int) -> None:
         """One iteration's outcome: k drafts from `source`, n_accepted kept (k = 0: a plain step)."""

@@ -52,8 +52,21 @@ DEFAULT_REPLY_TOKENS = 128  # the reply length a fresh process expects (the valu
 PRIOR_REQUEST_WEIGHT = 0.3  # weight of a completed request in the shared prior's acceptance
 PRIOR_MIN_POSITIONS = 6  # a request that tried fewer draft positions says too little to move the prior
 PRIOR_MAX_STRENGTH = 6.0  # pseudo-positions the learned prior is held with: requests differ (0.44-0.92 on one pair)
+# A reply's share made by prompt lookup is counted over this many more tokens than it has (none of them copied), so
+# that a lookup hit among a reply's first few tokens does not switch a good draft off.
+LOOKUP_SHARE_PRIOR_TOKENS = 16
+# What share of a reply a fresh process expects prompt lookup to make: replies that copy their prompt (summaries,
+# edits of given code) are common in assistants' traffic; learnt from completed replies (AcceptancePrior).
+DEFAULT_COPIED_SHARE = 0.2
 DRAFT_MODEL_SOURCE = "draft-model"  # the source name of a draft model (the others are prompt lookup's)
 BETA_GRID = 32  # points of the acceptance grid the expected value of drafting is integrated over
+
+
+def copied_risk(p_no_gain: float, shared: AcceptancePrior | None) -> float:
+    """The chance a draft's first catch-up buys nothing beside prompt lookup: its acceptance turns out too low, or
+    the reply copies its prompt (as much as completed replies did), leaving the draft little to propose."""
+    copied = shared.copied_share if shared is not None else DEFAULT_COPIED_SHARE
+    return 1.0 - (1.0 - p_no_gain) * (1.0 - copied)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -135,6 +148,7 @@ class AcceptancePrior:
         self._acceptance: dict[str, float] = {}  # source -> EWMA over requests of their acceptance
         self._requests: dict[str, int] = {}  # source -> requests recorded
         self._reply_tokens: float | None = None  # EWMA of generated tokens per request
+        self._copied_share = DEFAULT_COPIED_SHARE  # EWMA of the share of a reply prompt lookup made
 
     def counts(self, source: str, default: tuple[float, float] = ACCEPTANCE_PRIOR) -> tuple[float, float]:
         """Pseudo-counts (accepted, drafted) a request's estimate for `source` starts from; `default` (or this
@@ -165,6 +179,16 @@ class AcceptancePrior:
         with self._lock:
             old = self._reply_tokens
             self._reply_tokens = tokens if old is None else old + PRIOR_REQUEST_WEIGHT * (tokens - old)
+
+    def record_copied(self, share: float) -> None:
+        """The share of a completed reply that prompt lookup's accepted drafts made (with a draft model beside)."""
+        with self._lock:
+            self._copied_share += PRIOR_REQUEST_WEIGHT * (share - self._copied_share)
+
+    @property
+    def copied_share(self) -> float:
+        with self._lock:
+            return self._copied_share
 
     @property
     def reply_tokens(self) -> float:
@@ -339,8 +363,8 @@ class AdaptivePolicy(DraftPolicy):
         catch_up_ms = costs.catch_up_ms(lag) if lag > STEADY_CATCH_UP else 0.0
         # Beside prompt lookup, a draft model's token is worth only what lookup would not have copied for free in
         # the iterations after: the share of the reply lookup did not make so far.
-        left = 1.0 - self.copied / (generated + 1) if src.name == DRAFT_MODEL_SOURCE and len(self.sources) > 1 \
-            else 1.0
+        left = 1.0 - self.copied / (generated + LOOKUP_SHARE_PRIOR_TOKENS) \
+            if src.name == DRAFT_MODEL_SOURCE and len(self.sources) > 1 else 1.0
         if catch_up_ms > 0 and not src.started:
             # First switch-on: take in the prompt only where the drafting it may buy is worth it.
             tokens = self.shared.reply_tokens if self.shared is not None else DEFAULT_REPLY_TOKENS
@@ -354,7 +378,11 @@ class AdaptivePolicy(DraftPolicy):
             # where acceptance turns out too low.
             wait = EVIDENCE_TOKENS - generated
             learning_ms = LEARNING_ITERATIONS * (costs.draft_step_ms + max(0.0, costs.verify(2) - costs.verify(1)))
+            if len(self.sources) > 1:  # or the reply copies its prompt, which lookup's hindsight would show
+                p_no_gain = copied_risk(p_no_gain, self.shared)
             risk_ms = PROBE_VALUE_MARGIN * p_no_gain * (catch_up_ms + learning_ms)
+            # Beside prompt lookup, always wait: lookup's hindsight on those tokens shows whether the reply copies
+            # its prompt, which makes the draft's catch-up worth little (see `left`).
             if self.evidence and wait > 0 and wait * gain_ms < risk_ms:
                 return 0, plain_rate
             k = max(1, costs.best_draft_len(src.acceptance, self.k_max))
@@ -465,5 +493,7 @@ class AdaptivePolicy(DraftPolicy):
             return
         for name, src in self.sources.items():
             self.shared.record(name, src.request_accepted, src.request_attempted)
+        if len(self.sources) > 1 and DRAFT_MODEL_SOURCE in self.sources and generated_tokens > 0:
+            self.shared.record_copied(self.copied / generated_tokens)
         if stopped:
             self.shared.record_reply(generated_tokens)
