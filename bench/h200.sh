@@ -32,6 +32,9 @@
 #   regimevk  the same on the Vulkan build (/root/vk, NVIDIA's Vulkan driver), in process
 #   regimellama llama-server (the CUDA one setup builds; SERVER=path for another) on the same files, plain and
 #             draft-simple, -np 1, 2, 4, added to regime's table (REGIME=vulkan: to regimevk's)
+#   structured issue 23: decode tok/s with a json_schema constraint over tok/s without, plain and speculative, and
+#             acceptance with and without it (bench/structured_throughput.py, real pair, torch, bf16; needs pair and
+#             the llguidance wheel among .whl)
 #   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8 (or one of them:
 #             synthdoctor, synthbench; as two device calls each fits the 10-minute limit, the second one compiling
 #             from the first one's cache)
@@ -224,6 +227,11 @@ regimellama)
         --json /root/m/big/regime_${REGIME:-cuda}_$name.json 2>$OUT/regime_llama_$name.err \
         | tee $OUT/regime_llama_$name.txt
     cp /root/m/big/regime_${REGIME:-cuda}_$name.json $OUT/
+    ;;
+structured)
+    python3 bench/structured_throughput.py --model $T --draft $D --backend torch --device cuda --dtype bfloat16 \
+        --max-tokens 128 --repeats 3 2>&1 \
+        | grep --line-buffered -v Warn | tee $OUT/structured.txt
     ;;
 synthetic|synthdoctor)
     tandem doctor --synthetic-shape qwen2.5-32b,qwen2.5-1.5b --device cuda --json > $OUT/doctor_synth_32b.json \
