@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -24,6 +25,8 @@ from dataclasses import asdict
 from tandem.backends.base import Model, Sequence
 from tandem.spec.policy import AcceptancePrior, AdaptivePolicy, CostModel
 from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposer
+
+log = logging.getLogger("tandem.calibrate")
 
 WARMUP_TOKENS = 16  # context the timed forwards attend over, and a warm-up of kernels and caches
 REPEATS = 3
@@ -187,6 +190,14 @@ def _write(path: str | None, costs: CostModel, target: Model, draft: Model | Non
         pass  # a read-only home costs a measurement per start, nothing else
 
 
+def machine_busy() -> bool:
+    """More runnable threads than cores over the last minute (Unix load average; False where there is none)."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return False
+
+
 def cached_costs(target: Model, draft: Model | None, k_max: int, refresh: bool = False) -> CostModel:
     """Costs measured once per pair and k_max (kept on the target, and on disk for the next start); each request
     gets its own copy to refine. refresh: measure again, and replace what is on disk."""
@@ -198,7 +209,12 @@ def cached_costs(target: Model, draft: Model | None, k_max: int, refresh: bool =
             costs = None if refresh else _read(path)
             if costs is None:
                 costs = measure_costs(target, draft, k_max)
-                _write(path, costs, target, draft)
+                if machine_busy():  # ratios read under contention (V(2) at 2.4 steps, not 1.3) would outlive it
+                    log.warning("costs measured while the machine was busy (load average %.1f on %d cores) are "
+                                "used by this process only; the next start measures again", os.getloadavg()[0],
+                                os.cpu_count() or 1)
+                else:
+                    _write(path, costs, target, draft)
             cache[key] = costs
         return copy.deepcopy(cache[key])
 
