@@ -22,7 +22,8 @@ import time
 
 import torch
 
-WHITESPACE_BOUND = 16
+from tandem.logits.grammar import JSON_OPTIONS, WHITESPACE_BOUND  # both libraries get tandem's whitespace bound
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -54,12 +55,11 @@ def bench_llguidance(tokenizer, vocab: int, ids: list[int], repeats: int) -> dic
     ll_tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab,
                                           eos_token=list(tokenizer.eos_token_ids))
     setup = time.process_time() - started
-    options = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{WHITESPACE_BOUND}}}"}
     compiles, fills, advances, verifies = [], [], [], []
     bitmask = llt.allocate_token_bitmask(DRAFTS + 1, vocab)
     for _ in range(repeats):
         started = time.process_time()
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults=options)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults=JSON_OPTIONS)
         matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
         llt.fill_next_token_bitmask(matcher, bitmask, 0)  # the first mask is part of what a request waits for
         compiles.append(time.process_time() - started)
