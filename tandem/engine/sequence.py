@@ -12,7 +12,7 @@ from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.logits.processor import LogitsProcessor, LogitsSettings
 from tandem.sampling import SamplingParams, make_generator
 from tandem.spec.decoder import cut_tokens
-from tandem.spec.policy import DRAFT_MODEL_SOURCE, LOOKUP_SHARE_PRIOR_TOKENS
+from tandem.spec.policy import DRAFT_MODEL_SOURCE, lookup_share
 from tandem.spec.proposer import NgramProposer
 from tandem.spec.stats import GenerationStats
 
@@ -230,9 +230,8 @@ class Generation:
         return self.estimates[source].acceptance(self.plain_iterations)
 
     def lookup_share(self) -> float:
-        """The share of the reply so far that prompt lookup's accepted drafts made (0 at the start; counted over
-        LOOKUP_SHARE_PRIOR_TOKENS more tokens, none copied)."""
-        return self.copied_tokens / (self.emitted + LOOKUP_SHARE_PRIOR_TOKENS)
+        """The share of the reply so far that prompt lookup's accepted drafts made (policy.lookup_share)."""
+        return lookup_share(self.copied_tokens, self.emitted)
 
     @property
     def copied_tokens(self) -> int:

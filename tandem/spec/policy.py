@@ -62,6 +62,12 @@ DRAFT_MODEL_SOURCE = "draft-model"  # the source name of a draft model (the othe
 BETA_GRID = 32  # points of the acceptance grid the expected value of drafting is integrated over
 
 
+def lookup_share(copied: int, generated: int) -> float:
+    """The share of a reply prompt lookup's accepted drafts made: `copied` of `generated` tokens, counted over
+    LOOKUP_SHARE_PRIOR_TOKENS more (none copied)."""
+    return copied / (generated + LOOKUP_SHARE_PRIOR_TOKENS)
+
+
 def copied_risk(p_no_gain: float, shared: AcceptancePrior | None) -> float:
     """The chance a draft's first catch-up buys nothing beside prompt lookup: its acceptance turns out too low, or
     the reply copies its prompt (as much as completed replies did), leaving the draft little to propose."""
@@ -363,7 +369,7 @@ class AdaptivePolicy(DraftPolicy):
         catch_up_ms = costs.catch_up_ms(lag) if lag > STEADY_CATCH_UP else 0.0
         # Beside prompt lookup, a draft model's token is worth only what lookup would not have copied for free in
         # the iterations after: the share of the reply lookup did not make so far.
-        left = 1.0 - self.copied / (generated + LOOKUP_SHARE_PRIOR_TOKENS) \
+        left = 1.0 - lookup_share(self.copied, generated) \
             if src.name == DRAFT_MODEL_SOURCE and len(self.sources) > 1 else 1.0
         if catch_up_ms > 0 and not src.started:
             # First switch-on: take in the prompt only where the drafting it may buy is worth it.
@@ -381,8 +387,6 @@ class AdaptivePolicy(DraftPolicy):
             if len(self.sources) > 1:  # or the reply copies its prompt, which lookup's hindsight would show
                 p_no_gain = copied_risk(p_no_gain, self.shared)
             risk_ms = PROBE_VALUE_MARGIN * p_no_gain * (catch_up_ms + learning_ms)
-            # Beside prompt lookup, always wait: lookup's hindsight on those tokens shows whether the reply copies
-            # its prompt, which makes the draft's catch-up worth little (see `left`).
             if self.evidence and wait > 0 and wait * gain_ms < risk_ms:
                 return 0, plain_rate
             k = max(1, costs.best_draft_len(src.acceptance, self.k_max))
