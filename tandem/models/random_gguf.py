@@ -1,8 +1,8 @@
 """Random-weight GGUFs of real model shapes, 32B ones included, quantised as llama-quantize would, carrying a real
 model's tokenizer: llama.cpp benchmarks of a big target beside a small draft without downloading either.
 
-    python -m tandem.loading.random_gguf OUT.gguf --shape qwen2.5-32b --mix Q4_0 --tokenizer-from REAL.gguf
-    python -m tandem.loading.random_gguf TOKENIZER.gguf --extract-tokenizer REAL.gguf   # metadata only, ~7 MB
+    python -m tandem.models.random_gguf OUT.gguf --shape qwen2.5-32b --mix Q4_0 --tokenizer-from REAL.gguf
+    python -m tandem.models.random_gguf TOKENIZER.gguf --extract-tokenizer REAL.gguf   # metadata only, ~7 MB
 
 The quantised blocks are drawn directly (`tandem.loading.random_blocks`: random bits, scales set for values of
 spread min(0.1, 1/sqrt(row length)), random signs: activations stay finite through 64 layers), never quantised from
@@ -38,6 +38,7 @@ import numpy as np
 from tandem.config import ModelConfig
 from tandem.loading.random_blocks import block_geometry, random_rows, row_bytes
 from tandem.loading.synthetic import FILE_TYPE, TOKEN_TYPE_UNUSED, architecture_kv, tensor_specs
+from tandem.models.shapes import parse_shape
 
 MIXES = ("Q4_0", "Q8_0", "Q4_K", "Q4_K_M", "Q6_K")
 MIX_FILE_TYPE = {**FILE_TYPE, "Q4_K": 14, "Q4_K_M": 15}  # llama_ftype: MOSTLY_Q4_K_S = 14, MOSTLY_Q4_K_M = 15
@@ -264,7 +265,6 @@ def write_random_gguf(path: str | os.PathLike[str], shape: ModelConfig | str, mi
         seed: the same seed writes the same bytes, whatever the number of workers.
         workers: processes drawing and writing chunks (default: every core, at most 16); 1 draws in this process.
     """
-    from tandem.models.shapes import parse_shape
 
     config = parse_shape(shape) if isinstance(shape, str) else shape
     if config.architecture not in ("qwen2", "llama"):
