@@ -190,6 +190,10 @@ class LlamaCppModel(Model):
         return self.weights.n_threads
 
     @property
+    def n_gpu_layers(self) -> int:  # what llama.cpp offloads: -1 = every layer
+        return self.weights.n_gpu_layers
+
+    @property
     def kv_q8(self) -> bool:
         return self.weights.kv_q8
 
