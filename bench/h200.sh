@@ -43,7 +43,10 @@ set -u
 phase=$1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 tandem() { python3 -m tandem.cli "$@"; }
-T=/root/m/T.gguf D=/root/m/D.gguf
+T=${T:-/root/m/T.gguf} D=${D:-/root/m/D.gguf}  # T=, D=: another pair (cudaworker on the regime's files)
+# llama-server: setup's CUDA_LIBS=1 build makes it beside the shared libraries (one CUDA compile for both)
+LLAMA_SERVER=/root/llama/llama.cpp.src/build/bin/llama-server
+[ -x $LLAMA_SERVER ] || LLAMA_SERVER=/root/llama-libs/llama.cpp.src/build/bin/llama-server
 [ -f /root/m/unfused ] && export TANDEM_FUSED_PROJECTIONS=0 && echo "fused projections OFF (their GPU test failed)"
 [ -f /root/m/nosplit ] && export TANDEM_SPLIT_K=0 && echo "split-K output projections OFF (slower step)"
 [ -f /root/m/nopdl ] && export TANDEM_PDL=0 && echo "programmatic dependent launch OFF (slower step)"
@@ -52,7 +55,7 @@ setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
     mkdir -p /root/m /root/vk && cp -a .vk/. /root/vk/
-    if [ -f .xfer/llama-src.tar.xz ]; then  # only when the llamacpp phase will run: the build takes 10 cores
+    if [ -f .xfer/llama-src.tar.xz ] && [ "${CUDA_LIBS:-0}" != 1 ]; then  # llamacpp phase: the build takes 10 cores
         mkdir -p /root/llama && tar xJf .xfer/llama-src.tar.xz -C /root/llama
         setsid nohup bash -c "cd /root/llama/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
             -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=off -DCMAKE_BUILD_TYPE=Release && \
@@ -62,8 +65,9 @@ setup)
         mkdir -p /root/llama-libs /root/llama/cuda-libs && tar xJf .xfer/llama-src.tar.xz -C /root/llama-libs
         setsid nohup bash -c "cd /root/llama-libs/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
             -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=OFF \
-            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && \
-            cmake --build build --target llama -j 10 && find build -name '*.so*' -exec cp -a {} /root/llama/cuda-libs/ \; ; \
+            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DCMAKE_BUILD_TYPE=Release && \
+            cmake --build build --target llama llama-server -j 15 && \
+            find build -name '*.so*' -exec cp -a {} /root/llama/cuda-libs/ \; ; \
             echo build-exit \$?" >/root/build-libs.log 2>&1 </dev/null &
     fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -180,7 +184,7 @@ loadllama)
     with=$(for f in /root/m/load_tandem*.json; do [ -f $f ] && echo --with $f; done)
     timeout -k 30 550 python3 bench/serve_load.py --model $T --draft $D --clients ${CLIENTS:-1,4,16,64} \
         --max-tokens 128 --configs ${CONFIGS:-llama-plain,llama-draft} --ngl 99 \
-        --llama-server /root/llama/llama.cpp.src/build/bin/llama-server $with --json $OUT/load_all.json \
+        --llama-server $LLAMA_SERVER $with --json $OUT/load_all.json \
         --logs $OUT/logs 2>&1 | tee $OUT/load_all.txt
     ;;
 regimewrite)
@@ -223,7 +227,7 @@ regimevk)
     ;;
 regimellama)
     tail -1 /root/build.log 2>/dev/null
-    regime --parts server --server ${SERVER:-/root/llama/llama.cpp.src/build/bin/llama-server} --ngl 99 \
+    regime --parts server --server ${SERVER:-$LLAMA_SERVER} --ngl 99 \
         --json /root/m/big/regime_${REGIME:-cuda}_$name.json 2>$OUT/regime_llama_$name.err \
         | tee $OUT/regime_llama_$name.txt
     cp /root/m/big/regime_${REGIME:-cuda}_$name.json $OUT/
