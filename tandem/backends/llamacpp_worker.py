@@ -21,6 +21,11 @@ keeps llama.cpp in process.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # The worker loads llama.cpp's libraries before numpy: on the H200 box a CUDA libllama loaded after numpy (as
+    # after torch) segfaulted in llama_model_load's print_info, and loaded first it runs (h200-2026-12-05 results).
+    import llama_cpp.llama_cpp  # noqa: F401
+
 import importlib.util
 import logging
 import mmap
