@@ -91,9 +91,9 @@ def test_greedy_plain_speculative_and_batched_generation_equal_in_process(pair, 
     draft.close()
 
 
-def test_the_worker_never_imports_torch(pair):
+def test_the_worker_never_imports_torch_and_loads_llamacpp_before_numpy(pair):
     _, remote = pair
-    assert remote.worker.call("imports") == ["llama_cpp"]
+    assert remote.worker.call("imports") == ["llama_cpp.llama_cpp", "numpy"]  # numpy first: CUDA load crashed
 
 
 def test_a_dead_worker_fails_every_request_with_a_clear_error(tiny_model_path, caplog):

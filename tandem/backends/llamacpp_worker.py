@@ -437,8 +437,8 @@ class _Worker:
             else:
                 obj.close()
             return None
-        if op == "imports":  # tests: what this process has loaded
-            return sorted(name for name in ("torch", "llama_cpp") if name in sys.modules)
+        if op == "imports":  # tests: what this process has loaded, in the order it loaded them
+            return [name for name in sys.modules if name in ("torch", "numpy", "llama_cpp.llama_cpp")]
         if op == "crash":  # tests: die as llama.cpp would, mid-request
             os.kill(os.getpid(), signal.SIGSEGV)
         raise ValueError(f"unknown request {op!r}")
