@@ -130,7 +130,9 @@ def make_proposer(
     return MixedProposer(model, NgramProposer(device)) if prompt_lookup else model
 
 
-def make_policy(name: str, draft_max: int, target: Model, proposer: Proposer | None) -> DraftPolicy:
+def make_policy(name: str, draft_max: int, target: Model, proposer: Proposer | None,
+                evidence: bool = True) -> DraftPolicy:
+    """evidence=False: the draft's teacher-forced predictions are not evidence of its acceptance (synthetic runs)."""
     if name not in DRAFT_POLICIES:
         raise ValueError(f"unknown draft policy {name!r}; choose one of {', '.join(DRAFT_POLICIES)}")
     if draft_max < 0:
@@ -139,7 +141,7 @@ def make_policy(name: str, draft_max: int, target: Model, proposer: Proposer | N
         return FixedPolicy(draft_max)
     from tandem.spec.calibrate import policy_for
 
-    return policy_for(target, proposer, draft_max)
+    return policy_for(target, proposer, draft_max, evidence)
 
 
 def prompt_ids(target: Model, prompt: str | Seq[int] | None, messages: list[dict] | None) -> list[int]:
@@ -205,7 +207,7 @@ def stream_generate(
     if prompt_lookup is None:  # mixed where a policy picks the source; a fixed k means the draft model's
         prompt_lookup = draft_policy == "adaptive"
     proposer = make_proposer(target, draft, sampling, n_ctx, prompt_lookup)
-    policy = make_policy(draft_policy, draft_max, target, proposer)
+    policy = make_policy(draft_policy, draft_max, target, proposer, evidence=synthetic_acceptance is None)
     decoder = SpeculativeDecoder(target, sampling, proposer, policy, max_tokens=max_tokens,
                                  stop_token_ids=() if ignore_eos else target.tokenizer.eos_token_ids, n_ctx=n_ctx,
                                  synthetic_acceptance=synthetic_acceptance)

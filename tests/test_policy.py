@@ -250,6 +250,36 @@ def test_loop_never_loses_to_plain_when_catching_up_is_dear(monkeypatch, accepta
     assert tokens_per_s >= 0.97 * 1000 / 1.85, (tokens_per_s, stats.draft_len_counts)
 
 
+@pytest.mark.parametrize("synthetic", [None, 0.8])
+def test_synthetic_acceptance_is_judged_by_outcomes_not_by_real_predictions(monkeypatch, synthetic):
+    # Seen on an H200 (a random 32B Q4_0 target beside a random 1.5B draft, synthetic acceptance 0.8): the adaptive
+    # policy drafted 4 tokens in 128 (0.98x) where fixed drafts gave 1.2x. A draft's catch-up reports what it would
+    # really have predicted, which says nothing of the acceptance a synthetic run simulates (random weights predict
+    # nothing). Synthetic runs learn from their drafts' outcomes only, as the engine's do.
+    from tandem.sampling import SamplingParams
+    from tandem.spec.calibrate import policy_for
+    from tandem.spec.decoder import SpeculativeDecoder
+    from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer
+
+    target_ms = lambda n: 10.5 + 0.7 * (n > 1) + 1.95 * max(0, n - 2)  # noqa: E731  (llama.cpp's CUDA kernels)
+    clock, target, draft = fake_pair(monkeypatch, target_ms, lambda n: 1.9 + 0.1 * (n - 1), acceptance=0.0)
+    params = SamplingParams(temperature=0.0)
+    proposer = MixedProposer(DraftModelProposer(draft, params, VOCAB, "cpu"), NgramProposer("cpu"))
+    policy = policy_for(target, proposer, K_MAX, evidence=synthetic is None)
+    seen = []
+    for name in ("observe_catch_up", "observe_evidence"):
+        method = getattr(policy, name)
+        monkeypatch.setattr(policy, name, lambda *a, _m=method, _n=name, **k: (seen.append(_n), _m(*a, **k))[1])
+    decoder = SpeculativeDecoder(target, params, proposer, policy, max_tokens=64, synthetic_acceptance=synthetic)
+    prompt = [target.token_of(p) for p in range(40)] * 2  # a repeated prompt: lookup has hindsight to report
+    tokens = [t for chunk in decoder.run(prompt) for t in chunk]
+    assert len(tokens) == 64
+    if synthetic is None:
+        assert "observe_evidence" in seen and "observe_catch_up" in seen, seen
+    else:
+        assert seen == []
+
+
 def test_loop_learns_from_a_request_what_the_next_should_not_bet_on(monkeypatch):
     # Seen on an H200 (real pair, freeform prompt of 46 tokens, 128 tokens): calibration priced the draft at 0.59 of
     # a 1.62 ms target step, so at the prior acceptance (0.7) drafting looked 7% faster. In the loop the draft cost

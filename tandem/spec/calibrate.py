@@ -232,8 +232,9 @@ def shared_prior(target: Model) -> AcceptancePrior:
         return priors["shared"]
 
 
-def policy_for(target: Model, proposer: Proposer, draft_max: int) -> AdaptivePolicy:
-    """The adaptive policy for one request of `proposer`: a source per way it drafts, all from measured costs."""
+def policy_for(target: Model, proposer: Proposer, draft_max: int, evidence: bool = True) -> AdaptivePolicy:
+    """The adaptive policy for one request of `proposer`: a source per way it drafts, all from measured costs.
+    evidence: a draft model's catch-up reports its teacher-forced acceptance (not under synthetic acceptance)."""
     lookup_costs = cached_costs(target, None, draft_max) if not isinstance(proposer, DraftModelProposer) else None
     costs = {}
     for source in proposer.sources:
@@ -242,5 +243,5 @@ def policy_for(target: Model, proposer: Proposer, draft_max: int) -> AdaptivePol
             costs[source] = cached_costs(target, draft, draft_max)
         else:
             costs[source] = copy.deepcopy(lookup_costs)
-    evidence = DraftModelProposer.name in costs
+    evidence = evidence and DraftModelProposer.name in costs
     return AdaptivePolicy(costs, draft_max, shared=shared_prior(target), evidence=evidence)
