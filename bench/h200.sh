@@ -162,6 +162,11 @@ m = tandem.load('$T', backend='llama.cpp', device='cuda', isolation='none'); pri
         | grep -oE '/[^ ]*lib(cudart|cublas)[^ ]*' | sort -u > $OUT/torch_cuda_libs.txt
     LD_DEBUG=libs python3 -c "import llama_cpp" 2>&1 | grep -E 'calling init: .*lib(cudart|cublas|ggml)' \
         > $OUT/llama_cuda_libs.txt; cat $OUT/torch_cuda_libs.txt $OUT/llama_cuda_libs.txt
+    # Which import order lets libllama load at all, torch never imported (the worker imports llama.cpp first).
+    for order in numpy-first stdcxx-first llama-first; do
+        timeout 120 python3 bench/gpu_llamacpp_load_order.py $D $order 2>&1 | grep -E "ok$|Fatal" | tail -1
+        echo "== $order exit ${PIPESTATUS[0]}"
+    done | tee $OUT/load_order.txt
     # 2. The worker process (auto on a CUDA build beside CUDA torch): equality flags, tok/s, each process's maps.
     python3 bench/gpu_llamacpp_worker.py --model $T --draft $D --max-tokens 128 \
         --json $OUT/llamacpp_worker_cuda.json 2>&1 | grep -v Warn | tail -40
