@@ -9,8 +9,8 @@ alike. Decode tokens/s: tandem's GenerationStats (tokens after the first / decod
 `timings.predicted_per_second`; with --cpu-time, decoded tokens per CPU second of each process instead. Paths:
 `generate` (tandem.generate, the batch-1 decoder `tandem generate` runs), `engine` (one request through the
 batched Engine, as `tandem serve` runs it), `unrepacked` (generate with repack=False, the backend's previous
-default). Prints per prompt the medians and each path's median ratio, over
-rounds, to llama-server in the same round.
+default), `worker` (generate with llama.cpp in tandem's worker process, which has no torch in it). Prints per
+prompt the medians and each path's median ratio, over rounds, to llama-server in the same round.
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     target = tandem.load(args.model, backend="llama.cpp", n_threads=args.threads)
     unrepacked = tandem.load(args.model, backend="llama.cpp", n_threads=args.threads, repack=False) \
         if "unrepacked" in paths else None
+    worker = tandem.load(args.model, backend="llama.cpp", n_threads=args.threads, isolation="process") \
+        if "worker" in paths else None
     engine = Engine(target, None, slots=1) if "engine" in paths else None
     prompts = load_suite("default", args.prompts)
 
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = target.tokenizer.encode_chat(messages)
             result = engine.generate([Request(ids, max_tokens=max_tokens, ignore_eos=True)])[0]
             return result.stats.decode_tokens_per_second
-        model = unrepacked if path == "unrepacked" else target
+        model = {"unrepacked": unrepacked, "worker": worker}.get(path, target)
         result = tandem.generate(model, messages=messages, max_tokens=max_tokens, ignore_eos=True)
         return result.stats.decode_tokens_per_second
 
