@@ -288,6 +288,48 @@ def test_repacked_batched_cache_aligned_prompt_chunks_and_reuse_are_exact(real_p
     model.close()
 
 
+def test_batched_sequences_share_one_unified_cache_on_gpus_and_stay_correct(tiny_model_path, monkeypatch):
+    # On a GPU the batched context's sequences share one KV cache: with a stream each, llama.cpp ran a call of
+    # unequal rows per sequence (drafts of 3, 1, 3, 2 tokens) as one pass over the weights per equal-rows ubatch
+    # (BatchedForward). Forced here on the CPU, the unified cache must give each sequence what it gets alone, up
+    # to rounding (its keys now sit among other sequences' cells), through prompts, mixed verifies, rewinds and
+    # prefix copies.
+    from tandem.backends import llamacpp_core
+
+    assert llamacpp_core.kv_streams("cpu") and not llamacpp_core.kv_streams("cuda:0")
+    assert not llamacpp_core.kv_streams("vulkan") and not llamacpp_core.kv_streams("metal")
+    model = load_llamacpp(tiny_model_path(qtype="Q8_0", **K_QUANT_SHAPES), n_ctx=64, n_threads=2)
+    streams = model.new_batched_cache(3, 64)
+    assert not streams._rows.context.unified
+    streams.close()
+    monkeypatch.setattr(llamacpp_core, "kv_streams", lambda device: False)
+    cache = model.new_batched_cache(3, 64)
+    assert cache._rows.context.unified
+    prompts = [IDS[:9], IDS[3:8], IDS[1:13]]
+    steps = [IDS[9:12], IDS[8:9], IDS[13:15]]
+
+    def alone(prompt: list[int], rows: list[int]) -> torch.Tensor:
+        seq = model.new_sequence(64)
+        seq.forward(prompt, logits="last")
+        out = seq.forward(rows).clone()
+        seq.close()
+        return out
+
+    cache.forward([(s, p) for s, p in enumerate(prompts)], [True] * 3)
+    verify = cache.forward([(s, r) for s, r in enumerate(steps)], [False] * 3)  # 3, 1 and 2 rows in one call
+    for s in range(3):
+        expected = alone(prompts[s], steps[s])
+        assert torch.allclose(verify[s], expected, atol=1e-3, rtol=1e-3), s
+        assert torch.equal(verify[s].argmax(-1), expected.argmax(-1)), s
+    cache.rewind(0, len(prompts[0]) + 1)  # the draft rejected after one token
+    cache.copy_prefix(2, 1, 7)  # slot 1 takes slot 2's first 7 tokens
+    again = cache.forward([(0, steps[0][1:]), (1, prompts[2][7:] + steps[2])], [False, False])
+    assert torch.allclose(again[0], verify[0][1:], atol=1e-3, rtol=1e-3)
+    assert torch.allclose(again[1][-len(steps[2]):], verify[2], atol=1e-3, rtol=1e-3)
+    cache.close()
+    model.close()
+
+
 def test_batch_invariance_check_catches_the_tiled_matmul(tiny_model_path):
     # The negative control: ggml reads GGML_CPU_TILED_MM once a process, so the tiled matmul (8+ rows) is switched
     # on in a process of its own, which runs this file's batch_dependent_rows.

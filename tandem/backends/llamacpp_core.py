@@ -80,19 +80,26 @@ def gpu_layers_for(device: str, n_gpu_layers: int, info: DeviceInfo | None) -> i
     return n_gpu_layers if n_gpu_layers not in (0, 99) else ALL_LAYERS
 
 
+def kv_streams(device: str) -> bool:
+    """Whether a batched context keeps a KV stream per sequence (batch-invariant attention, but a call with
+    unequal rows per sequence takes several passes over the weights: BatchedForward) rather than one unified
+    cache: on the CPU, the one device whose kernels tandem keeps batch-invariant."""
+    return device.split(":")[0].lower() == "cpu"
+
+
 class Context:
     """One llama_context with its batch and numpy views onto the batch's arrays."""
 
-    def __init__(self, weights: LlamaCppWeights, n_ctx: int, n_batch: int, n_seq: int = 1) -> None:
-        """n_seq > 1: that many sequences of n_ctx tokens each, each in a KV stream of its own (not unified: a
-        sequence's keys then sit in position order as in a context of its own, and attention reads only its
-        stream; see BatchedForward)."""
+    def __init__(self, weights: LlamaCppWeights, n_ctx: int, n_batch: int, n_seq: int = 1,
+                 unified: bool = False) -> None:
+        """n_seq > 1: that many sequences of n_ctx tokens each, each in a KV stream of its own unless `unified`
+        (see BatchedForward)."""
         params = llc.llama_context_default_params()
         params.n_ctx = n_ctx * n_seq
         params.n_batch = n_batch
         params.n_ubatch = n_batch  # one graph per llama_decode: a call's rows are never split (see KERNELS)
         params.n_seq_max = n_seq
-        params.kv_unified = n_seq == 1
+        params.kv_unified = n_seq == 1 or unified
         # Sliding-window layers (gemma3/4) keep every position: a window-sized cache drops keys a rewind further
         # back than the window needs again (a reused prefix; tests/test_gemma4.py). llama.cpp's default today.
         params.swa_full = True
@@ -113,6 +120,7 @@ class Context:
             )
         self.ctx = ctx
         self.weights = weights
+        self.unified = bool(params.kv_unified)
         self.key = (n_ctx, n_batch)
         self.n_batch = n_batch
         self.memory = llc.llama_get_memory(ctx)
@@ -198,16 +206,23 @@ class SequenceForward:
 
 
 class BatchedForward:
-    """`slots` sequences in one llama_context (n_seq_max = slots, one KV stream each), every token tagged with its
-    sequence id (= its slot). Rewinding is llama_memory_seq_rm on that sequence; a prefix is copied between
-    sequences with llama_memory_seq_cp. Rows go in as few llama_decode calls as the kernels allow (see KERNELS):
-    with repacked weights, a prompt entry's rows in calls of their own and the other rows GEMV_ROWS a call."""
+    """`slots` sequences in one llama_context (n_seq_max = slots), every token tagged with its sequence id (= its
+    slot). Rewinding is llama_memory_seq_rm on that sequence; a prefix is copied between sequences with
+    llama_memory_seq_cp. Rows go in as few llama_decode calls as the kernels allow (see KERNELS): with repacked
+    weights, a prompt entry's rows in calls of their own and the other rows GEMV_ROWS a call.
+
+    KV layout (kv_streams): on the CPU each sequence has a KV stream of its own, its keys in position order as in a
+    context of its own and attention reading only its stream, so that its logits do not depend on the batch. But
+    llama.cpp splits a call over several streams into ubatches of equally many rows per sequence, each a pass over
+    the weights: a verify of 3, 1, 3 and 2 rows took four passes, and 4 requests drafting on an H200 (32B target)
+    ran at 0.66x plain. GPU kernels are not batch-invariant anyway, so there the sequences share one unified cache
+    (masked attention over every sequence's cells) and a call is one pass, as a lone sequence's is."""
 
     def __init__(self, weights: LlamaCppWeights, slots: int, capacity: int, n_batch: int, exact: bool) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.weights, self.slots, self.capacity = weights, slots, capacity
-        self.context = Context(weights, capacity, n_batch, n_seq=slots)
+        self.context = Context(weights, capacity, n_batch, n_seq=slots, unified=not kv_streams(weights.device))
         self.split = exact and weights.repacked  # keep prompt rows and other rows on their own kernels
         self.prefill_align = PREFILL_ALIGN if self.split else 1
         self.lengths = [0] * slots
