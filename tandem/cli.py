@@ -124,7 +124,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tandem.server.app import serve
+    from tandem.server.serve import serve
 
     return serve(args)
 

@@ -113,12 +113,12 @@ def test_models_retrieve_by_id_and_alias(server):
 
 def serve_app(monkeypatch, *args: str):
     """The app `tandem serve ARGS` builds, served by the test (serve()'s own uvicorn server is skipped)."""
-    import tandem.server.app as app_module
+    import tandem.server.serve as serve_module
     from tandem.cli import main
 
     apps = []
-    monkeypatch.setattr(app_module._DrainingServer, "run", lambda self, **kw: apps.append(self.config.app))
-    monkeypatch.setattr(app_module.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(serve_module.DrainingServer, "run", lambda self, **kw: apps.append(self.config.app))
+    monkeypatch.setattr(serve_module.signal, "signal", lambda *a: None)
     assert main(["serve", "--backend", "torch", "--no-draft", "--port", "0", *args]) == 0
     return apps[0]
 

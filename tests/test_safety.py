@@ -121,7 +121,7 @@ def test_cors_origin_and_allowed_hosts_widen(model):
 def test_serve_warns_loudly_beyond_loopback_without_a_key(monkeypatch, caplog):
     """`tandem serve --host 0.0.0.0` without --api-key: the warning comes before anything is bound or loaded."""
     from tandem.cli import build_parser
-    from tandem.server import app as app_module
+    from tandem.server import serve as serve_module
 
     class Bound(Exception):
         pass
@@ -129,15 +129,15 @@ def test_serve_warns_loudly_beyond_loopback_without_a_key(monkeypatch, caplog):
     def bind(host, port):  # stop where the socket would be bound: nothing leaves loopback in a test
         raise Bound(host)
 
-    monkeypatch.setattr(app_module, "bind_socket", bind)
+    monkeypatch.setattr(serve_module, "bind_socket", bind)
     args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--model", "x.gguf", "--allowed-hosts", "a,b"])
     assert args.allowed_hosts == ["a", "b"]
     with pytest.raises(Bound):
-        app_module.serve(args)
+        serve_module.serve(args)
     assert "WITHOUT an API key" in caplog.text
     caplog.clear()
     with pytest.raises(Bound):
-        app_module.serve(build_parser().parse_args(["serve", "--host", "0.0.0.0", "--api-key", "k"]))
+        serve_module.serve(build_parser().parse_args(["serve", "--host", "0.0.0.0", "--api-key", "k"]))
     assert "WITHOUT an API key" not in caplog.text
 
 
@@ -147,10 +147,10 @@ def test_accepted_connections_send_without_delay():
     import asyncio
     import socket
 
-    from tandem.server import app as app_module
+    from tandem.server import serve as serve_module
 
     async def accept_one() -> int:
-        sock = app_module.bind_socket("127.0.0.1", 0)
+        sock = serve_module.bind_socket("127.0.0.1", 0)
         accepted = asyncio.get_running_loop().create_future()
 
         def handler(reader, writer):

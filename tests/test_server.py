@@ -667,12 +667,12 @@ def test_a_request_without_max_tokens_runs_to_the_end_of_the_context(spec_server
 
 def test_serve_draft_max_caps_a_requests_draft_max(paths, monkeypatch):
     # `tandem serve --draft-max 2`: a request asking for 8-token drafts gets at most 2 a verify.
-    import tandem.server.app as app_module
+    import tandem.server.serve as serve_module
     from tandem.cli import main
 
     apps = []  # the app `tandem serve` built, served here instead of by serve()'s own uvicorn server
-    monkeypatch.setattr(app_module._DrainingServer, "run", lambda self, **kw: apps.append(self.config.app))
-    monkeypatch.setattr(app_module.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(serve_module.DrainingServer, "run", lambda self, **kw: apps.append(self.config.app))
+    monkeypatch.setattr(serve_module.signal, "signal", lambda *args: None)
     assert main(["serve", "--model", paths[0], "--draft", paths[1], "--backend", "torch", "--draft-max", "2",
                  "--draft-policy", "fixed", "--port", "0"]) == 0
     with LiveServer(apps[0]) as server:

@@ -1,4 +1,4 @@
-"""The HTTP layer: OpenAI-compatible endpoints over one `Scheduler`, and `serve(args)` for `tandem serve`.
+"""The HTTP layer: OpenAI-compatible endpoints over one `Scheduler` (`serve.py` runs it for `tandem serve`).
 
 Request path: the ASGI guard (body size limit, access log, request counter) -> the browser guard (Host and
 Content-Type, `safety.py`) -> CORS when origins are allowed -> readiness -> API-key check -> strict parsing
@@ -23,27 +23,21 @@ retry elsewhere instead of losing requests.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
-import signal
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from contextlib import asynccontextmanager
-from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.api import DEFAULT_DRAFT_MAX
 from tandem.backends.base import Model
@@ -52,10 +46,11 @@ from tandem.engine import Request as EngineRequest
 from tandem.engine.scoring import prompt_logprobs
 from tandem.sampling import SamplingParams
 from tandem.server import openapi, protocol
+from tandem.server.asgi import BodyTooLargeError, RequestGuard, SSEResponse, sse, too_large_body
 from tandem.server.choices import Choice
 from tandem.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from tandem.server.safety import BrowserGuard, allowed_hosts_for, exposure_warning
+from tandem.server.safety import BrowserGuard
 from tandem.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
 from tandem.server.tools import FORCED_FORMAT, detect_format, template_supports_tools
 from tandem.spec.stats import GenerationStats
@@ -76,94 +71,6 @@ NOT_READY = {  # status -> what a request gets while the server is not ready
 Draft = Model | str | None
 Loader = Callable[[], tuple[Model, Draft]]
 WarmUp = Callable[[Model, Draft], None]
-
-
-class BodyTooLargeError(Exception):
-    pass
-
-
-class _Guard:
-    """Raw ASGI middleware: refuse bodies over the limit without buffering them; log and count every request.
-
-    Pure ASGI (not BaseHTTPMiddleware) so streamed responses and client disconnects pass through untouched.
-    """
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: ServerMetrics) -> None:
-        self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 0
-
-        async def send_watching(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            declared = int(dict(scope["headers"]).get(b"content-length", b"0"))
-        except ValueError:
-            declared = 0
-        try:
-            if declared > self.max_body_bytes:
-                await self._too_large(send_watching)
-                return
-            await self.app(scope, self._limited(receive), send_watching)
-        finally:
-            path = scope["path"]
-            self.metrics.requests.labels(endpoint=path if path in ENDPOINTS else "other", status=str(status)).inc()
-            summary = scope.get("state", {}).get("generation_summary", "")
-            log.info("%s %s %d %.0f ms%s", scope["method"], path, status, 1000 * (time.perf_counter() - started),
-                     summary)
-
-    def _limited(self, receive: Receive) -> Receive:
-        received = 0
-
-        async def limited() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise BodyTooLargeError()
-            return message
-
-        return limited
-
-    async def _too_large(self, send: Send) -> None:
-        response = JSONResponse(_too_large_body(self.max_body_bytes), status_code=413)
-        await response({"type": "http"}, _no_receive, send)
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
-
-
-def _too_large_body(limit: int) -> dict:
-    return error_body(f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
-
-
-class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that tells its job the stream is over, however it ended (done, error, disconnect)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close, **kwargs) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 class Server:
@@ -383,7 +290,7 @@ class Server:
             for choice in choices:
                 choice.echo(prompt_text, prompt_scored)
         if req.stream:
-            return _SSEResponse(self.stream(request, kind, req, jobs, choices, request_id, len(ids)),
+            return SSEResponse(self.stream(request, kind, req, jobs, choices, request_id, len(ids)),
                                 on_close=lambda: self.cancel(jobs))
         try:
             while not all(c.finished for c in choices):
@@ -426,7 +333,7 @@ class Server:
     async def stream(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest, jobs: list[Job],
                      choices: list[Choice], request_id: str, prompt_tokens: int) -> AsyncIterator[str]:
         """SSE events in OpenAI's chunk format, each for one choice (its `index`), ending with `data: [DONE]`.
-        Cancellation (a disconnect) lands in the awaits here; _SSEResponse then cancels the jobs."""
+        Cancellation (a disconnect) lands in the awaits here; SSEResponse then cancels the jobs."""
         created = int(time.time())
 
         def chunk_obj(index: int, text: str | None, finish: str | None = None, role: bool = False, logprobs=None,
@@ -436,19 +343,19 @@ class Server:
 
         for choice in choices:
             if kind == "chat":
-                yield _sse(chunk_obj(choice.index, "", role=True))
+                yield sse(chunk_obj(choice.index, "", role=True))
             elif choice.echoed is not None:
-                yield _sse(chunk_obj(choice.index, choice.echoed[0], logprobs=choice.echoed[1]))
+                yield sse(chunk_obj(choice.index, choice.echoed[0], logprobs=choice.echoed[1]))
         timings_by_choice, failed = {}, False
         while not all(c.finished for c in choices):
             if not jobs:  # echo with max_tokens 0
                 for choice in choices:
                     choice.close("length", GenerationStats(prompt_tokens=prompt_tokens))
-                    yield _sse(chunk_obj(choice.index, None if kind == "chat" else "", "length"))
+                    yield sse(chunk_obj(choice.index, None if kind == "chat" else "", "length"))
                 continue
             event = await self.next_event(jobs, None)
             if event.error is not None:
-                yield _sse(_as_api_error(event.error).body())
+                yield sse(_as_api_error(event.error).body())
                 failed = True
                 break
             choice = choices[event.index]
@@ -456,19 +363,19 @@ class Server:
                 continue
             text, calls, logprobs = self.take(jobs, choice, event.chunk)
             if text or logprobs or calls:
-                yield _sse(chunk_obj(choice.index, text, logprobs=logprobs, tool_calls=calls))
+                yield sse(chunk_obj(choice.index, text, logprobs=logprobs, tool_calls=calls))
             if choice.finished:
                 timings = protocol.timings(choice.stats, jobs[choice.index].queue_ms)
                 timings_by_choice[choice.index] = timings
                 last = chunk_obj(choice.index, None if kind == "chat" else "", choice.finish_reason)
                 last["timings"] = timings
-                yield _sse(last)
+                yield sse(last)
         if not failed:
             if req.include_usage_in_stream:  # OpenAI's shape: one more chunk, no choices, the usage
                 final = {**chunk_obj(0, None), "choices": [], "usage": self.usage(prompt_tokens, choices)}
                 if req.n == 1 and timings_by_choice:
                     final["timings"] = timings_by_choice[0]
-                yield _sse(final)
+                yield sse(final)
             self.summarize(request, choices[0].stats, jobs[0] if jobs else None, req.n)
         yield "data: [DONE]\n\n"
 
@@ -572,7 +479,7 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts)
-    app.add_middleware(_Guard, max_body_bytes=max_body_bytes, metrics=server.metrics)
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, metrics=server.metrics, endpoints=ENDPOINTS)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -581,7 +488,7 @@ def create_app(
 
     @app.exception_handler(BodyTooLargeError)
     async def too_large(request: Request, exc: BodyTooLargeError) -> JSONResponse:
-        return JSONResponse(_too_large_body(max_body_bytes), status_code=413)
+        return JSONResponse(too_large_body(max_body_bytes), status_code=413)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -682,89 +589,3 @@ def _draft_name(draft: Model | str | None) -> str | None:
     if draft is None or isinstance(draft, str):
         return draft
     return os.path.basename(str(draft.path))
-
-
-def _warm_up(target: Model, draft: Draft, draft_max: int, draft_policy: str) -> None:
-    """One short generation: kernels warm up and the adaptive policy measures its costs before any client waits."""
-    import tandem
-
-    first = target.tokenizer.bos_token_id or 0
-    tandem.generate(target, prompt=[first], draft=draft, max_tokens=2, draft_max=draft_max, draft_policy=draft_policy,
-                    n_ctx=None)
-    # The grammar library's view of the vocabulary (~1 s for 152k tokens), or the first structured request would
-    # stall every running stream while the engine builds it.
-    from tandem.logits.grammar import ll_tokenizer
-
-    try:
-        ll_tokenizer(target.tokenizer, target.vocab_size)
-    except Exception:  # noqa: BLE001  (structured requests then fail with the reason; the rest are unaffected)
-        log.warning("the grammar library cannot read this vocabulary: structured output will fail", exc_info=True)
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's Server, draining tandem's first when a signal asks it to stop (uvicorn then closes the listener
-    and waits up to timeout_graceful_shutdown for the requests in flight)."""
-
-    def __init__(self, config: uvicorn.Config, server: Server) -> None:
-        super().__init__(config)
-        self.tandem = server
-
-    def handle_exit(self, sig: int, frame) -> None:
-        self.tandem.drain()
-        super().handle_exit(sig, frame)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready socket on (host, port); port 0 picks a free one."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only then; without it, uvicorn's separate
-    # header and body writes meet the client's delayed ACK and every request after a connection's first waits ~40 ms.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
-def serve(args) -> int:
-    """`tandem serve`: listen at once, load and warm up the pair meanwhile (/health: 503), serve until SIGTERM or
-    SIGINT, then drain (see the module docstring)."""
-    import sys
-
-    from tandem.api import load_pair
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    warning = exposure_warning(args.host, args.api_key)
-    if warning:
-        rule = "!" * 100
-        log.warning("\n%s\n%s\n%s", rule, warning, rule)
-    sock = bind_socket(args.host, args.port)
-    # The id clients see: a name, never the server's file path (the path as typed is still accepted).
-    served_names = args.served_model_name or [os.path.basename(args.model).removesuffix(".gguf")]
-    app = create_app(
-        load=lambda: load_pair(args.model, args.draft, args.no_draft, args.device, args.dtype, args.backend,
-                               args.ctx, args.draft_device, progress=sys.stderr.isatty(),
-                               isolation=getattr(args, "llamacpp_isolation", "auto")),
-        warm_up=lambda target, draft: _warm_up(target, draft, args.draft_max, args.draft_policy),
-        model_name=served_names[0], aliases=[*served_names[1:], args.model],
-        draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,
-        slots=args.slots, max_body_bytes=args.max_body_bytes,
-        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), cors_origins=args.cors_origin,
-        accept_any_model=args.accept_any_model,
-        kv_budget_bytes=int(args.kv_budget_mib * 2**20) if args.kv_budget_mib else None,
-        prompt_lookup=args.prompt_lookup is not False,
-    )
-    server: Server = app.state.server
-    config = uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
-    http = _DrainingServer(config, server)
-    server.on_load_error = lambda _: setattr(http, "should_exit", True)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"tandem: listening on http://{shown}:{port}/v1 (loading {args.model}; /health answers 503 until ready)",
-          file=sys.stderr, flush=True)
-    # uvicorn raises the signal it handled again once its graceful shutdown is over; the drain was the handling,
-    # so the process then exits 0 instead of dying by SIGTERM.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    http.run(sockets=[sock])
-    if server.load_error is not None:
-        raise server.load_error
-    return 0
