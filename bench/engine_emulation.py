@@ -34,7 +34,7 @@ import tandem
 from tandem.backends.base import BatchedCache
 from tandem.bench.suite import load_suite
 from tandem.engine import Engine, Request, planner
-from tandem.spec.policy import CostModel
+from tandem.speculative.policy import CostModel
 
 # H200, Qwen2.5-1.5B target / 0.5B draft shapes, bf16, the packed graphed step (bench/results/h200-2026-12-04f-
 # batching): 1.59 ms for 1 row, 1.93 for 16, 3.89 for 64; the points past 64 rows are extrapolated (assumed).

@@ -46,8 +46,8 @@ from tandem.bench.load import PROMPTS as LOAD_PROMPTS
 from tandem.bench.suite import BenchPrompt
 from tandem.engine import Engine, Request
 from tandem.sampling import SamplingParams
-from tandem.spec.policy import CostModel
-from tandem.spec.stats import GenerationStats
+from tandem.speculative.policy import CostModel
+from tandem.speculative.stats import GenerationStats
 
 H200_BANDWIDTH_GBS = 4800.0
 PROMPTS = [BenchPrompt(f"{kind}{i}", kind, ({"role": "user", "content": text},))

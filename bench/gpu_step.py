@@ -60,9 +60,9 @@ def time_step(model, rows: int, n: int, context: int = 16, repeats: int = 50) ->
 def decode(model, n_tokens: int, run_ahead: int, ngram: bool = False) -> tuple[float, list[int], float]:
     """Greedy decoding through the real decode loop: (best tokens a second after the first, tokens, acceptance)."""
     from tandem.sampling import SamplingParams
-    from tandem.spec.decoder import SpeculativeDecoder
-    from tandem.spec.policy import FixedPolicy
-    from tandem.spec.proposer import NgramProposer
+    from tandem.speculative.decoder import SpeculativeDecoder
+    from tandem.speculative.policy import FixedPolicy
+    from tandem.speculative.proposer import NgramProposer
 
     best, tokens, acceptance = 0.0, [], 0.0
     for _ in range(3):
@@ -118,7 +118,7 @@ def main() -> None:
             print(f"{variant:20s} context={context:4d}  {cells}  | floor {floor_ms:.3f} ms ({nbytes / 1e9:.2f} GB), "
                   f"step/floor {ms[1] / floor_ms:.2f}  [{time.perf_counter() - started:.0f} s]", flush=True)
         if args.decode:
-            from tandem.spec.decoder import RUN_AHEAD
+            from tandem.speculative.decoder import RUN_AHEAD
 
             (one, plain, _), (ahead, _, _) = decode(model, args.decode, 1), decode(model, args.decode, RUN_AHEAD)
             ngram, spec, acceptance = decode(model, args.decode, RUN_AHEAD, ngram=True)

@@ -29,10 +29,10 @@ import torch
 import tandem
 from tandem.bench.suite import load_suite
 from tandem.sampling import SamplingParams
-from tandem.spec.calibrate import COSTS_DIR_ENV, NGRAM_STEP_MS, policy_for
-from tandem.spec.decoder import RUN_AHEAD, SpeculativeDecoder
-from tandem.spec.policy import CostModel, FixedPolicy
-from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer
+from tandem.speculative.calibrate import COSTS_DIR_ENV, NGRAM_STEP_MS, policy_for
+from tandem.speculative.decoder import RUN_AHEAD, SpeculativeDecoder
+from tandem.speculative.policy import CostModel, FixedPolicy
+from tandem.speculative.proposer import DraftModelProposer, MixedProposer, NgramProposer
 
 GRAPH_ROWS = 9
 

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 _EXPORTS = {"load": "tandem.api", "generate": "tandem.api", "generate_batch": "tandem.api",
             "stream_generate": "tandem.api", "GenerationChunk": "tandem.api", "GenerationResult": "tandem.api",
             "Engine": "tandem.engine", "Request": "tandem.engine", "SamplingParams": "tandem.sampling",
-            "GenerationStats": "tandem.spec.stats"}
+            "GenerationStats": "tandem.speculative.stats"}
 
 if TYPE_CHECKING:
     from tandem.api import GenerationChunk, GenerationResult, generate, generate_batch, load, stream_generate
     from tandem.engine import Engine, Request
     from tandem.sampling import SamplingParams
-    from tandem.spec.stats import GenerationStats
+    from tandem.speculative.stats import GenerationStats
 
 __all__ = ["load", "generate", "generate_batch", "stream_generate", "Engine", "Request", "GenerationResult",
            "GenerationChunk", "GenerationStats",

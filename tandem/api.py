@@ -11,10 +11,10 @@ from tandem.engine.sequence import GenerationChunk, GenerationResult, TextStream
 from tandem.logits.options import logits_settings
 from tandem.logits.processor import LogitsSettings
 from tandem.sampling import SamplingParams
-from tandem.spec.compat import check_compatible
-from tandem.spec.decoder import SpeculativeDecoder
-from tandem.spec.policy import DraftPolicy, FixedPolicy
-from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposer
+from tandem.speculative.compat import check_compatible
+from tandem.speculative.decoder import SpeculativeDecoder
+from tandem.speculative.policy import DraftPolicy, FixedPolicy
+from tandem.speculative.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposer
 
 BACKENDS = ("torch", "llama.cpp", "auto")
 DEFAULT_DRAFT_MAX = 8
@@ -139,7 +139,7 @@ def make_policy(name: str, draft_max: int, target: Model, proposer: Proposer | N
         raise ValueError(f"draft_max must be >= 0, got {draft_max}")
     if name == "fixed" or proposer is None:
         return FixedPolicy(draft_max)
-    from tandem.spec.calibrate import policy_for
+    from tandem.speculative.calibrate import policy_for
 
     return policy_for(target, proposer, draft_max, evidence)
 

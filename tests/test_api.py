@@ -29,7 +29,7 @@ import tandem
 from tandem.engine import GenerationChunk
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.server.app import create_app
-from tandem.spec.stats import GenerationStats
+from tandem.speculative.stats import GenerationStats
 
 # A Gemma-4-style template written for these tests: tools declared in the system turn, an assistant's calls in
 # Gemma 4's <|tool_call>call:name{...}<tool_call|> notation.

@@ -56,8 +56,8 @@ def test_bench_real_files(tmp_path, tiny_model_path, backend, monkeypatch):
     # The adaptive policy on a virtual clock where drafting is all but free: it drafts on acceptance alone, so
     # its "lossless" is about real drafts (a same-size tiny draft never pays on measured costs, and timing on a
     # busy machine must not decide what a test checks).
-    from tandem.spec import calibrate
-    from tandem.spec.policy import CostModel
+    from tandem.speculative import calibrate
+    from tandem.speculative.policy import CostModel
 
     monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(
         draft_step_ms=1e-3, verify_ms={1: 1.0, k_max + 1: 1.0}, catch_up_ms_per_token=1e-3))
@@ -181,7 +181,7 @@ def test_repeats_interleave_the_configs_and_keep_each_median(monkeypatch):
     # A device that drifts must not favour whichever config runs first: rounds alternate the configs, rotated.
     from tandem.bench.bench import Bench, Run
     from tandem.bench.suite import BenchPrompt
-    from tandem.spec.stats import GenerationStats
+    from tandem.speculative.stats import GenerationStats
 
     configs = parse_configs("plain,ngram", "ngram", 4)
     order, speeds = [], iter([10.0, 50.0, 40.0, 20.0, 30.0, 60.0])

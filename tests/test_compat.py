@@ -1,5 +1,5 @@
-"""spec/compat.check_compatible, the only guard against a draft whose token ids mean other text, on the paths users
-take: `tandem generate --draft` and tandem.generate(draft=...)."""
+"""speculative/compat.check_compatible, the only guard against a draft whose token ids mean other text, on the paths
+users take: `tandem generate --draft` and tandem.generate(draft=...)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tandem
 from tandem.cli import main
 from tandem.loading.gguf import open_gguf
 from tandem.loading.synthetic import tiny_vocab
-from tandem.spec.compat import VocabularyMismatchError, check_compatible
+from tandem.speculative.compat import VocabularyMismatchError, check_compatible
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ from scipy.stats import chisquare
 import tandem
 from tandem.backends.base import ContextOverflowError
 from tandem.sampling import SamplingParams, probs_from_logits, sample
-from tandem.spec import decoder as decoder_module
-from tandem.spec.decoder import SpeculativeDecoder
-from tandem.spec.policy import FixedPolicy
-from tandem.spec.proposer import DraftModelProposer, NgramProposer
-from tandem.spec.verify import verify_sampled
+from tandem.speculative import decoder as decoder_module
+from tandem.speculative.decoder import SpeculativeDecoder
+from tandem.speculative.policy import FixedPolicy
+from tandem.speculative.proposer import DraftModelProposer, NgramProposer
+from tandem.speculative.verify import verify_sampled
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,"]
 

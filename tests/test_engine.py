@@ -11,7 +11,7 @@ from tandem.backends.base import ContextOverflowError
 from tandem.engine import Engine, Request, planner
 from tandem.engine.kv_pool import SlotTable
 from tandem.sampling import SamplingParams
-from tandem.spec.policy import LOOKUP_SHARE_PRIOR_TOKENS, CostModel
+from tandem.speculative.policy import LOOKUP_SHARE_PRIOR_TOKENS, CostModel
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,", "hi",
            "Once upon a time there was a long prompt that takes several prefill chunks to read in full"]

@@ -14,7 +14,7 @@ import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
 from tandem.loading.gguf import GGUFError, open_gguf  # noqa: E402
 from tandem.loading.tokenizer import Tokenizer  # noqa: E402
-from tandem.spec.compat import VocabularyMismatchError, check_compatible  # noqa: E402
+from tandem.speculative.compat import VocabularyMismatchError, check_compatible  # noqa: E402
 
 LAYOUTS = {"dense": dict(layout="dense", n_layers=3), "e2b": dict(layout="e2b", n_layers=4)}
 # A sliding window of 8 tokens: every prompt and generation below crosses it several times.

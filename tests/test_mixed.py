@@ -9,10 +9,10 @@ from test_decoder import N_SAMPLES, TARGET_SAMPLING, SkewedDraft, chi_square_pva
 
 import tandem
 from tandem.sampling import SamplingParams
-from tandem.spec import calibrate
-from tandem.spec.decoder import SpeculativeDecoder
-from tandem.spec.policy import CostModel, FixedPolicy
-from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposal
+from tandem.speculative import calibrate
+from tandem.speculative.decoder import SpeculativeDecoder
+from tandem.speculative.policy import CostModel, FixedPolicy
+from tandem.speculative.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposal
 
 PROMPTS = ["abc abc abc abc xyz def abc", "def add(a, b):\n    return a + b\n\ndef add(", "The quick brown fox"]
 

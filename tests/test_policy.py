@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from tandem.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, expected_tokens
+from tandem.speculative.policy import AdaptivePolicy, CostModel, FixedPolicy, expected_tokens
 
 K_MAX = 8
 
@@ -184,9 +184,9 @@ def run_request(clock, target, draft, mode="draft", max_tokens=300, prompt_len=3
     """One greedy request: mode "draft" (the draft model alone), "ngram", "mixed" or "plain"; k: a fixed draft
     length instead of the adaptive policy. Returns (stats, generated tokens per virtual second)."""
     from tandem.sampling import SamplingParams
-    from tandem.spec.calibrate import policy_for
-    from tandem.spec.decoder import SpeculativeDecoder
-    from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer
+    from tandem.speculative.calibrate import policy_for
+    from tandem.speculative.decoder import SpeculativeDecoder
+    from tandem.speculative.proposer import DraftModelProposer, MixedProposer, NgramProposer
 
     params = SamplingParams(temperature=0.0)
     model = DraftModelProposer(draft, params, VOCAB, "cpu")
@@ -257,9 +257,9 @@ def test_synthetic_acceptance_is_judged_by_outcomes_not_by_real_predictions(monk
     # really have predicted, which says nothing of the acceptance a synthetic run simulates (random weights predict
     # nothing). Synthetic runs learn from their drafts' outcomes only, as the engine's do.
     from tandem.sampling import SamplingParams
-    from tandem.spec.calibrate import policy_for
-    from tandem.spec.decoder import SpeculativeDecoder
-    from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer
+    from tandem.speculative.calibrate import policy_for
+    from tandem.speculative.decoder import SpeculativeDecoder
+    from tandem.speculative.proposer import DraftModelProposer, MixedProposer, NgramProposer
 
     target_ms = lambda n: 10.5 + 0.7 * (n > 1) + 1.95 * max(0, n - 2)  # noqa: E731  (llama.cpp's CUDA kernels)
     clock, target, draft = fake_pair(monkeypatch, target_ms, lambda n: 1.9 + 0.1 * (n - 1), acceptance=0.0)
@@ -287,7 +287,7 @@ def test_loop_learns_from_a_request_what_the_next_should_not_bet_on(monkeypatch)
     # cost 0.95 ms a replay while calibration times them, 1.21 after. A first request may pay the prompt's catch-up
     # to find the acceptance out (teacher-forced, before any draft is verified); the next, its prior learned from
     # the first, does not.
-    from tandem.spec.calibrate import cached_costs
+    from tandem.speculative.calibrate import cached_costs
 
     calibrating = [True]
     draft_ms = lambda n: (0.95 if calibrating[0] else 1.21) * -(-n // 9)  # noqa: E731
@@ -384,7 +384,7 @@ def test_mixed_beats_lookup_alone_and_the_draft_alone(monkeypatch):
 
 
 def test_shared_prior_learns_per_source():
-    from tandem.spec.policy import AcceptancePrior
+    from tandem.speculative.policy import AcceptancePrior
 
     prior = AcceptancePrior({"ngram": (0.5, 2.0)})
     assert prior.counts("ngram") == (0.5, 2.0) and prior.counts("draft-model") == (1.4, 2.0)
@@ -432,7 +432,7 @@ def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt():
     # Beside prompt lookup, a draft's first catch-up buys little on a reply that copies its prompt, which lookup's
     # hindsight on the first generated tokens shows: where completed replies copied most of theirs, the policy waits
     # for those tokens before reading a long prompt; where they copied nothing, it reads at once.
-    from tandem.spec.policy import AcceptancePrior
+    from tandem.speculative.policy import AcceptancePrior
 
     gpu = {"draft-model": CostModel(0.75, {1: 1.59, 2: 1.6, 9: 1.62}, catch_up_ms_per_token=0.08),
            "ngram3": CostModel(0.0, {1: 1.59, 2: 1.6, 9: 1.62})}

@@ -100,7 +100,7 @@ def test_real_tokenizer_carried(real_pair, tmp_path):
     """A random model with the real Qwen vocabulary (extracted to a tensor-less file first) passes the vocabulary
     check against the real draft, as the 32B/1.5B pairs on the GPU box must."""
     import tandem
-    from tandem.spec.compat import check_compatible
+    from tandem.speculative.compat import check_compatible
 
     _, real_draft = real_pair
     tokenizer = extract_tokenizer(real_draft, tmp_path / "tokenizer.gguf")

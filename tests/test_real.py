@@ -64,8 +64,8 @@ def test_the_readmes_generate_command(real_pair, monkeypatch, capsys):
     # installed), the adaptive policy. The policy runs on a virtual clock where drafting is cheap, so whether it
     # drafts does not hang on this machine's timing; the output must be the target's own.
     from tandem.cli import main
-    from tandem.spec import calibrate
-    from tandem.spec.policy import CostModel
+    from tandem.speculative import calibrate
+    from tandem.speculative.policy import CostModel
 
     monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(
         draft_step_ms=1e-3, verify_ms={1: 1.0, k_max + 1: 1.0}, catch_up_ms_per_token=1e-3))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tandem.spec.verify import verify_greedy, verify_sampled
+from tandem.speculative.verify import verify_greedy, verify_sampled
 
 
 def one_hot_logits(tokens, vocab=6):

@@ -1,4 +1,4 @@
-"""The interface every backend implements; `tandem.spec` talks to models only through it.
+"""The interface every backend implements; `tandem.speculative` talks to models only through it.
 
 A `Model` is loaded weights plus a tokenizer. A `Sequence` is one KV cache over that model: the decode loop owns
 one per model per request, feeds it tokens and rewinds it. Rewinding is O(1) (the cache is static and indexed by

@@ -28,7 +28,7 @@ DEFAULT_CTX = 4096
 PREFILL_CHUNK = 512  # bounds the [T, S] attention mask and activations of a long prompt
 # Every graphed forward runs as 9 rows: a target's verify of up to 8 drafts, and a draft's one-token steps, for
 # which 9 rows cost 1.6% more than 1 on an H200 and let an idle draft catch up 9 tokens a replay (what makes
-# turning drafting back on affordable, spec/policy.py).
+# turning drafting back on affordable, speculative/policy.py).
 GRAPH_ROWS = 9
 GRAPH_CHUNKS_MAX = 64  # forwards of up to this many tokens replay the graph in chunks; longer ones run eagerly
 SLOT_ALIGN = 64  # cache slots are rounded up to this: aligned rows for the attention matmuls

@@ -32,8 +32,8 @@ import tandem
 from tandem.api import default_draft
 from tandem.backends.base import Model
 from tandem.bench.suite import BenchPrompt, load_suite
-from tandem.spec.policy import CostModel, expected_tokens
-from tandem.spec.stats import GenerationStats
+from tandem.speculative.policy import CostModel, expected_tokens
+from tandem.speculative.stats import GenerationStats
 
 WARMUP_TOKENS = 16  # a warm-up generation's length: enough to calibrate and touch every kernel
 SYNTHETIC_CTX = 4096
@@ -301,7 +301,7 @@ class Bench:
 
 def costs_for(target: Model, draft: Model | str | None, configs: list[BenchConfig]) -> dict[str, CostModel]:
     """Measured costs per proposer kind, the same ones the adaptive policy calibrated (cached on the target)."""
-    from tandem.spec.calibrate import cached_costs
+    from tandem.speculative.calibrate import cached_costs
 
     out = {}
     for kind in {c.draft for c in configs if c.draft is not None}:

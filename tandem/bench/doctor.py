@@ -12,8 +12,8 @@ Measured, each the median over repeats, every figure in milliseconds and per cal
 Each model first runs a second of one-token steps (idle clocks; Vulkan drivers build pipelines on first use), and
 the standalone draft step and the target's forwards are timed in two passes, each figure the faster pass's, with a
 flag where the passes disagree: a number the device was not steady for is not reported as its cost.
-From those the cost model (tandem.spec.policy) predicts the best draft length and the speed-up at a few acceptance
-rates: E(k) / (k c_d + V(k+1)) tokens per ms against 1 / V(1) for plain decoding.
+From those the cost model (tandem.speculative.policy) predicts the best draft length and the speed-up at a few
+acceptance rates: E(k) / (k c_d + V(k+1)) tokens per ms against 1 / V(1) for plain decoding.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from tandem.backends.base import Model
-from tandem.spec.calibrate import NGRAM_STEP_MS, time_forwards_ms, warm_up
-from tandem.spec.policy import CostModel, expected_tokens
+from tandem.speculative.calibrate import NGRAM_STEP_MS, time_forwards_ms, warm_up
+from tandem.speculative.policy import CostModel, expected_tokens
 
 DEFAULT_REPEATS = 5
-WARMUP_S = 1.0  # one-token forwards before the first timing of each model (see tandem.spec.calibrate.warm_up)
+WARMUP_S = 1.0  # one-token forwards before the first timing of each model (see tandem.speculative.calibrate.warm_up)
 CONTEXT_TOKENS = 32  # tokens already in the caches when a step is timed: a short chat's worth
 VERIFY_SIZES = tuple(range(1, 17))
 ACCEPTANCES = (0.5, 0.7, 0.9)
@@ -78,7 +78,7 @@ def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, c
                      warmup_s: float = 0.0) -> float:
     """Median ms of one draft step over `repeats` runs of k steps; with a target, each run is followed by one
     target forward over k + 1 tokens, as the decode loop interleaves them. The first run is a warm-up, and so are
-    `warmup_s` of draft steps before it (tandem.spec.calibrate.warm_up)."""
+    `warmup_s` of draft steps before it (tandem.speculative.calibrate.warm_up)."""
     token = draft.tokenizer.bos_token_id or 0
     capacity = context + k + 2
     draft_seq = draft.new_sequence(capacity, drafting=True)

@@ -35,9 +35,9 @@ from tandem.engine.sequence import (
 )
 from tandem.logits.processor import processor_for
 from tandem.sampling import make_generator, probs_from_logits, sample
-from tandem.spec.calibrate import shared_prior
-from tandem.spec.compat import check_compatible
-from tandem.spec.policy import (
+from tandem.speculative.calibrate import shared_prior
+from tandem.speculative.compat import check_compatible
+from tandem.speculative.policy import (
     EVIDENCE_TOKENS,
     LEARNING_ITERATIONS,
     PROBE_VALUE_MARGIN,
@@ -46,8 +46,8 @@ from tandem.spec.policy import (
     copied_risk,
     expected_tokens,
 )
-from tandem.spec.proposer import NgramProposer
-from tandem.spec.verify import verify_sampled, verify_synthetic
+from tandem.speculative.proposer import NgramProposer
+from tandem.speculative.verify import verify_sampled, verify_synthetic
 
 log = logging.getLogger("tandem.engine")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.backends.base import BatchedCache
-from tandem.spec.policy import CostModel, expected_tokens
+from tandem.speculative.policy import CostModel, expected_tokens
 
 EWMA_WEIGHT = 0.2  # weight of a new timing in the running estimates
 CONTEXT = 16  # tokens each timed sequence attends over

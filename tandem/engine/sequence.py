@@ -11,14 +11,14 @@ import torch
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.logits.processor import LogitsProcessor, LogitsSettings
 from tandem.sampling import SamplingParams, make_generator
-from tandem.spec.decoder import cut_tokens
-from tandem.spec.policy import DRAFT_MODEL_SOURCE, lookup_share
-from tandem.spec.proposer import NgramProposer
-from tandem.spec.stats import GenerationStats
+from tandem.speculative.decoder import cut_tokens
+from tandem.speculative.policy import DRAFT_MODEL_SOURCE, lookup_share
+from tandem.speculative.proposer import NgramProposer
+from tandem.speculative.stats import GenerationStats
 
 # Pseudo-counts (accepted, drafted) a sequence's acceptance estimate starts from, before the process has seen any
 # request (the engine's shared AcceptancePrior then learns from completed ones), and decays back to while it does
-# not draft (the values tandem.spec.policy uses for one request).
+# not draft (the values tandem.speculative.policy uses for one request).
 DRAFT_MODEL_PRIOR = (1.4, 2.0)
 NGRAM_PRIOR = (0.5, 2.0)
 ACCEPTANCE_DECAY = 0.9  # per drafting iteration

@@ -53,7 +53,7 @@ from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRe
 from tandem.server.safety import BrowserGuard
 from tandem.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
 from tandem.server.tools import FORCED_FORMAT, detect_format, template_supports_tools
-from tandem.spec.stats import GenerationStats
+from tandem.speculative.stats import GenerationStats
 
 log = logging.getLogger("tandem.server")
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from tandem.engine import GenerationChunk
 from tandem.server import protocol
 from tandem.server.tools import ToolCallParser
-from tandem.spec.stats import GenerationStats
+from tandem.speculative.stats import GenerationStats
 
 
 class Choice:

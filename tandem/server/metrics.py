@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tandem.spec.stats import GenerationStats
+from tandem.speculative.stats import GenerationStats
 
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -25,7 +25,7 @@ from tandem.logits.grammar import COMPACT_JSON
 from tandem.logits.options import logits_settings
 from tandem.logits.processor import DEFAULT_REPEAT_LAST_N, MAX_PENALTY, LogitsError, LogitsSettings
 from tandem.server.tools import MAX_FORCED_CALLS, tool_call_schema
-from tandem.spec.stats import GenerationStats
+from tandem.speculative.stats import GenerationStats
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 _REFUSED = "not supported: a request that sets it gets a 400"

@@ -23,7 +23,7 @@ from typing import Any
 
 from tandem.engine import Engine, GenerationChunk, Request
 from tandem.engine.sequence import Generation
-from tandem.spec.stats import GenerationStats
+from tandem.speculative.stats import GenerationStats
 
 log = logging.getLogger("tandem.server")
 

@@ -15,10 +15,10 @@ import torch
 
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.sampling import SamplingParams, make_generator, next_token, probs_from_logits
-from tandem.spec.policy import STEADY_CATCH_UP, DraftPolicy, FixedPolicy, Plan
-from tandem.spec.proposer import Proposer
-from tandem.spec.stats import GenerationStats
-from tandem.spec.verify import verify_greedy, verify_sampled, verify_synthetic
+from tandem.speculative.policy import STEADY_CATCH_UP, DraftPolicy, FixedPolicy, Plan
+from tandem.speculative.proposer import Proposer
+from tandem.speculative.stats import GenerationStats
+from tandem.speculative.verify import verify_greedy, verify_sampled, verify_synthetic
 from tandem.timing import PhaseClock
 
 RUN_AHEAD = 8  # plain steps an iteration of the loop runs (see _plain_steps)

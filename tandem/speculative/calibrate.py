@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from dataclasses import asdict
 
 from tandem.backends.base import Model, Sequence
-from tandem.spec.policy import AcceptancePrior, AdaptivePolicy, CostModel
-from tandem.spec.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposer
+from tandem.speculative.policy import AcceptancePrior, AdaptivePolicy, CostModel
+from tandem.speculative.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposer
 
 log = logging.getLogger("tandem.calibrate")
 

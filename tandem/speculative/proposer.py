@@ -16,7 +16,7 @@ import torch
 
 from tandem.backends.base import Model, Sequence
 from tandem.sampling import SamplingParams, make_generator, probs_from_logits, sample
-from tandem.spec.policy import DRAFT_MODEL_SOURCE
+from tandem.speculative.policy import DRAFT_MODEL_SOURCE
 
 
 @dataclass
