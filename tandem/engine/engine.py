@@ -18,13 +18,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from collections.abc import Sequence as Seq
 
 import torch
 
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
-from tandem.engine.kv_pool import SlotTable
+from tandem.engine.kv_pool import SlotTable, fit_slots
+from tandem.engine.scoring import score_rows, token_logprobs
 from tandem.engine.sequence import (
     DRAFT_MODEL,
     Generation,
@@ -54,7 +54,6 @@ log = logging.getLogger("tandem.engine")
 DEFAULT_SLOTS = 4
 DEFAULT_DRAFT_MAX = 8
 PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
-KV_MEMORY_FRACTION = 0.5  # default KV budget: this fraction of the device's free memory at start-up
 STEADY_CATCH_UP = 2  # a draft taking in at most this many tokens before drafting is drafting steadily
 REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
 IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
@@ -604,64 +603,3 @@ def best_rate(acceptance: float, ms: list[float], k_max: int, extra_ms: float = 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-def score_rows(logits: torch.Tensor, draft_tokens: torch.Tensor, token: torch.Tensor | None,
-               top: int) -> list[torch.Tensor]:
-    """Log-probabilities an iteration may need for its emitted tokens (see TokenLogprob), on the device: each
-    draft token's at its row, the target's own token's at every row (where it lands depends on how many drafts are
-    accepted, known only after the host sync), and the `top` likeliest at every row.
-    logits: [k+1, V]; draft_tokens: [k]; token: [] the recovered or bonus token, or [k+1] each row's (None: greedy,
-    each row's argmax)."""
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logprobs = torch.log_softmax(logits.to(dtype), dim=-1)  # [k+1, V]
-    k = draft_tokens.shape[0]
-    drafted = logprobs[torch.arange(k, device=logits.device), draft_tokens]  # [k]
-    best = logprobs.topk(top, dim=-1) if top else None
-    if token is None:
-        own = logprobs.amax(dim=-1)
-    else:  # one token for every row, or each row's own (a greedy choice over adjusted logits)
-        own = logprobs.gather(-1, token.expand(logprobs.shape[0]).unsqueeze(-1)).squeeze(-1)
-    return [drafted, own, best.values if best else logprobs[:, :0], best.indices if best else
-            torch.empty(logprobs.shape[0], 0, dtype=torch.long, device=logits.device)]
-
-
-def token_logprobs(new_tokens: list[int], scored: list) -> list[TokenLogprob]:
-    """The emitted tokens' log-probabilities from score_rows' (read back) output: drafts for the accepted rows,
-    then the target's own token at the row after them."""
-    drafted, own, top_values, top_tokens = scored
-    n = len(new_tokens) - 1  # accepted drafts
-    values = drafted[:n] + [own[n]]
-    return [TokenLogprob(t, v, list(zip(top_tokens[r], top_values[r], strict=True)))
-            for r, (t, v) in enumerate(zip(new_tokens, values, strict=True))]
-
-
-def fit_slots(models: Seq[Model], slots: int, n_ctx: int, budget_bytes: int | None) -> int:
-    """Slots whose KV (every model's, n_ctx tokens each) fits the budget: at most `slots`, at least one, or an
-    error saying what one context needs."""
-    per_slot = sum(m.kv_bytes_per_token() for m in models) * n_ctx
-    explicit = budget_bytes is not None
-    budget = budget_bytes if explicit else default_kv_budget(models[0])
-    if budget is None:
-        return slots
-    fit = budget // per_slot
-    if fit < 1:
-        raise ValueError(f"a KV budget of {budget / 2**20:.0f} MiB holds no context of {n_ctx} tokens: one sequence "
-                         f"needs {per_slot / 2**20:.0f} MiB; raise the budget or lower n_ctx")
-    if fit < slots:
-        log.warning("KV budget %.0f MiB holds %d contexts of %d tokens: %d slots, not %d", budget / 2**20, fit,
-                    n_ctx, fit, slots)
-    return min(slots, fit)
-
-
-def default_kv_budget(model: Model) -> int | None:
-    """KV_MEMORY_FRACTION of the free memory of the model's device (None where unknown)."""
-    device = torch.device(getattr(model, "torch_device", "cpu"))
-    if device.type == "cuda":
-        return int(KV_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return int(KV_MEMORY_FRACTION * available)

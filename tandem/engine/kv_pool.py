@@ -1,4 +1,4 @@
-"""Which KV slot a request gets, and how much of its prompt is already there.
+"""Which KV slot a request gets, how much of its prompt is already there, and how many slots the KV memory holds.
 
 Each slot of the engine's caches (target and draft alike) keeps what its last sequence left in it after that
 sequence ends: the next request whose prompt starts the same way (the next turn of a conversation, a shared system
@@ -10,8 +10,16 @@ over. Least recently used contents are what gets overwritten first.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+
+import torch
+
+from tandem.backends.base import Model
+
+log = logging.getLogger("tandem.engine")
+KV_MEMORY_FRACTION = 0.5  # default KV budget: this fraction of the device's free memory at start-up
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -77,3 +85,34 @@ class SlotTable:
     def forget(self, slot: int, keep: int) -> None:
         """Only the first `keep` tokens of a free slot's contents are still valid (its cache was rewound)."""
         self._contents[slot] = self._contents[slot][:keep]
+
+
+def fit_slots(models: Seq[Model], slots: int, n_ctx: int, budget_bytes: int | None) -> int:
+    """Slots whose KV (every model's, n_ctx tokens each) fits the budget: at most `slots`, at least one, or an
+    error saying what one context needs."""
+    per_slot = sum(m.kv_bytes_per_token() for m in models) * n_ctx
+    explicit = budget_bytes is not None
+    budget = budget_bytes if explicit else default_kv_budget(models[0])
+    if budget is None:
+        return slots
+    fit = budget // per_slot
+    if fit < 1:
+        raise ValueError(f"a KV budget of {budget / 2**20:.0f} MiB holds no context of {n_ctx} tokens: one sequence "
+                         f"needs {per_slot / 2**20:.0f} MiB; raise the budget or lower n_ctx")
+    if fit < slots:
+        log.warning("KV budget %.0f MiB holds %d contexts of %d tokens: %d slots, not %d", budget / 2**20, fit,
+                    n_ctx, fit, slots)
+    return min(slots, fit)
+
+
+def default_kv_budget(model: Model) -> int | None:
+    """KV_MEMORY_FRACTION of the free memory of the model's device (None where unknown)."""
+    device = torch.device(getattr(model, "torch_device", "cpu"))
+    if device.type == "cuda":
+        return int(KV_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return int(KV_MEMORY_FRACTION * available)
