@@ -80,29 +80,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--server is required")
     import httpx
 
-    from tandem.bench.llamaserver import free_port
+    from tandem.bench.llamaserver import serving
     from tandem.loading.registry import DEFAULT_TARGET, resolve
 
     model = resolve(args.model or DEFAULT_TARGET)
-    port = free_port()
-    proc = subprocess.Popen([args.server, "-m", model, "--port", str(port), "--host", "127.0.0.1", "-c", "4096",
-                             "-np", "1", "-t", str(args.threads), "--no-webui"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-
-    def server_tps() -> float:
-        body = {"prompt": PROMPT, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                "cache_prompt": False}
-        return httpx.post(base + "/completion", json=body, timeout=600).json()["timings"]["predicted_per_second"]
-
     rows: dict[str, list[float]] = {"bare, server settings": [], "bare, tandem settings": [], "llama-server": []}
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    with serving(args.server, model, None, 0, ngl=0, threads=args.threads, ctx=4096) as base:
+
+        def server_tps() -> float:
+            body = {"prompt": PROMPT, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                    "cache_prompt": False}
+            return httpx.post(base + "/completion", json=body, timeout=600).json()["timings"]["predicted_per_second"]
+
         server_tps()
         for _ in range(args.repeats):
             for name, settings in (("bare, server settings", "server"), ("bare, tandem settings", "tandem"),
@@ -114,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                                       "--threads", str(args.threads)], capture_output=True, text=True, check=True)
                 rows[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print({k: round(v[-1], 2) for k, v in rows.items()}, flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     print("medians:", {k: round(statistics.median(v), 2) for k, v in rows.items()})
     return 0
 
