@@ -104,17 +104,15 @@ class SpeculativeDecoder:
         out poor costs its catch-up but no verified draft."""
         proposer, remaining = self.proposer, self.max_tokens - emitted
         lags = proposer.lags(tokens)
-        # A synthetic draft is judged by its outcomes alone, as in the engine: what it would really have predicted
-        # (nothing, on random weights) is no evidence of the acceptance being simulated.
-        evidence = self.synthetic_acceptance is None
         # Free evidence on the tokens of the last iteration (prompt lookup in hindsight), but from a source that
-        # drafted them, whose outcome the policy has already seen.
+        # drafted them, whose outcome the policy has already seen. None under synthetic acceptance, which is judged
+        # by its outcomes alone, as in the engine (its policy takes no catch-up evidence either: make_policy).
+        synthetic = self.synthetic_acceptance is not None
         for source, matched in proposer.hindsight().items():  # read every iteration: it is gathered since the last
-            if evidence and source != self._drafted_by:
+            if not synthetic and source != self._drafted_by:
                 self.policy.observe_evidence(source, matched)
         plan = self.policy.plan(lags, remaining, emitted)
-        if (plan.k == 0 or not (evidence and self.policy.wants_evidence)
-                or (lags.get(plan.source) or 0) <= STEADY_CATCH_UP):
+        if plan.k == 0 or not self.policy.wants_evidence or (lags.get(plan.source) or 0) <= STEADY_CATCH_UP:
             return plan, 0.0
         started = time.perf_counter()
         caught = proposer.catch_up(tokens, plan.source)
