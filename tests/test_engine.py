@@ -338,6 +338,55 @@ def test_llamacpp_engine_batched_equals_alone(llama_pair):
     assert second.tokens == alone(target, turn2, max_tokens=10).tokens
 
 
+def test_a_steady_shaped_draft_feeds_one_row_a_sequence_and_keeps_each_iterations_shape(llama_pair, monkeypatch):
+    """Model.steady_shapes (llama.cpp's CUDA build replays a step as a CUDA graph only while its shape stays): the
+    draft's catch-up and steps take one row per drafting sequence, every forward of an iteration as many; the batch-1
+    loop's draft only one-row forwards after its prompt. The output is still the target's alone."""
+    target, draft = llama_pair
+    monkeypatch.setattr(draft, "steady_shapes", True, raising=False)
+    prompts = PROMPTS[:3]
+    expected = [alone(target, p, max_tokens=30).tokens for p in prompts]
+    engine = Engine(target, draft, slots=3, draft_max=3)
+    calls = []  # per draft forward its rows per sequence; None at each target forward
+    for kv, mark in ((engine.draft_kv, False), (engine.target_kv, True)):
+        def recording(batch, last_only, forward=kv.forward, mark=mark):
+            calls.append(None if mark else [len(rows) for _, rows in batch])
+            return forward(batch, last_only)
+        monkeypatch.setattr(kv, "forward", recording)
+    # different lengths: sequences stop drafting at different steps near their ends
+    lengths = (30, 23, 27)
+    results = engine.generate([Request(target.tokenizer.encode(p), max_tokens=n, draft_policy="fixed")
+                               for p, n in zip(prompts, lengths, strict=True)])
+    assert [r.tokens for r in results] == [e[:n] for e, n in zip(expected, lengths, strict=True)]
+    assert_drafted_and_accepted(results)
+    iterations, current = [], []
+    for call in calls + [None]:
+        if call is None:
+            if current:
+                iterations.append(current)
+            current = []
+        else:
+            current.append(call)
+    steady = [it for it in iterations if max(max(c) for c in it) <= 2]  # not a prompt's catch-up
+    assert len(steady) > 5
+    assert all(set(c) == {1} and len(c) == len(it[0]) for it in steady for c in it), steady
+    assert any(len(it) > 2 for it in steady)  # k = 3: catch-up forwards and steps, all one shape
+
+    seen = []
+    new_sequence = draft.new_sequence
+
+    def recording_sequence(*args, **kw):
+        seq = new_sequence(*args, **kw)
+        forward = seq.forward
+        monkeypatch.setattr(seq, "forward", lambda ids, logits="all": seen.append(len(ids)) or forward(ids, logits))
+        return seq
+    monkeypatch.setattr(draft, "new_sequence", recording_sequence)
+    result = tandem.generate(target, prompt=prompts[0], draft=draft, max_tokens=30, draft_policy="fixed",
+                             draft_max=3, prompt_lookup=False)
+    assert result.tokens == expected[0] and result.stats.accepted_tokens > 0
+    assert seen[0] > 2 and set(seen[1:]) == {1}, seen
+
+
 def test_llamacpp_repacked_target_chunked_batched_and_reused_equals_alone(tiny_model_path):
     """Repacked CPU weights (Q4_K): prompt rows take llama.cpp's GEMM, the rest its GEMV (KERNELS in
     llamacpp_core). Prompt chunks of a budget that is no multiple of 4, batch mates, drafts and a reused prefix must

@@ -153,6 +153,10 @@ class Model(ABC):
     backend: str  # "torch" | "llama.cpp"
     device: str  # e.g. "cpu", "cuda:0", "vulkan:0"
     n_ctx: int  # default capacity of a new sequence
+    # Whether a step runs fastest when consecutive forwards keep one shape: llama.cpp's CUDA build replays a step
+    # captured as a CUDA graph only while its shape stays, and runs a changed one launch by launch. A draft then
+    # feeds one row per sequence a forward (tandem.speculative.proposer, the engine's _propose).
+    steady_shapes: bool = False
 
     @abstractmethod
     def new_sequence(self, n_ctx: int | None = None, drafting: bool = False) -> Sequence:

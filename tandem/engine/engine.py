@@ -476,12 +476,16 @@ class Engine:
         batch = [(g.slot, [t if t < draft_vocab else 0 for t in g.tokens[self.draft_kv.length(g.slot) :]])
                  for g, _ in drafting.values()]
         active = list(drafting)
-        logits = self.draft_kv.forward(batch, [True] * len(batch))
         steps, catching_up = 0, max(len(rows) for _, rows in batch) > STEADY_CATCH_UP
+        steady = self.draft_model.steady_shapes and not catching_up  # one row per sequence a forward, see below
+        if steady:
+            logits = self._steady_catch_up([gen for gen, _ in drafting.values()], batch)
+        else:
+            logits = self.draft_kv.forward(batch, [True] * len(batch))
         while True:
             steps += 1
             tokens = []
-            for i, rows in zip(active, logits, strict=True):
+            for i, rows in zip(active, logits, strict=False):
                 gen = drafting[i][0]
                 rows = rows[-1:, :target_vocab]  # a wider draft vocabulary must not propose unknown ids
                 if gen.processor is not None:  # the draft proposes under the request's bias, penalties, grammar
@@ -499,8 +503,14 @@ class Engine:
             active = [i for i in active if len(drawn[i]) < drafting[i][1] and i not in ended]
             if not active:
                 break
-            logits = self.draft_kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in active],
-                                           [True] * len(active))
+            # Where the shape matters (steady), a sequence done drafting goes on drafting what nobody reads (its
+            # draft rewinds after the verify), so that every step keeps one row per drafting sequence.
+            done = [i for i in drafting if i not in active]
+            fed = active
+            if steady and all(drawn[i] and self.draft_kv.length(drafting[i][0].slot) < self.draft_kv.capacity
+                              for i in done):
+                fed = active + done
+            logits = self.draft_kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in fed], [True] * len(fed))
         self._drafted = None if catching_up or self._evidence else (len(drafting), steps)
         for i in drafting:
             probs = None
@@ -511,6 +521,22 @@ class Engine:
                 probs = probs.to(self.device)
             proposals[i] = (drawn[i], probs)
         return proposals
+
+    def _steady_catch_up(self, gens: list[Generation], batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """A steady draft's 1-2 unseen tokens a sequence in forwards of one row per sequence, the shape of its
+        draft steps (Model.steady_shapes): a sequence with one feeds its last seen token again first (rewound to
+        before it). Each sequence's logits after its last token, in batch order."""
+        if all(len(rows) == 1 for _, rows in batch) or any(self.draft_kv.length(g.slot) == 0 for g in gens):
+            return self.draft_kv.forward(batch, [True] * len(batch))
+        draft_vocab, first = self.draft_model.vocab_size, []
+        for gen, (slot, rows) in zip(gens, batch, strict=True):
+            if len(rows) == 1:
+                seen = self.draft_kv.length(slot) - 1
+                self.draft_kv.rewind(slot, seen)
+                rows = [gen.tokens[seen] if gen.tokens[seen] < draft_vocab else 0] + rows
+            first.append((slot, rows[:1]))
+        self.draft_kv.forward(first, [True] * len(first))
+        return self.draft_kv.forward([(slot, rows[-1:]) for slot, rows in batch], [True] * len(batch))
 
     def _read_evidence(self, gens: list[Generation]) -> None:
         """Catch each sequence's draft up on the tokens it has not seen but the pending one (which it takes in

@@ -16,7 +16,7 @@ import torch
 
 from tandem.backends.base import Model, Sequence
 from tandem.sampling import SamplingParams, make_generator, probs_from_logits, sample
-from tandem.speculative.policy import DRAFT_MODEL_SOURCE
+from tandem.speculative.policy import DRAFT_MODEL_SOURCE, STEADY_CATCH_UP
 
 
 @dataclass
@@ -159,6 +159,9 @@ class DraftModelProposer(Proposer):
         ready, self._next_logits = self._next_logits, None
         if not catch_up and ready is not None and ready[0] == len(tokens) == self.seq.length:
             logits = ready[1]  # catch_up() already took everything in and kept the row that predicts the next token
+        elif self.draft.steady_shapes and len(catch_up) <= STEADY_CATCH_UP:
+            for token in catch_up:  # one row a forward, as the steps below: the step stays a replayed graph
+                logits = self.seq.forward([token], logits="last")
         else:
             logits = self.seq.forward(catch_up, logits="last")
         drawn, dists = [], []
