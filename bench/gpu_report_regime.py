@@ -137,20 +137,34 @@ class AcceptanceSeen:
 def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> dict:
     """One request at a time through tandem.generate, plain and adaptive with the draft model alone, as `tandem bench
     --configs plain,draft --synthetic-acceptance A` runs them (rounds interleaved, speedup the median ratio)."""
-    configs = parse_configs("plain,draft", draft, args.draft_max)
+    configs = parse_configs(",".join(["plain", "draft"] + [f"fixed{k}" for k in args.fixed]), draft, args.draft_max)
     bench = Bench(target, draft, configs, args.max_tokens, acceptance, ignore_eos=True, repeats=args.repeats)
-    tps = {"plain": [], "draft": []}
-    speedups, seen = [], AcceptanceSeen()
+    tps = {c.name: [] for c in configs}
+    speedups: dict[str, list[float]] = {c.name: [] for c in configs}
+    drafting = {c.name: [0.0, 0] for c in configs}  # draft ms, drafted tokens: what a drafted token cost the loop
+    seen = AcceptanceSeen()
     for prompt in PROMPTS[:args.prompts]:
         for config in configs:
             bench.warm_up(prompt, config)
         runs, ratio = bench.measure(prompt)
-        speedups.append(ratio["draft"])
         for name in tps:
+            speedups[name].append(ratio[name])
             tps[name].append(runs[name].stats.tokens_per_second)
+            drafting[name][0] += runs[name].stats.draft_ms
+            drafting[name][1] += runs[name].stats.draft_tokens
         seen.add(runs["draft"].stats)
+
+    def geomean(values: list[float]) -> float:
+        return math.exp(statistics.fmean(math.log(v) for v in values))
+
+    def draft_ms_per_token(name: str) -> float | None:
+        return drafting[name][0] / drafting[name][1] if drafting[name][1] else None
+
     return {"plain_tps": statistics.fmean(tps["plain"]), "adaptive_tps": statistics.fmean(tps["draft"]),
-            "speedup": math.exp(statistics.fmean(math.log(s) for s in speedups)), **seen.row()}
+            "speedup": geomean(speedups["draft"]), "draft_ms_per_token": draft_ms_per_token("draft"),
+            "fixed": {name: {"speedup": geomean(speedups[name]), "draft_ms_per_token": draft_ms_per_token(name)}
+                      for name in tps if name.startswith("fixed")},
+            **seen.row()}
 
 
 def engine_round(engine: Engine, prompts: list[list[int]], args: argparse.Namespace, seen: AcceptanceSeen | None = None
@@ -290,6 +304,13 @@ def format_table(doc: dict) -> str:
             + (f"{row['predicted']:>9.3f}x {row['fraction']:>8.2f}" if row["predicted"] else f"{'-':>10} {'-':>8}")
             + f" {_fmt(row['acceptance_seen']):>8}"
             f" {_fmt(plain_ls and plain_ls['tps'], '.1f'):>9} {_fmt(draft_ls and draft_ls['tps'], '.1f'):>9}  {goal}")
+    for row in doc.get("bench", []):
+        if row["path"] == "generate":
+            per_token = [f"adaptive {_fmt(row.get('draft_ms_per_token'), '.2f')}"] + [
+                f"{name} {fixed['speedup']:.3f}x ({fixed['speedup'] / row['predicted']:.2f} of predicted), "
+                f"{_fmt(fixed['draft_ms_per_token'], '.2f')}" for name, fixed in row.get("fixed", {}).items()]
+            lines.append(f"a={row['acceptance']} one request, draft ms a drafted token in the loop: "
+                         + "; ".join(per_token))
     if server and not doc.get("bench"):
         for (with_draft, n), r in sorted(server.items()):
             lines.append(f"llama-server {'draft' if with_draft else 'plain'} x{n}: {r['tps']:.1f} tok/s")
@@ -319,6 +340,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds of each measurement (median)")
     p.add_argument("--prompts", type=int, default=2, help="prompts of the one-request runs")
     p.add_argument("--draft-max", type=int, default=8, help="the adaptive policy's longest draft")
+    p.add_argument("--fixed", default="2,3", help="fixed draft lengths run beside adaptive at one request (comma list; "
+                   "'' for none)")
     p.add_argument("--paired-k", type=int, default=3, help="draft length of the paired draft-step timing (at most)")
     p.add_argument("--cost-repeats", type=int, default=doctor.DEFAULT_REPEATS)
     p.add_argument("--ctx", type=int, default=1024, help="tokens a sequence holds")
@@ -341,6 +364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("the server part needs --server PATH")
     args.acceptance = [float(a) for a in args.acceptance.split(",")]
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
+    args.fixed = [int(k) for k in args.fixed.split(",") if k.strip()]
     return args
 
 
