@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -71,10 +72,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) (int64, the first of equal maxima, as torch's). On the CPU through numpy: torch's CPU
+    argmax over a 152k-wide row took 0.13 ms and over 4 rows 8 ms on this 2-core machine with its cores busy
+    (its thread pool waits for them), numpy's 0.01 and 0.04 ms: per token that was 2-3% of a 1.5B model's step."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or logits.requires_grad:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(np.asarray(logits.numpy().argmax(axis=-1), dtype=np.int64))
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Pick one token per row of logits [N, V] -> [N]: argmax when greedy, else a draw from the transformed probs."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     return sample(probs_from_logits(logits, params), generator)
 
 

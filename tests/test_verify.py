@@ -86,3 +86,19 @@ def test_deterministic_proposal_is_one_hot():
         outcomes[0 if int(n) == 1 else int(nxt)] += 1
     assert outcomes[2] == 0  # p = 0 is never emitted
     assert chisquare(outcomes[:2].numpy(), [1000.0, 3000.0]).pvalue > 1e-3
+
+
+def test_the_host_argmax_is_torchs_on_ties_nans_views_and_dtypes():
+    """tandem.sampling.argmax takes numpy's argmax on the CPU (torch's was 10-200x slower there): the same ids,
+    the first of equal maxima, a NaN wins as in torch, strided views and float64 alike."""
+    from tandem.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(5, 1000, generator=g)
+    rows[1, 10] = rows[1, 700] = rows[1].max() + 1  # a tie: the first wins
+    rows[2, 333] = float("nan")
+    rows[3] = 0.0
+    for x in (rows, rows[:, :900], rows[-1:], rows[0], rows.double(), rows.T.contiguous().T):
+        got = argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), x.shape
+    assert argmax(rows)[1] == 10 and argmax(rows)[2] == 333 and argmax(rows)[3] == 0

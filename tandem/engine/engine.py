@@ -34,7 +34,7 @@ from tandem.engine.sequence import (
     TokenLogprob,
 )
 from tandem.logits.processor import processor_for
-from tandem.sampling import make_generator, probs_from_logits, sample
+from tandem.sampling import argmax, make_generator, probs_from_logits, sample
 from tandem.speculative.calibrate import shared_prior
 from tandem.speculative.compat import check_compatible
 from tandem.speculative.policy import (
@@ -491,7 +491,7 @@ class Engine:
                 if gen.processor is not None:  # the draft proposes under the request's bias, penalties, grammar
                     rows = gen.processor.rows(rows, drawn[i], len(drawn[i]))
                 if gen.sampling.greedy:
-                    tokens.append(rows.argmax(dim=-1))
+                    tokens.append(argmax(rows))
                 else:
                     probs = probs_from_logits(rows, gen.sampling)
                     tokens.append(sample(probs, gen.draft_generator))
@@ -558,7 +558,7 @@ class Engine:
         if heads:
             self.draft_kv.forward(heads, [True] * len(heads))
         logits = self.draft_kv.forward([(g.slot, rows) for g, rows, _ in tails], [False] * len(tails))
-        predicted = torch.cat([rows[:, :target_vocab].argmax(dim=-1) for rows in logits]).tolist()
+        predicted = torch.cat([argmax(rows[:, :target_vocab]) for rows in logits]).tolist()
         ms = 1000.0 * (time.perf_counter() - started) / len(gens)
         at = 0
         for gen, _, first_checked in tails:
@@ -587,16 +587,14 @@ class Engine:
             if greedy_step:
                 greedy.append((gen, drafts, chosen))
                 if chosen is not rows and gen.request.logprobs is not None:  # the adjusted argmax, not the raw
-                    own = chosen.argmax(dim=-1)
+                    own = argmax(chosen)
             else:
                 n_accepted, own = self._verify(gen, draft_tokens, draft_probs, chosen)
                 sampled.append((gen, drafts, torch.stack([n_accepted, own])))
             if gen.request.logprobs is not None:
                 scored[gen.id] = score_rows(rows, draft_tokens, own, gen.request.logprobs)
-        # One sequence (batch 1) skips the concatenations: on a CPU, copying its 152k-float rows cost more than
-        # the argmax.
-        greedy_rows = [rows for _, _, rows in greedy]
-        parts = ([_cat(greedy_rows).argmax(dim=-1)] if greedy else []) + [pair for _, _, pair in sampled]
+        # An argmax per sequence, its tokens joined: joining the 152k-float rows first cost more than the argmax.
+        parts = ([_cat([argmax(rows) for _, _, rows in greedy])] if greedy else []) + [pair for _, _, pair in sampled]
         values = _cat(parts).tolist() if parts else []  # the step's one host synchronisation
         outcomes, at = {}, 0
         for gen, drafts, _ in greedy:

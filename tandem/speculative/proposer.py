@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.backends.base import Model, Sequence
-from tandem.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from tandem.sampling import SamplingParams, argmax, make_generator, probs_from_logits, sample
 from tandem.speculative.policy import DRAFT_MODEL_SOURCE, STEADY_CATCH_UP
 
 
@@ -138,7 +138,7 @@ class DraftModelProposer(Proposer):
         if split > 0:
             self.seq.forward(unseen[:split], logits="last")
         rows = self.seq.forward(unseen[split:], logits="all")  # [len(tokens) - first_checked + 1, V_draft]
-        predicted = rows[:-1, : self.target_vocab].argmax(dim=-1).tolist()
+        predicted = argmax(rows[:-1, : self.target_vocab]).tolist()
         actual = tokens[first_checked:]
         self._next_logits = (len(tokens), rows[-1:])
         return CatchUp(len(unseen), [p == t for p, t in zip(predicted, actual, strict=True)])
@@ -146,7 +146,7 @@ class DraftModelProposer(Proposer):
     def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = logits[-1:, : self.target_vocab]  # [1, V]: a wider draft vocabulary must not propose unknown ids
         if self.params.greedy:
-            return logits.argmax(dim=-1), None
+            return argmax(logits), None
         probs = probs_from_logits(logits, self.params)
         return sample(probs, self.generator), probs
 

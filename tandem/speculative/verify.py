@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.sampling import argmax
+
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest prefix of draft_tokens [k] that matches the target's argmax, plus the target's own next token.
@@ -25,7 +27,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     Returns:
         (n_accepted [] int64, next_token [] int64).
     """
-    target_tokens = target_logits.argmax(dim=-1)  # [k+1]
+    target_tokens = argmax(target_logits)  # [k+1]
     k = draft_tokens.shape[0]
     n_accepted = torch.cumprod((target_tokens[:k] == draft_tokens).long(), dim=0).sum()
     return n_accepted, target_tokens[n_accepted]
@@ -80,4 +82,4 @@ def verify_synthetic(
     k = draft_tokens.shape[0]
     u = torch.rand(k, generator=generator, device=target_logits.device)
     n_accepted = torch.cumprod((u < rate).long(), dim=0).sum()
-    return n_accepted, target_logits.argmax(dim=-1)[n_accepted]
+    return n_accepted, argmax(target_logits)[n_accepted]
