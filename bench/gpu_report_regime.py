@@ -200,25 +200,29 @@ def run_engine(target, draft, acceptance: float, n: int, args: argparse.Namespac
             "speedup": statistics.median(ratios), **seen.row()}
 
 
-def run_bench(target, draft, costs: dict, args: argparse.Namespace) -> list[dict]:
+def run_bench(target, draft, costs: dict, args: argparse.Namespace, save=lambda rows: None) -> list[dict]:
+    """Every row, each passed to `save` as soon as it is measured (a device call cut off keeps what it measured)."""
     model = cost_model(costs)
     rows = []
+
+    def add(row: dict) -> None:
+        row["fraction"] = row["speedup"] / row["predicted"] if row["predicted"] else None
+        rows.append(row)
+        save(rows)
+        log(f"  {row['path']} x{row['requests']}: plain {row['plain_tps']:.1f} tok/s, adaptive "
+            f"{row['adaptive_tps']:.1f}, {row['speedup']:.3f}x")
+
     for a in args.acceptance:
         log(f"acceptance {a}: one request through tandem.generate")
-        row = {"acceptance": a, "path": "generate", "requests": 1, **run_generate(target, draft, a, args),
-               "predicted": model.predicted_speedup(a, args.draft_max),
-               "predicted_k": model.best_draft_len(a, args.draft_max)}
-        rows.append(row)
+        add({"acceptance": a, "path": "generate", "requests": 1, **run_generate(target, draft, a, args),
+             "predicted": model.predicted_speedup(a, args.draft_max),
+             "predicted_k": model.best_draft_len(a, args.draft_max)})
         for n in args.concurrency:
             log(f"acceptance {a}: {n} requests together on the engine")
             batched = costs["batched"].get(str(n))
-            rows.append({"acceptance": a, "path": "engine", "requests": n, **run_engine(target, draft, a, n, args),
-                         "predicted": batched["predicted_speedup"][str(a)] if batched else None,
-                         "predicted_k": batched["draft_len"][str(a)] if batched else None})
-        for row in rows[-1 - len(args.concurrency):]:
-            row["fraction"] = row["speedup"] / row["predicted"] if row["predicted"] else None
-            log(f"  {row['path']} x{row['requests']}: plain {row['plain_tps']:.1f} tok/s, adaptive "
-                f"{row['adaptive_tps']:.1f}, {row['speedup']:.3f}x")
+            add({"acceptance": a, "path": "engine", "requests": n, **run_engine(target, draft, a, n, args),
+                 "predicted": batched["predicted_speedup"][str(a)] if batched else None,
+                 "predicted_k": batched["draft_len"][str(a)] if batched else None})
     return rows
 
 
@@ -333,7 +337,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="the target GGUF")
     p.add_argument("--draft", required=True, help="the draft GGUF")
     p.add_argument("--device", default="cuda", help="cuda | vulkan | cpu")
-    p.add_argument("--parts", default="costs,bench", help="comma list of costs, bench, server")
+    p.add_argument("--parts", default="costs,bench", help="comma list of costs, bench, server ('': print the "
+                   "table of what --json holds)")
     p.add_argument("--acceptance", default="0.6,0.8", help="synthetic acceptance rates, comma list")
     p.add_argument("--concurrency", default="1,2,4", help="requests together on the engine / llama-server slots")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -374,18 +379,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and os.path.exists(args.json):
         with open(args.json) as f:
             doc = json.load(f)
-    doc["args"] = {k: v for k, v in vars(args).items() if k != "json"}
+    if args.parts:  # none: print the table of what --json holds
+        doc["args"] = {k: v for k, v in vars(args).items() if k != "json"}
+
+    def save(rows: list[dict] | None = None) -> None:
+        if rows is not None:
+            doc["bench"] = rows
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+
     if "costs" in args.parts or "bench" in args.parts:
         target, draft, doc["costs"] = measure_costs(args)
+        save()
         if "bench" in args.parts:
-            doc["bench"] = run_bench(target, draft, doc["costs"], args)
+            doc["bench"] = run_bench(target, draft, doc["costs"], args, save)
         target.close()
         draft.close()
     if "server" in args.parts:
         doc["server"] = run_server(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    save()
     print(format_table(doc))
     return 0
 

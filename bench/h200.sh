@@ -30,6 +30,7 @@
 #             alone and paired, plain vs adaptive at synthetic acceptance 0.6 and 0.8, 1, 2, 4 requests (needs setup
 #             with CUDA_LIBS=1, as cudaworker; MIX, DRAFT=1.5b|0.5b, ACCEPTANCE=0.8 or PARTS=costs for a shorter call)
 #   regimevk  the same on the Vulkan build (/root/vk, NVIDIA's Vulkan driver), in process
+#   vksetup   the Vulkan half of setup as a call of its own: .gl, .vk, and .vkserver (llama-server for Vulkan)
 #   regimellama llama-server (the CUDA one setup builds; SERVER=path for another) on the same files, plain and
 #             draft-simple, -np 1, 2, 4, added to regime's table (REGIME=vulkan: to regimevk's)
 #   structured issue 23: decode tok/s with a json_schema constraint over tok/s without, plain and speculative, and
@@ -66,12 +67,25 @@ setup)
         setsid nohup bash -c "cd /root/llama-libs/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
             -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=OFF \
             -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DCMAKE_BUILD_TYPE=Release && \
-            cmake --build build --target llama llama-server -j 15 && \
+            nice -n 19 cmake --build build --target llama llama-server -j 12 && \
             find build -name '*.so*' -exec cp -a {} /root/llama/cuda-libs/ \; ; \
             echo build-exit \$?" >/root/build-libs.log 2>&1 </dev/null &
     fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     ls /usr/local/nvidia/share/vulkan/icd.d/ /usr/share/vulkan/icd.d/ /etc/vulkan/icd.d/ 2>&1 | head
+    ;;
+vksetup)  # the Vulkan half of setup, as a call of its own (carry .vk .gl .vkserver: with .whl .xfer past 64 MiB)
+    for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+    mkdir -p /root/vk /root/vkserver && cp -a .vk/. /root/vk/
+    # llama-server built for Vulkan here (bench/results/h200-2026-12-05b-regime/README.md), on .vk's libraries
+    if [ -d .vkserver ]; then
+        cp -a .vkserver/. /root/vkserver/ && cp -a /root/vk/llama_cpp/lib/. /root/vkserver/
+        ln -sf libllama.so /root/vkserver/libllama.so.0
+    fi
+    icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+    [ -f $icd ] && export VK_DRIVER_FILES=$icd
+    PYTHONPATH=/root/vk:$PYTHONPATH python3 -c "import llama_cpp.llama_cpp as l; print('vulkan offload', l.llama_supports_gpu_offload())" 2>&1 | tail -2
+    LD_LIBRARY_PATH=/root/vkserver /root/vkserver/llama-server --version 2>&1 | tail -2
     ;;
 kernels)
     python3 -m pytest -q -p no:cacheprovider tests/test_fused_projections.py tests/test_decode_attention.py 2>&1 \
@@ -210,7 +224,8 @@ regime|regimevk|regimellama)
     BT=/root/m/big/T32_${MIX:-Q4_0}.gguf BD=/root/m/big/D${DRAFT:-1.5b}_Q4_0.gguf
     name=${MIX:-Q4_0}_${DRAFT:-1.5b}
     # REGIME_ARGS: more flags of bench/gpu_report_regime.py (e.g. --max-tokens 32 --repeats 1 for a dry run; they win)
-    regime() { python3 bench/gpu_report_regime.py --model $BT --draft $BD --acceptance ${ACCEPTANCE:-0.6,0.8} "$@" \
+    # REGIME_TIMEOUT: seconds before the run is cut off (the JSON keeps every row measured by then; see --json)
+    regime() { timeout -k 10 ${REGIME_TIMEOUT:-560} python3 bench/gpu_report_regime.py --model $BT --draft $BD --acceptance ${ACCEPTANCE:-0.6,0.8} "$@" \
         ${REGIME_ARGS:-}; }
     ;;&
 regime)
@@ -232,6 +247,12 @@ regimevk)
     ;;
 regimellama)
     tail -1 /root/build.log 2>/dev/null
+    if [ "${REGIME:-cuda}" = vulkan ]; then  # vksetup's llama-server for Vulkan
+        SERVER=${SERVER:-/root/vkserver/llama-server}
+        export LD_LIBRARY_PATH=/root/vkserver:${LD_LIBRARY_PATH:-}
+        icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+        [ -f $icd ] && export VK_DRIVER_FILES=$icd
+    fi
     regime --parts server --server ${SERVER:-$LLAMA_SERVER} --ngl 99 \
         --json /root/m/big/regime_${REGIME:-cuda}_$name.json 2>$OUT/regime_llama_$name.err \
         | tee $OUT/regime_llama_$name.txt
