@@ -214,8 +214,8 @@ def main() -> None:
         engine.target_kv.close()
         engine.target_kv = Timed(OracleCache(replies, prompts, target.vocab_size, batch, args.n_ctx), clock,
                                  TARGET_MS)
-        if engine.draft_kv is not None:
-            engine.draft_kv = Timed(engine.draft_kv, clock, DRAFT_MS)
+        if engine.drafter is not None:
+            engine.drafter.kv = Timed(engine.drafter.kv, clock, DRAFT_MS)
         if model is not None:
             engine.costs = emulated_costs(batch, engine.draft_max)
         policy = "fixed" if fixed else "adaptive"
@@ -233,8 +233,8 @@ def main() -> None:
             per_group.append(sum(g.emitted for g in gens) / (1000.0 * (clock.now - start)))
             tokens += [g.tokens[g.prompt_len :][: g.emitted] for g in gens]
             stats += [g.stats for g in gens]
-        if engine.draft_kv is not None:
-            engine.draft_kv.close()
+        if engine.drafter is not None:
+            engine.drafter.kv.close()
         total = sum(len(t) for t in tokens) / (1000.0 * (clock.now - begin))
         return total, tokens, stats, per_group
 

@@ -5,8 +5,9 @@ llama.cpp backend can reach on this machine (issue 26's plain-decode goal).
 
 Each round runs, in turn: a bare loop with llama-server's context settings (F16 KV, n_batch 2048, n_ubatch 512),
 one with tandem's (Q8_0 KV with flash attention, n_batch = n_ubatch = 512, GGML_CPU_TILED_MM=0), each in a fresh
-process that imports neither torch nor tandem, and llama-server itself; 128 tokens greedy from a fixed 69-token
-prompt, EOS ignored. Prints decode tokens/s per round and the medians.
+process that imports neither torch nor tandem, `tandem.generate` in a fresh process, and llama-server itself; 128
+tokens greedy from a fixed 69-token prompt (or --prompt NAME: a suite prompt's chat tokens), EOS ignored. Prints
+decode tokens/s per round and the medians.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ PROMPT = [151644, 872, 198] + list(range(1000, 1060)) + [151645, 198, 151644, 77
 MAX_TOKENS = 128
 
 
-def bare_loop(model_path: str, settings: str, threads: int) -> float:
+def tandem_loop(model_path: str, prompt: list[int], threads: int) -> float:
+    """Decode tokens/s of tandem.generate on the same prompt (in this process: call it from a fresh one)."""
+    import tandem
+
+    model = tandem.load(model_path, backend="llama.cpp", n_threads=threads)
+    tandem.generate(model, prompt=prompt, max_tokens=8, ignore_eos=True)
+    return tandem.generate(model, prompt=prompt, max_tokens=MAX_TOKENS, ignore_eos=True).stats.decode_tokens_per_second
+
+
+def bare_loop(model_path: str, settings: str, threads: int, prompt: list[int]) -> float:
     """Decode tokens/s of one bare run (in this process: call it from a fresh one)."""
     if settings == "tandem":
         os.environ["GGML_CPU_TILED_MM"] = "0"
@@ -55,7 +65,7 @@ def bare_loop(model_path: str, settings: str, threads: int) -> float:
 
     def run(n: int) -> float:
         llc.llama_memory_clear(llc.llama_get_memory(ctx), True)
-        token, position = decode(PROMPT, 0), len(PROMPT)
+        token, position = decode(prompt, 0), len(prompt)
         started = time.perf_counter()
         for _ in range(n - 1):
             token, position = decode([token], position), position + 1
@@ -71,10 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="GGUF [the default target]")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--bare", choices=["server", "tandem"], help=argparse.SUPPRESS)  # the child's side
+    p.add_argument("--prompt", default=None, help="a default-suite prompt's name: its chat tokens [a fixed prompt]")
+    p.add_argument("--bare", choices=["server", "tandem", "generate"], help=argparse.SUPPRESS)  # the child's side
+    p.add_argument("--tokens", help=argparse.SUPPRESS)  # the child's prompt
     args = p.parse_args(argv)
     if args.bare:
-        print(json.dumps(bare_loop(args.model, args.bare, args.threads)))
+        tokens = json.loads(args.tokens)
+        tps = tandem_loop(args.model, tokens, args.threads) if args.bare == "generate" else \
+            bare_loop(args.model, args.bare, args.threads, tokens)
+        print(json.dumps(tps))
         return 0
     if not args.server:
         p.error("--server is required")
@@ -84,23 +99,33 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.loading.registry import DEFAULT_TARGET, resolve
 
     model = resolve(args.model or DEFAULT_TARGET)
-    rows: dict[str, list[float]] = {"bare, server settings": [], "bare, tandem settings": [], "llama-server": []}
+    prompt = PROMPT
+    if args.prompt:
+        from tandem.bench.suite import load_suite
+        from tandem.loading.gguf import open_gguf
+        from tandem.loading.tokenizer import Tokenizer
+
+        messages = list(load_suite("default", args.prompt)[0].messages)
+        prompt = Tokenizer.from_gguf(open_gguf(model)).encode_chat(messages)
+    runs = (("bare, server settings", "server"), ("bare, tandem settings", "tandem"), ("tandem.generate", "generate"),
+            ("llama-server", None))
+    rows: dict[str, list[float]] = {name: [] for name, _ in runs}
     with serving(args.server, model, None, 0, ngl=0, threads=args.threads, ctx=4096) as base:
 
         def server_tps() -> float:
-            body = {"prompt": PROMPT, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            body = {"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                     "cache_prompt": False}
             return httpx.post(base + "/completion", json=body, timeout=600).json()["timings"]["predicted_per_second"]
 
         server_tps()
         for _ in range(args.repeats):
-            for name, settings in (("bare, server settings", "server"), ("bare, tandem settings", "tandem"),
-                                   ("llama-server", None)):
+            for name, settings in runs:
                 if settings is None:
                     rows[name].append(server_tps())
                     continue
-                out = subprocess.run([sys.executable, __file__, "--bare", settings, "--model", model,
-                                      "--threads", str(args.threads)], capture_output=True, text=True, check=True)
+                out = subprocess.run([sys.executable, __file__, "--bare", settings, "--model", model, "--threads",
+                                      str(args.threads), "--tokens", json.dumps(prompt)],
+                                     capture_output=True, text=True, check=True)
                 rows[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print({k: round(v[-1], 2) for k, v in rows.items()}, flush=True)
     print("medians:", {k: round(statistics.median(v), 2) for k, v in rows.items()})

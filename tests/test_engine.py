@@ -348,7 +348,7 @@ def test_a_steady_shaped_draft_feeds_one_row_a_sequence_and_keeps_each_iteration
     expected = [alone(target, p, max_tokens=30).tokens for p in prompts]
     engine = Engine(target, draft, slots=3, draft_max=3)
     calls = []  # per draft forward its rows per sequence; None at each target forward
-    for kv, mark in ((engine.draft_kv, False), (engine.target_kv, True)):
+    for kv, mark in ((engine.drafter.kv, False), (engine.target_kv, True)):
         def recording(batch, last_only, forward=kv.forward, mark=mark):
             calls.append(None if mark else [len(rows) for _, rows in batch])
             return forward(batch, last_only)
@@ -565,7 +565,7 @@ def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves(pair
     costs, policy = engine._batch1_view(gen)
     gain_ms, _ = policy.value_of_drafting_ms(policy.primary)
     tokens = min(engine.prior.reply_tokens, 200 - gen.emitted)
-    lag = len(gen.tokens) - engine.draft_kv.length(gen.slot)
+    lag = len(gen.tokens) - engine.drafter.kv.length(gen.slot)
     engine.costs.catch_up_ms_per_token = gain_ms * tokens / (4 * 2.0 * lag)  # PROBE_VALUE_MARGIN = 2
     assert engine._first_read_pays(gen)
     for _ in range(12):  # lookup's accepted drafts make 48 of 60 tokens

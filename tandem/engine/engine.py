@@ -23,6 +23,7 @@ import torch
 
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
+from tandem.engine.drafter import STEADY_CATCH_UP, Drafter
 from tandem.engine.kv_pool import SlotTable, fit_slots
 from tandem.engine.scoring import score_rows, token_logprobs
 from tandem.engine.sequence import (
@@ -34,7 +35,7 @@ from tandem.engine.sequence import (
     TokenLogprob,
 )
 from tandem.logits.processor import processor_for
-from tandem.sampling import argmax, make_generator, probs_from_logits, sample
+from tandem.sampling import argmax, make_generator, probs_from_logits
 from tandem.speculative.calibrate import shared_prior
 from tandem.speculative.compat import check_compatible
 from tandem.speculative.policy import (
@@ -54,10 +55,8 @@ log = logging.getLogger("tandem.engine")
 DEFAULT_SLOTS = 4
 DEFAULT_DRAFT_MAX = 8
 PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
-STEADY_CATCH_UP = 2  # a draft taking in at most this many tokens before drafting is drafting steadily
 REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
 IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
-EVIDENCE_ROWS = 16  # a draft's evidence catch-up reads its predictions of at most this many latest tokens
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 
 
@@ -100,11 +99,11 @@ class Engine:
         self.prompt_lookup = prompt_lookup
         models = [target] + ([self.draft_model] if self.draft_model else [])
         self.slots = fit_slots(models, slots, self.n_ctx, kv_budget_bytes)
+        self.device = torch.device(getattr(target, "torch_device", "cpu"))
         self.target_kv = target.new_batched_cache(self.slots, self.n_ctx)
-        self.draft_kv = self.draft_model.new_batched_cache(self.slots, self.n_ctx, drafting=True) \
+        self.drafter = Drafter(self.draft_model, target.vocab_size, self.slots, self.n_ctx, self.device) \
             if self.draft_model else None
         self.table = SlotTable(self.slots)
-        self.device = torch.device(getattr(target, "torch_device", "cpu"))
         self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
@@ -113,7 +112,8 @@ class Engine:
         self.prior = shared_prior(target)
         self.costs = None
         if self.proposer and draft_max > 0 and measure_costs:
-            self.costs = planner.measure(self.target_kv, self.draft_kv, draft_max, self._synchronize)
+            self.costs = planner.measure(self.target_kv, self.drafter and self.drafter.kv, draft_max,
+                                         self._synchronize)
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self._plain_plan: tuple[tuple[int, ...], int] | None = None  # (batch, steps it still stands for)
@@ -237,8 +237,8 @@ class Engine:
             gen.tokens += new_tokens
             if gen.processor is not None:
                 gen.processor.accept(new_tokens)
-            if self.draft_kv is not None and self.draft_kv.length(gen.slot) > len(gen.tokens) - 1:
-                self.draft_kv.rewind(gen.slot, len(gen.tokens) - 1)
+            if self.drafter is not None:
+                self.drafter.settle(gen)
             gen.stats.record_iteration(k, n, source)
             gen.stats.draft_ms += draft_ms if k else 0.0
             gen.stats.verify_ms += verify_ms
@@ -281,20 +281,17 @@ class Engine:
             placement = self.table.place(prompt, self.target_kv.can_copy)
             slot = placement.slot
             own = self.target_kv.reusable(slot, min(placement.own, self.target_kv.length(slot)))
-            reuse = own
-            draft_valid = min(own, self.draft_kv.length(slot)) if self.draft_kv is not None else 0
+            reuse, source = own, None
             if placement.copy_from is not None:
-                source = placement.copy_from
-                copied = self.target_kv.reusable(source, min(placement.reuse, self.target_kv.length(source)))
+                copied = self.target_kv.reusable(placement.copy_from,
+                                                 min(placement.reuse, self.target_kv.length(placement.copy_from)))
                 if copied > own:
+                    source = placement.copy_from
                     self.target_kv.copy_prefix(source, slot, copied)
                     reuse = copied
-                    if self.draft_kv is not None and self.draft_kv.can_copy:
-                        draft_valid = min(copied, self.draft_kv.length(source))
-                        self.draft_kv.copy_prefix(source, slot, draft_valid)
             self.target_kv.rewind(slot, min(reuse, self.target_kv.length(slot)))
-            if self.draft_kv is not None:
-                self.draft_kv.rewind(slot, draft_valid)  # the rest it takes in when it first drafts
+            if self.drafter is not None:
+                self.drafter.place(slot, own, source, reuse)
             gen.slot, gen.fed = slot, reuse
             gen.stats.cached_tokens = reuse
             self.table.occupy(slot, gen.tokens)
@@ -344,7 +341,7 @@ class Engine:
                 else:
                     ks[i] = 0
         if self._evidence:
-            self._read_evidence(self._evidence)
+            self.drafter.read_evidence(self._evidence)
             ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows)
         self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
@@ -390,8 +387,7 @@ class Engine:
         costs, policy = self._batch1_view(gen)
         gain_ms, _ = policy.value_of_drafting_ms(policy.primary)
         tokens = min(self.prior.reply_tokens, gen.request.max_tokens - gen.emitted) * (1.0 - gen.lookup_share())
-        return gain_ms * tokens >= PROBE_VALUE_MARGIN * costs.catch_up_ms(len(gen.tokens) - self.draft_kv.length(
-            gen.slot))
+        return gain_ms * tokens >= PROBE_VALUE_MARGIN * costs.catch_up_ms(self.drafter.lag(gen))
 
     def _worth_waiting(self, gen: Generation) -> bool:
         """The batch-1 policy's rule for a first switch-on: wait for generated tokens to read unless the drafting
@@ -401,7 +397,7 @@ class Engine:
         gain_ms, p_no_gain = policy.value_of_drafting_ms(policy.primary)
         if gen.ngram is not None:  # or the reply copies its prompt, which lookup's hindsight would show
             p_no_gain = copied_risk(p_no_gain, self.prior)
-        catch_up_ms = costs.catch_up_ms(len(gen.tokens) - self.draft_kv.length(gen.slot))
+        catch_up_ms = costs.catch_up_ms(self.drafter.lag(gen))
         learning_ms = LEARNING_ITERATIONS * (costs.draft_step_ms + max(0.0, costs.verify(2) - costs.verify(1)))
         wait = EVIDENCE_TOKENS - (len(gen.tokens) - gen.prompt_len)
         return wait * gain_ms < PROBE_VALUE_MARGIN * p_no_gain * (catch_up_ms + learning_ms)
@@ -423,7 +419,7 @@ class Engine:
             source, available = gen.ngram.match(gen.tokens)
             for name, matched in gen.ngram.hindsight().items():
                 gen.observe_evidence(name, matched)
-            lag = len(gen.tokens) - self.draft_kv.length(gen.slot) if model else 0
+            lag = self.drafter.lag(gen) if model else 0
             if source is not None and (not model or self._lookup_beats_draft(gen, source, min(k_max, available),
                                                                              k_max, lag)):
                 gen.draft_source = source
@@ -431,7 +427,7 @@ class Engine:
         if not model:
             return None
         gen.draft_source = DRAFT_MODEL
-        lag = len(gen.tokens) - self.draft_kv.length(gen.slot)
+        lag = self.drafter.lag(gen)
         # Beside prompt lookup, a draft's accepted token is worth only what lookup would not have copied for free
         # in the iterations after (its share of the reply so far): planned as that much less acceptance.
         acceptance = gen.acceptance(DRAFT_MODEL) * (1.0 - gen.lookup_share()) if gen.ngram is not None else \
@@ -466,107 +462,11 @@ class Engine:
                 proposals[gen.id] = (drafts, None)
             elif k:
                 drafting[gen.id] = (gen, k)
-        if not drafting:
-            return proposals
-        draft_vocab, target_vocab = self.draft_model.vocab_size, self.target.vocab_size
-        drawn: dict[int, list] = {i: [] for i in drafting}
-        dists: dict[int, list] = {i: [] for i in drafting}
-        # The draft first takes in what it has not seen (1-2 tokens when drafting steadily). An id past its
-        # vocabulary (a target with padded rows) gets a stand-in; the target verifies every proposal anyway.
-        batch = [(g.slot, [t if t < draft_vocab else 0 for t in g.tokens[self.draft_kv.length(g.slot) :]])
-                 for g, _ in drafting.values()]
-        active = list(drafting)
-        steps, catching_up = 0, max(len(rows) for _, rows in batch) > STEADY_CATCH_UP
-        steady = self.draft_model.steady_shapes and not catching_up  # one row per sequence a forward, see below
-        if steady:
-            logits = self._steady_catch_up([gen for gen, _ in drafting.values()], batch)
-        else:
-            logits = self.draft_kv.forward(batch, [True] * len(batch))
-        while True:
-            steps += 1
-            tokens = []
-            for i, rows in zip(active, logits, strict=False):
-                gen = drafting[i][0]
-                rows = rows[-1:, :target_vocab]  # a wider draft vocabulary must not propose unknown ids
-                if gen.processor is not None:  # the draft proposes under the request's bias, penalties, grammar
-                    rows = gen.processor.rows(rows, drawn[i], len(drawn[i]))
-                if gen.sampling.greedy:
-                    tokens.append(argmax(rows))
-                else:
-                    probs = probs_from_logits(rows, gen.sampling)
-                    tokens.append(sample(probs, gen.draft_generator))
-                    dists[i].append(probs)
-            for i, token in zip(active, torch.cat(tokens).tolist(), strict=True):
-                drawn[i].append(token)
-            ended = {i for i in active if drafting[i][0].processor is not None and
-                     drafting[i][0].processor.cut_draft(drawn[i], dists[i])}
-            active = [i for i in active if len(drawn[i]) < drafting[i][1] and i not in ended]
-            if not active:
-                break
-            # Where the shape matters (steady), a sequence done drafting goes on drafting what nobody reads (its
-            # draft rewinds after the verify), so that every step keeps one row per drafting sequence.
-            done = [i for i in drafting if i not in active]
-            fed = active
-            if steady and all(drawn[i] and self.draft_kv.length(drafting[i][0].slot) < self.draft_kv.capacity
-                              for i in done):
-                fed = active + done
-            logits = self.draft_kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in fed], [True] * len(fed))
-        self._drafted = None if catching_up or self._evidence else (len(drafting), steps)
-        for i in drafting:
-            probs = None
-            if dists[i]:
-                probs = torch.cat(dists[i])
-                if probs.shape[-1] < target_vocab:  # a narrower draft vocabulary gives q = 0 to the ids it lacks
-                    probs = torch.nn.functional.pad(probs, (0, target_vocab - probs.shape[-1]))
-                probs = probs.to(self.device)
-            proposals[i] = (drawn[i], probs)
+        if drafting:
+            drafted, steps = self.drafter.draft(drafting)
+            proposals.update(drafted)
+            self._drafted = None if steps is None or self._evidence else (len(drafting), steps)
         return proposals
-
-    def _steady_catch_up(self, gens: list[Generation], batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """A steady draft's 1-2 unseen tokens a sequence in forwards of one row per sequence, the shape of its
-        draft steps (Model.steady_shapes): a sequence with one feeds its last seen token again first (rewound to
-        before it). Each sequence's logits after its last token, in batch order."""
-        if all(len(rows) == 1 for _, rows in batch) or any(self.draft_kv.length(g.slot) == 0 for g in gens):
-            return self.draft_kv.forward(batch, [True] * len(batch))
-        draft_vocab, first = self.draft_model.vocab_size, []
-        for gen, (slot, rows) in zip(gens, batch, strict=True):
-            if len(rows) == 1:
-                seen = self.draft_kv.length(slot) - 1
-                self.draft_kv.rewind(slot, seen)
-                rows = [gen.tokens[seen] if gen.tokens[seen] < draft_vocab else 0] + rows
-            first.append((slot, rows[:1]))
-        self.draft_kv.forward(first, [True] * len(first))
-        return self.draft_kv.forward([(slot, rows[-1:]) for slot, rows in batch], [True] * len(batch))
-
-    def _read_evidence(self, gens: list[Generation]) -> None:
-        """Catch each sequence's draft up on the tokens it has not seen but the pending one (which it takes in
-        when it drafts), reading its argmax at the rows before the latest generated ones (at most EVIDENCE_ROWS):
-        whether it would have predicted each is evidence of its acceptance (a greedy match; under sampling the same
-        figure stands in, as in the batch-1 policy)."""
-        started = time.perf_counter()
-        draft_vocab, target_vocab = self.draft_model.vocab_size, self.target.vocab_size
-        heads, tails = [], []
-        for gen in gens:
-            seen, end = self.draft_kv.length(gen.slot), len(gen.tokens) - 1
-            unseen = [t if t < draft_vocab else 0 for t in gen.tokens[seen:end]]
-            # Row i of the catch-up predicts token seen + i + 1; the first token checked is a generated one.
-            first_checked = max(gen.prompt_len, seen + 1, end + 1 - EVIDENCE_ROWS)
-            split = first_checked - 1 - seen
-            if split > 0:
-                heads.append((gen.slot, unseen[:split]))
-            tails.append((gen, unseen[split:], first_checked))
-        if heads:
-            self.draft_kv.forward(heads, [True] * len(heads))
-        logits = self.draft_kv.forward([(g.slot, rows) for g, rows, _ in tails], [False] * len(tails))
-        predicted = torch.cat([argmax(rows[:, :target_vocab]) for rows in logits]).tolist()
-        ms = 1000.0 * (time.perf_counter() - started) / len(gens)
-        at = 0
-        for gen, _, first_checked in tails:
-            actual = gen.tokens[first_checked:]
-            matched = [p == t for p, t in zip(predicted[at : at + len(actual)], actual, strict=True)]
-            at += len(actual)
-            gen.observe_evidence(DRAFT_MODEL, matched)
-            gen.stats.record_catch_up(DRAFT_MODEL, ms, sum(matched), len(matched))
 
     def _outcomes(self, decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],
                   proposals: dict) -> tuple[dict[int, tuple[int, list[int]]], dict[int, list]]:

@@ -1,0 +1,152 @@
+"""The draft model's side of the batched engine: its KV (a slot per engine slot), a step's drafting (one forward a
+draft position over every drafting sequence) and the evidence catch-up (what the draft would have predicted of the
+text it missed, read before it drafts).
+
+Steady shapes. Where the backend replays a step only while its shape stays (Model.steady_shapes: llama.cpp's CUDA
+graphs), every draft forward of a step takes one row per drafting sequence: a catch-up of two tokens goes in two
+forwards, and a sequence done drafting goes on drafting what nobody reads until the longest draft is done. The
+draft's positions past a sequence's accepted tokens are rewound after the verify (`settle`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tandem.backends.base import Model
+from tandem.engine.sequence import DRAFT_MODEL, Generation
+from tandem.sampling import argmax, probs_from_logits, sample
+
+STEADY_CATCH_UP = 2  # a draft taking in at most this many tokens before drafting is drafting steadily
+EVIDENCE_ROWS = 16  # an evidence catch-up reads the draft's predictions of at most this many latest tokens
+
+Proposal = tuple[list[int], torch.Tensor | None]  # draft tokens, and (sampling) the distributions they came from
+
+
+class Drafter:
+    """A draft model and its KV slots, for the engine's steps."""
+
+    def __init__(self, model: Model, target_vocab: int, slots: int, n_ctx: int, device: torch.device) -> None:
+        self.model, self.target_vocab, self.device = model, target_vocab, device
+        self.kv = model.new_batched_cache(slots, n_ctx, drafting=True)
+
+    def lag(self, gen: Generation) -> int:
+        """Tokens of the sequence the draft has yet to take in (the pending one among them)."""
+        return len(gen.tokens) - self.kv.length(gen.slot)
+
+    def place(self, slot: int, own: int, source: int | None = None, copied: int = 0) -> None:
+        """A new sequence in `slot` keeps what the draft holds of its first `own` tokens, or of the `copied` first
+        ones of slot `source` (where the backend copies KV); the rest it takes in when it first drafts."""
+        valid = min(own, self.kv.length(slot))
+        if source is not None and self.kv.can_copy:
+            valid = min(copied, self.kv.length(source))
+            self.kv.copy_prefix(source, slot, valid)
+        self.kv.rewind(slot, valid)
+
+    def settle(self, gen: Generation) -> None:
+        """After a verify: forget the drafts past the sequence's accepted tokens (the pending one is taken in
+        when it next drafts)."""
+        if self.kv.length(gen.slot) > len(gen.tokens) - 1:
+            self.kv.rewind(gen.slot, len(gen.tokens) - 1)
+
+    def _unseen(self, gen: Generation, end: int | None = None) -> list[int]:
+        # An id past the draft's vocabulary (a target with padded rows) gets a stand-in; the target verifies anyway.
+        vocab = self.model.vocab_size
+        return [t if t < vocab else 0 for t in gen.tokens[self.kv.length(gen.slot) : end]]
+
+    def draft(self, drafting: dict[int, tuple[Generation, int]]) -> tuple[dict[int, Proposal], int | None]:
+        """Per sequence id, k drafts (fewer where its grammar ends them), and the draft steps taken: None where a
+        sequence caught up on more than a steady draft's tokens (then the time is no steady draft's cost)."""
+        drawn: dict[int, list] = {i: [] for i in drafting}
+        dists: dict[int, list] = {i: [] for i in drafting}
+        gens = [gen for gen, _ in drafting.values()]
+        batch = [(gen.slot, self._unseen(gen)) for gen in gens]
+        active = list(drafting)
+        catching_up = max(len(rows) for _, rows in batch) > STEADY_CATCH_UP
+        steady = self.model.steady_shapes and not catching_up
+        logits = self._steady_catch_up(gens, batch) if steady else self.kv.forward(batch, [True] * len(batch))
+        steps = 0
+        while True:
+            steps += 1
+            tokens = []
+            for i, rows in zip(active, logits, strict=False):  # fed = active + done: its first rows are active's
+                gen = drafting[i][0]
+                rows = rows[-1:, : self.target_vocab]  # a wider draft vocabulary must not propose unknown ids
+                if gen.processor is not None:  # the draft proposes under the request's bias, penalties, grammar
+                    rows = gen.processor.rows(rows, drawn[i], len(drawn[i]))
+                if gen.sampling.greedy:
+                    tokens.append(argmax(rows))
+                else:
+                    probs = probs_from_logits(rows, gen.sampling)
+                    tokens.append(sample(probs, gen.draft_generator))
+                    dists[i].append(probs)
+            for i, token in zip(active, torch.cat(tokens).tolist(), strict=True):
+                drawn[i].append(token)
+            ended = {i for i in active if drafting[i][0].processor is not None and
+                     drafting[i][0].processor.cut_draft(drawn[i], dists[i])}
+            active = [i for i in active if len(drawn[i]) < drafting[i][1] and i not in ended]
+            if not active:
+                break
+            done = [i for i in drafting if i not in active]
+            fed = active
+            if steady and all(drawn[i] and self.kv.length(drafting[i][0].slot) < self.kv.capacity for i in done):
+                fed = active + done
+            logits = self.kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in fed], [True] * len(fed))
+        return {i: (drawn[i], self._distributions(dists[i])) for i in drafting}, None if catching_up else steps
+
+    def _distributions(self, dists: list[torch.Tensor]) -> torch.Tensor | None:
+        if not dists:
+            return None
+        probs = torch.cat(dists)
+        if probs.shape[-1] < self.target_vocab:  # a narrower draft vocabulary gives q = 0 to the ids it lacks
+            probs = torch.nn.functional.pad(probs, (0, self.target_vocab - probs.shape[-1]))
+        return probs.to(self.device)
+
+    def _steady_catch_up(self, gens: list[Generation], batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """1-2 unseen tokens a sequence in forwards of one row per sequence, the shape of the draft steps after: a
+        sequence with one feeds its last seen token again first (rewound to before it). Each sequence's logits
+        after its last token, in batch order."""
+        if all(len(rows) == 1 for _, rows in batch) or any(self.kv.length(g.slot) == 0 for g in gens):
+            return self.kv.forward(batch, [True] * len(batch))
+        vocab, first = self.model.vocab_size, []
+        for gen, (slot, rows) in zip(gens, batch, strict=True):
+            if len(rows) == 1:
+                seen = self.kv.length(slot) - 1
+                self.kv.rewind(slot, seen)
+                rows = [gen.tokens[seen] if gen.tokens[seen] < vocab else 0] + rows
+            first.append((slot, rows[:1]))
+        self.kv.forward(first, [True] * len(first))
+        return self.kv.forward([(slot, rows[-1:]) for slot, rows in batch], [True] * len(batch))
+
+    def read_evidence(self, gens: list[Generation]) -> None:
+        """Catch each sequence's draft up on the tokens it has not seen but the pending one (which it takes in
+        when it drafts), reading its argmax at the rows before the latest generated ones (at most EVIDENCE_ROWS):
+        whether it would have predicted each is evidence of its acceptance (a greedy match; under sampling the same
+        figure stands in, as in the batch-1 policy)."""
+        started = time.perf_counter()
+        heads, tails = [], []
+        for gen in gens:
+            seen, end = self.kv.length(gen.slot), len(gen.tokens) - 1
+            unseen = self._unseen(gen, end)
+            # Row i of the catch-up predicts token seen + i + 1; the first token checked is a generated one.
+            first_checked = max(gen.prompt_len, seen + 1, end + 1 - EVIDENCE_ROWS)
+            split = first_checked - 1 - seen
+            if split > 0:
+                heads.append((gen.slot, unseen[:split]))
+            tails.append((gen, unseen[split:], first_checked))
+        if heads:
+            self.kv.forward(heads, [True] * len(heads))
+        logits = self.kv.forward([(g.slot, rows) for g, rows, _ in tails], [False] * len(tails))
+        predicted = torch.cat([argmax(rows[:, : self.target_vocab]) for rows in logits]).tolist()
+        ms = 1000.0 * (time.perf_counter() - started) / len(gens)
+        at = 0
+        for gen, _, first_checked in tails:
+            actual = gen.tokens[first_checked:]
+            matched = [p == t for p, t in zip(predicted[at : at + len(actual)], actual, strict=True)]
+            at += len(actual)
+            gen.observe_evidence(DRAFT_MODEL, matched)
+            gen.stats.record_catch_up(DRAFT_MODEL, ms, sum(matched), len(matched))
+
+    def close(self) -> None:
+        self.kv.close()
