@@ -39,7 +39,8 @@
 #   synthetic the 32B/1.5B random-weight pair: doctor and bench at synthetic acceptance 0.8 (or one of them:
 #             synthdoctor, synthbench; as two device calls each fits the 10-minute limit, the second one compiling
 #             from the first one's cache)
-# Carried paths (.whl .gl .vk .xfer/...) are listed in .git/info/exclude; see the results README for how to make them.
+# Carried paths (.whl .gl .vk .vkserver .xfer/...) are listed in .git/info/exclude; bench/h200_regime_session.sh
+# says how to make them, and runs issue 26's session.
 set -u
 phase=$1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

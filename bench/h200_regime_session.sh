@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 26's H200 session, one device call per step, back to back (the box goes cold 30 s after a call):
+#   run(carry=[".whl", ".xfer"],             "bash bench/h200_regime_session.sh 1")   setup + the random GGUFs
+#   run(carry=[".vk", ".gl", ".vkserver"],  "bash bench/h200_regime_session.sh 2")   Vulkan: regime beside the build
+#   run("bash bench/h200_regime_session.sh 3")  CUDA regime (waits for setup's build)
+#   run("bash bench/h200_regime_session.sh 4")  llama-server on Vulkan, same files
+#   run("bash bench/h200_regime_session.sh 5")  llama-server on CUDA, same files
+# Carried paths (git-ignored, listed in .git/info/exclude), made on the CPU machine:
+#   .whl       wheels: llama_cpp_python (CPU build; its Python package, CUDA_LIBS=1 swaps in CUDA libraries),
+#              gguf, diskcache, llguidance
+#   .xfer      llama-src.tar.xz (llama-cpp-python 0.3.36's vendored llama.cpp, no build*/docs/models/media),
+#              qwen-tokenizer.gguf (python -m tandem.models.random_gguf ... --extract-tokenizer REAL.gguf)
+#   .vk        llama_cpp/ of llama-cpp-python 0.3.36 built with -DGGML_VULKAN=on (as .ci/vulkan), one copy per
+#              library soname (libllama.so, libggml*.so.0), 34 MB; .gl: Debian's libvulkan1 .deb (the loader)
+#   .vkserver  llama-server built for Vulkan from the same tree (BUILD_SHARED_LIBS=ON): llama-server,
+#              libllama-server-impl.so, libllama-common.so.0, libmtmd.so.0 (runs on .vk's libraries)
+export PYTHONPATH=/tmp/site:$PWD
+table() { python3 bench/gpu_report_regime.py --model x --draft y --parts "" --json $1 2>&1 | tail -24; cp $1 $OUT/; }
+A="--repeats 2 --prompts 2 --cost-repeats 5"
+case $1 in
+1) CUDA_LIBS=1 bash bench/h200.sh setup 2>&1 | tail -4; bash bench/h200.sh regimewrite 2>&1 | tail -5 ;;
+2) bash bench/h200.sh vksetup 2>&1 | tail -4
+   ACCEPTANCE=0.8 REGIME_ARGS="$A" REGIME_TIMEOUT=520 bash bench/h200.sh regimevk > /dev/null 2>&1
+   tail -3 $OUT/regime_vulkan_*.err; table /root/m/big/regime_vulkan_Q4_0_1.5b.json; tail -2 /root/build-libs.log ;;
+3) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
+   ACCEPTANCE=0.8 REGIME_ARGS="$A" REGIME_TIMEOUT=560 bash bench/h200.sh regime > /dev/null 2>&1
+   tail -3 $OUT/regime_cuda_*.err; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
+4) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2" REGIME_TIMEOUT=560 REGIME=vulkan bash bench/h200.sh regimellama \
+       > /dev/null 2>&1
+   tail -3 $OUT/regime_llama_*.err; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
+5) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2" REGIME_TIMEOUT=560 bash bench/h200.sh regimellama > /dev/null 2>&1
+   tail -3 $OUT/regime_llama_*.err; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
+*) echo "step 1-5"; exit 2 ;;
+esac
