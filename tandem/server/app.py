@@ -45,7 +45,7 @@ from tandem.engine import Engine
 from tandem.engine import Request as EngineRequest
 from tandem.engine.scoring import prompt_logprobs
 from tandem.sampling import SamplingParams
-from tandem.server import openapi, protocol
+from tandem.server import openapi, protocol, responses
 from tandem.server.asgi import BodyTooLargeError, RequestGuard, SSEResponse, sse, too_large_body
 from tandem.server.choices import Choice
 from tandem.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -258,7 +258,7 @@ class Server:
         finally:
             getter.cancel()
 
-    async def run(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest, ids: list[int],
+    async def run(self, request: Request, kind: responses.Kind, req: protocol._GenerationRequest, ids: list[int],
                   tool_format: str | None = None) -> Response:
         """Generate req.n choices for `ids`: one JSON response, or an SSE stream. tool_format: parse tool calls
         written in this format (tools.FORMATS) out of chat replies."""
@@ -274,7 +274,7 @@ class Server:
         jobs = self.make_jobs(req, ids) if req.requested_max_tokens != 0 else []
         if jobs:
             self.submit(jobs)
-        request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        request_id = responses.new_id("chatcmpl" if kind == "chat" else "cmpl")
         tool_names = [t.function.name for t in req.tools or []] if tool_format else []
         max_calls = req.max_tool_calls if isinstance(req, ChatCompletionRequest) else None
         choices = [Choice(i, kind, self.piece, tool_format, tool_names, max_calls) for i in range(req.n)]
@@ -308,9 +308,9 @@ class Server:
             self.cancel(jobs)  # a no-op for finished jobs; frees the slots when we were cancelled
         self.summarize(request, choices[0].stats, jobs[0] if jobs else None, req.n)
         objects = [c.whole(with_logprobs=req.logprobs_count() is not None) for c in choices]
-        timings = [protocol.timings(c.stats, j.queue_ms if j else 0.0) for c, j in zip(choices, jobs or [None] * len(
+        timings = [responses.timings(c.stats, j.queue_ms if j else 0.0) for c, j in zip(choices, jobs or [None] * len(
             choices), strict=True)]
-        return JSONResponse(protocol.completion_response(
+        return JSONResponse(responses.completion_response(
             kind, request_id, self.model_name, objects, self.usage(len(ids), choices),
             timings[0] if req.n == 1 else timings))
 
@@ -327,10 +327,10 @@ class Server:
     @staticmethod
     def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
         """OpenAI's usage for a request: the prompt once, the completion tokens of every choice."""
-        return protocol.usage(prompt_tokens, sum(c.n_tokens for c in choices),
+        return responses.usage(prompt_tokens, sum(c.n_tokens for c in choices),
                               max(c.stats.cached_tokens for c in choices))
 
-    async def stream(self, request: Request, kind: protocol.Kind, req: protocol._GenerationRequest, jobs: list[Job],
+    async def stream(self, request: Request, kind: responses.Kind, req: protocol._GenerationRequest, jobs: list[Job],
                      choices: list[Choice], request_id: str, prompt_tokens: int) -> AsyncIterator[str]:
         """SSE events in OpenAI's chunk format, each for one choice (its `index`), ending with `data: [DONE]`.
         Cancellation (a disconnect) lands in the awaits here; SSEResponse then cancels the jobs."""
@@ -338,7 +338,7 @@ class Server:
 
         def chunk_obj(index: int, text: str | None, finish: str | None = None, role: bool = False, logprobs=None,
                       tool_calls=None) -> dict:
-            return protocol.stream_chunk(kind, request_id, created, self.model_name, text, finish, role, logprobs,
+            return responses.stream_chunk(kind, request_id, created, self.model_name, text, finish, role, logprobs,
                                          index, tool_calls)
 
         for choice in choices:
@@ -365,7 +365,7 @@ class Server:
             if text or logprobs or calls:
                 yield sse(chunk_obj(choice.index, text, logprobs=logprobs, tool_calls=calls))
             if choice.finished:
-                timings = protocol.timings(choice.stats, jobs[choice.index].queue_ms)
+                timings = responses.timings(choice.stats, jobs[choice.index].queue_ms)
                 timings_by_choice[choice.index] = timings
                 last = chunk_obj(choice.index, None if kind == "chat" else "", choice.finish_reason)
                 last["timings"] = timings
@@ -383,8 +383,8 @@ class Server:
         """A token's text, as logprobs show it."""
         return self.target.tokenizer.decode([token])
 
-    def logprobs(self, kind: protocol.Kind, entries, text_offset: int = 0) -> dict:
-        return protocol.logprobs_object(kind, entries, self.piece, text_offset)
+    def logprobs(self, kind: responses.Kind, entries, text_offset: int = 0) -> dict:
+        return responses.logprobs_object(kind, entries, self.piece, text_offset)
 
     def summarize(self, request: Request, stats, job: Job | None, n: int = 1) -> None:
         """What the access log line adds for a generation (its first choice's figures, when there are n)."""

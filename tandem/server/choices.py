@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tandem.engine import GenerationChunk
-from tandem.server import protocol
+from tandem.server import responses
 from tandem.server.tools import ToolCallParser
 from tandem.speculative.stats import GenerationStats
 
@@ -19,7 +19,7 @@ class Choice:
     returns what a stream sends for the chunk (text, tool-call deltas, logprobs); `whole` is the choice object.
     """
 
-    def __init__(self, index: int, kind: protocol.Kind, piece: Callable[[int], str], tool_format: str | None,
+    def __init__(self, index: int, kind: responses.Kind, piece: Callable[[int], str], tool_format: str | None,
                  tool_names: list[str], max_calls: int | None = None) -> None:
         """piece(id): a token's text as logprobs show it; tool_format: parse tool calls in this format (None:
         none), to the functions in tool_names; max_calls: the choice ends once it holds this many calls
@@ -46,7 +46,7 @@ class Choice:
         self.texts.append(prompt_text)
         logprobs = None
         if prompt_scored is not None:
-            logprobs = protocol.logprobs_object(self.kind, prompt_scored, self.piece)
+            logprobs = responses.logprobs_object(self.kind, prompt_scored, self.piece)
             self.scored += prompt_scored
             self.text_offset = sum(len(self.piece(e.token)) for e in prompt_scored)
         self.echoed = (prompt_text, logprobs)
@@ -68,7 +68,7 @@ class Choice:
         self.n_tokens += len(chunk.tokens)
         logprobs = None
         if chunk.logprobs:
-            logprobs = protocol.logprobs_object(self.kind, chunk.logprobs, self.piece, self.text_offset)
+            logprobs = responses.logprobs_object(self.kind, chunk.logprobs, self.piece, self.text_offset)
             self.scored += chunk.logprobs
             self.text_offset += sum(len(self.piece(e.token)) for e in chunk.logprobs)
         if chunk.finish_reason is not None:
@@ -83,6 +83,6 @@ class Choice:
 
     def whole(self, with_logprobs: bool) -> dict:
         text = "".join(self.texts)
-        logprobs = protocol.logprobs_object(self.kind, self.scored, self.piece) if with_logprobs else None
+        logprobs = responses.logprobs_object(self.kind, self.scored, self.piece) if with_logprobs else None
         content = None if self.calls and not text else text
-        return protocol.choice_object(self.kind, self.index, content, self.finish_reason, logprobs, self.calls)
+        return responses.choice_object(self.kind, self.index, content, self.finish_reason, logprobs, self.calls)

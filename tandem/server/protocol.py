@@ -1,4 +1,5 @@
-"""OpenAI's request and response shapes for /v1/chat/completions and /v1/completions, and their validation.
+"""OpenAI's request shapes for /v1/chat/completions and /v1/completions, and their validation (responses.py builds
+the answers).
 
 Requests are parsed from the raw body with pydantic in strict JSON mode, so a known field of the wrong type is a 400
 naming the field (OpenAI does the same); integer fields take whole-number floats (8.0), as JSON Schema's `integer`
@@ -13,19 +14,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
-import uuid
-from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from tandem.engine.sequence import MAX_TOP_LOGPROBS, TokenLogprob
+from tandem.engine.sequence import MAX_TOP_LOGPROBS
 from tandem.logits.grammar import COMPACT_JSON
 from tandem.logits.options import logits_settings
 from tandem.logits.processor import DEFAULT_REPEAT_LAST_N, MAX_PENALTY, LogitsError, LogitsSettings
 from tandem.server.tools import MAX_FORCED_CALLS, tool_call_schema
-from tandem.speculative.stats import GenerationStats
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 _REFUSED = "not supported: a request that sets it gets a 400"
@@ -441,125 +438,3 @@ def _param_name(loc: tuple) -> str | None:
         elif not _TYPE_TAG.match(item):
             name += f".{item}" if name else item
     return name or None
-
-
-# --- responses ------------------------------------------------------------------------------------------------
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def timings(stats: GenerationStats, queue_ms: float = 0.0) -> dict[str, Any]:
-    """llama-server's `timings` object for one request, plus tandem's own fields.
-
-    Every figure covers this request only (never a server-lifetime total); durations are milliseconds.
-    prompt_*: the prefill (target and draft prompt processing, up to the first token) of the prompt tokens not
-    reused; cache_n: prompt tokens whose KV an earlier request left in the slot (prefix reuse). predicted_*: tokens
-    returned and the decode time after the first token (as llama-server counts them). draft_n / draft_n_accepted:
-    draft tokens proposed to the verifier / accepted by it. draft_ms / verify_ms: total time drafting / in the
-    target's verify (or plain) forwards; iterations: target forwards after the prefill; queue_ms: time waiting
-    for a slot before the prefill began. policy_acceptance / policy_predicted_speedup: what the adaptive policy
-    believed at the end (acceptance per draft source; the mean speed-up over plain it predicted for its plans), so
-    a user can see why it drafted or did not; sources: per source, iterations, drafted and accepted tokens.
-    """
-    def per_second(n: int, ms: float) -> float:
-        return 1000.0 * n / ms if ms > 0 else 0.0
-
-    return {
-        "cache_n": stats.cached_tokens,
-        "prompt_n": stats.prompt_tokens - stats.cached_tokens,
-        "prompt_ms": stats.prefill_ms,
-        "prompt_per_second": per_second(stats.prompt_tokens - stats.cached_tokens, stats.prefill_ms),
-        "predicted_n": stats.generated_tokens,
-        "predicted_ms": stats.decode_ms,
-        "predicted_per_second": per_second(stats.generated_tokens, stats.decode_ms),
-        "draft_n": stats.draft_tokens,
-        "draft_n_accepted": stats.accepted_tokens,
-        "draft_ms": stats.draft_ms,
-        "verify_ms": stats.verify_ms,
-        "acceptance_rate": stats.acceptance_rate,
-        "iterations": stats.iterations,
-        "queue_ms": queue_ms,
-        "policy_acceptance": stats.belief.get("acceptance", {}),
-        "policy_predicted_speedup": stats.belief.get("predicted_speedup"),
-        "sources": stats.sources,
-    }
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; cached_tokens: prompt tokens whose KV an earlier request left (not recomputed)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-Kind = Literal["chat", "text"]
-
-
-def logprobs_object(kind: Kind, entries: list[TokenLogprob], piece: Callable[[int], str],
-                    text_offset: int = 0) -> dict[str, Any]:
-    """OpenAI's logprobs for `entries`: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or the
-    completions API's parallel lists (tokens, token_logprobs, top_logprobs, text_offset from `text_offset`).
-    piece(id) is a token's text. The values are the target's raw log-probabilities (see TokenLogprob); an echoed
-    prompt's first token has none (logprob None), which OpenAI shows as null."""
-    if kind == "chat":
-        def one(token: int, logprob: float) -> dict[str, Any]:
-            text = piece(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
-                            for e in entries], "refusal": None}
-    offsets, at = [], text_offset
-    for e in entries:
-        offsets.append(at)
-        at += len(piece(e.token))
-    return {"tokens": [piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.logprob is None else {piece(t): v for t, v in e.top} for e in entries],
-            "text_offset": offsets}
-
-
-def choice_object(kind: Kind, index: int, text: str | None, finish_reason: str, logprobs: dict[str, Any] | None,
-                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One choice of a whole (non-streamed) response; a chat choice with tool calls has content None when the
-    model wrote nothing else, as OpenAI's do."""
-    if kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion_response(kind: Kind, request_id: str, model: str, choices: list[dict[str, Any]],
-                         usage_: dict[str, int], timings_: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
-    """A whole (non-streamed) chat.completion or text_completion object. timings_: one dict for one choice; for
-    n > 1, one per choice, which each choice carries (the top level then has none)."""
-    obj = "chat.completion" if kind == "chat" else "text_completion"
-    response = {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
-                "usage": usage_}
-    if isinstance(timings_, dict):
-        response["timings"] = timings_
-    else:
-        for choice, t in zip(choices, timings_, strict=True):
-            choice["timings"] = t
-    return response
-
-
-def stream_chunk(kind: Kind, request_id: str, created: int, model: str, text: str | None,
-                 finish_reason: str | None = None, role: bool = False,
-                 logprobs: dict[str, Any] | None = None, index: int = 0,
-                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One chat.completion.chunk (or streamed text_completion) for choice `index`, carrying `text` (and the
-    logprobs of the tokens that came with it, and tool-call deltas); each choice's first chat chunk has the role."""
-    if kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text is not None:
-            delta["content"] = text
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
