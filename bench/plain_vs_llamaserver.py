@@ -20,36 +20,15 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
-import time
 
 import httpx
 
 import tandem
-from tandem.bench.llamaserver import free_port
+from tandem.bench.llamaserver import server_process
 from tandem.bench.suite import load_suite
 from tandem.engine import Engine, Request
 from tandem.loading.registry import DEFAULT_TARGET
-
-
-def start_server(server: str, model: str, threads: int | None, ctx: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [server, "-m", model, "--port", str(port), "--host", "127.0.0.1", "-c", str(ctx), "-np", "1",
-           "--no-webui"] + (["-t", str(threads)] if threads else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("llama-server did not come up in 300 s")
 
 
 def server_decode_tps(base: str, messages: list[dict], max_tokens: int) -> float:
@@ -108,11 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         result = tandem.generate(model, messages=messages, max_tokens=max_tokens, ignore_eos=True)
         return result.stats.decode_tokens_per_second
 
-    # SIGTERM ends the run through the finally below, which stops the server (else it outlives us)
+    # SIGTERM ends the run through server_process's exit, which stops the server (else it outlives us)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    proc, base = start_server(args.server, target.path, args.threads, 4096)
     rows = {pr.name: {name: [] for name in paths + ["llama-server"]} for pr in prompts}
-    try:
+    with server_process(args.server, target.path, None, 0, 0, args.threads, 4096) as (proc, base):
         for pr in prompts:  # warm-up: every path and the server once on every prompt, short
             for path in paths:
                 run(path, list(pr.messages), 8)
@@ -134,9 +112,6 @@ def main(argv: list[str] | None = None) -> int:
                         tps = run(name, messages, args.max_tokens)
                     rows[pr.name][name].append(tps)
                 print(pr.name, {k: round(v[-1], 1) for k, v in rows[pr.name].items()}, flush=True, file=sys.stderr)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     print(f"{'prompt':10} " + " ".join(f"{n:>12}" for n in paths + ["llama-server"]) + "   "
           + " ".join(f"{n + '/server':>18}" for n in paths))
     summary = {}

@@ -35,6 +35,14 @@ def serving(server: str, model: str, draft: str | None, n_max: int, ngl: int, th
             slots: int = 1, extra: Sequence[str] = ()) -> Iterator[str]:
     """llama-server on a free loopback port, plain or with `draft` (classic draft-model speculation, at most n_max
     tokens an iteration), `slots` parallel sequences of `ctx` tokens each; yields its base URL once healthy."""
+    with server_process(server, model, draft, n_max, ngl, threads, ctx, slots, extra) as (_, base):
+        yield base
+
+
+@contextlib.contextmanager
+def server_process(server: str, model: str, draft: str | None, n_max: int, ngl: int, threads: int | None, ctx: int,
+                   slots: int = 1, extra: Sequence[str] = ()) -> Iterator[tuple[subprocess.Popen, str]]:
+    """As `serving`, yielding the process too (its pid: CPU-time measurements)."""
     port = free_port()
     cmd = [server, "-m", model, "--port", str(port), "--host", "127.0.0.1", "-ngl", str(ngl), "-c", str(ctx * slots),
            "-np", str(slots), "--no-webui", *extra]
@@ -59,7 +67,7 @@ def serving(server: str, model: str, draft: str | None, n_max: int, ngl: int, th
             time.sleep(0.5)
         else:
             raise RuntimeError("llama-server did not become healthy in 10 minutes")
-        yield base
+        yield proc, base
     finally:
         proc.terminate()
         proc.wait(timeout=30)
