@@ -383,9 +383,6 @@ class Server:
         """A token's text, as logprobs show it."""
         return self.target.tokenizer.decode([token])
 
-    def logprobs(self, kind: responses.Kind, entries, text_offset: int = 0) -> dict:
-        return responses.logprobs_object(kind, entries, self.piece, text_offset)
-
     def summarize(self, request: Request, stats, job: Job | None, n: int = 1) -> None:
         """What the access log line adds for a generation (its first choice's figures, when there are n)."""
         request.state.generation_summary = (
