@@ -8,30 +8,42 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from tandem.backends.base import Model
 from tandem.engine.scoring import prompt_logprobs
 from tandem.server import protocol, responses
 from tandem.server.asgi import SSEResponse, sse
 from tandem.server.choices import Choice
 from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from tandem.server.scheduler import Event, Job, ShuttingDownError
+from tandem.server.scheduler import Event, Job, Scheduler, ShuttingDownError
 from tandem.speculative.stats import GenerationStats
 
-if TYPE_CHECKING:
-    from tandem.server.app import Server
-
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+class Host(Protocol):
+    """What a Responder needs of the server (app.Server)."""
+
+    target: Model
+    model_name: str
+    scheduler: Scheduler
+
+    def require_ready(self) -> None: ...
+    def make_jobs(self, req: protocol._GenerationRequest, ids: list[int]) -> list[Job]: ...
+    def submit(self, jobs: list[Job]) -> None: ...
+    def cancel(self, jobs: list[Job]) -> None: ...
+    def piece(self, token: int) -> str: ...
 
 
 class Responder:
     """The server's generation requests from queueing to the last byte of their answers."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Host) -> None:
         self.server = server
 
     async def next_event(self, jobs: list[Job], request: Request | None) -> Event | None:
