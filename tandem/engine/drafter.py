@@ -17,8 +17,9 @@ import torch
 from tandem.backends.base import Model
 from tandem.engine.sequence import DRAFT_MODEL, Generation
 from tandem.sampling import argmax, probs_from_logits, sample
+from tandem.speculative.compat import draft_ids
+from tandem.speculative.policy import STEADY_CATCH_UP
 
-STEADY_CATCH_UP = 2  # a draft taking in at most this many tokens before drafting is drafting steadily
 EVIDENCE_ROWS = 16  # an evidence catch-up reads the draft's predictions of at most this many latest tokens
 
 Proposal = tuple[list[int], torch.Tensor | None]  # draft tokens, and (sampling) the distributions they came from
@@ -51,9 +52,7 @@ class Drafter:
             self.kv.rewind(gen.slot, len(gen.tokens) - 1)
 
     def _unseen(self, gen: Generation, end: int | None = None) -> list[int]:
-        # An id past the draft's vocabulary (a target with padded rows) gets a stand-in; the target verifies anyway.
-        vocab = self.model.vocab_size
-        return [t if t < vocab else 0 for t in gen.tokens[self.kv.length(gen.slot) : end]]
+        return draft_ids(gen.tokens[self.kv.length(gen.slot) : end], self.model.vocab_size)
 
     def draft(self, drafting: dict[int, tuple[Generation, int]]) -> tuple[dict[int, Proposal], int | None]:
         """Per sequence id, k drafts (fewer where its grammar ends them), and the draft steps taken: None where a
@@ -88,10 +87,11 @@ class Drafter:
             active = [i for i in active if len(drawn[i]) < drafting[i][1] and i not in ended]
             if not active:
                 break
-            done = [i for i in drafting if i not in active]
             fed = active
-            if steady and all(drawn[i] and self.kv.length(drafting[i][0].slot) < self.kv.capacity for i in done):
-                fed = active + done
+            if steady:
+                done = [i for i in drafting if i not in active]
+                if all(drawn[i] and self.kv.length(drafting[i][0].slot) < self.kv.capacity for i in done):
+                    fed = active + done
             logits = self.kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in fed], [True] * len(fed))
         return {i: (drawn[i], self._distributions(dists[i])) for i in drafting}, None if catching_up else steps
 
@@ -109,12 +109,11 @@ class Drafter:
         after its last token, in batch order."""
         if all(len(rows) == 1 for _, rows in batch) or any(self.kv.length(g.slot) == 0 for g in gens):
             return self.kv.forward(batch, [True] * len(batch))
-        vocab, first = self.model.vocab_size, []
+        first = []
         for gen, (slot, rows) in zip(gens, batch, strict=True):
             if len(rows) == 1:
-                seen = self.kv.length(slot) - 1
-                self.kv.rewind(slot, seen)
-                rows = [gen.tokens[seen] if gen.tokens[seen] < vocab else 0] + rows
+                self.kv.rewind(slot, self.kv.length(slot) - 1)
+                rows = self._unseen(gen)  # the last seen token, then the new one
             first.append((slot, rows[:1]))
         self.kv.forward(first, [True] * len(first))
         return self.kv.forward([(slot, rows[-1:]) for slot, rows in batch], [True] * len(batch))

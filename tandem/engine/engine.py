@@ -23,7 +23,7 @@ import torch
 
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
-from tandem.engine.drafter import STEADY_CATCH_UP, Drafter
+from tandem.engine.drafter import Drafter
 from tandem.engine.kv_pool import SlotTable, fit_slots
 from tandem.engine.scoring import score_rows, token_logprobs
 from tandem.engine.sequence import (
@@ -42,6 +42,7 @@ from tandem.speculative.policy import (
     EVIDENCE_TOKENS,
     LEARNING_ITERATIONS,
     PROBE_VALUE_MARGIN,
+    STEADY_CATCH_UP,
     AdaptivePolicy,
     CostModel,
     copied_risk,

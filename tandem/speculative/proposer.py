@@ -16,6 +16,7 @@ import torch
 
 from tandem.backends.base import Model, Sequence
 from tandem.sampling import SamplingParams, argmax, make_generator, probs_from_logits, sample
+from tandem.speculative.compat import draft_ids
 from tandem.speculative.policy import DRAFT_MODEL_SOURCE, STEADY_CATCH_UP
 
 
@@ -112,13 +113,8 @@ class DraftModelProposer(Proposer):
         self._next_logits: tuple[int, torch.Tensor] | None = None  # (tokens seen, the row predicting the next)
 
     def _unseen(self, tokens: list[int]) -> list[int]:
-        catch_up = tokens[self.seq.length :]  # accepted tokens the draft has not seen: 1 or 2 per iteration
-        if any(t >= self.draft.vocab_size for t in catch_up):
-            # A target with a wider (padded) vocabulary emitted an id the draft has no embedding for (Qwen2.5-32B
-            # has 152064 rows, its 0.5B-3B drafts 151936; a random 32B emits one every ~1200 tokens): feed the draft
-            # a stand-in. Its proposals after it may be worse; the target still verifies every one.
-            catch_up = [t if t < self.draft.vocab_size else 0 for t in catch_up]
-        return catch_up
+        # accepted tokens the draft has not seen: 1 or 2 per iteration
+        return draft_ids(tokens[self.seq.length :], self.draft.vocab_size)
 
     def catch_up(self, tokens: list[int], source: str | None = None) -> CatchUp:
         """Take in every unseen token in one or two batched forwards; the rows over generated tokens show which of
