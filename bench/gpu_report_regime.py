@@ -229,7 +229,8 @@ def run_bench(target, draft, costs: dict, args: argparse.Namespace, save=lambda 
 # --- llama-server -------------------------------------------------------------------------------------------------
 
 
-def run_server(args: argparse.Namespace) -> list[dict]:
+def run_server(args: argparse.Namespace, save=lambda rows: None) -> list[dict]:
+    """llama-server's rows, each passed to `save` as soon as it is measured (each config restarts the server)."""
     import asyncio
 
     from tandem.bench.llamaserver import serving
@@ -237,7 +238,7 @@ def run_server(args: argparse.Namespace) -> list[dict]:
 
     kinds = list(LOAD_PROMPTS)
     rows = []
-    for with_draft in (False, True):
+    for with_draft in [c == "draft" for c in args.server_configs]:
         for n in args.concurrency:
             log(f"llama-server {'with the draft' if with_draft else 'plain'}, {n} slots")
             with serving(args.server, args.model, args.draft if with_draft else None, args.server_n_max, args.ngl,
@@ -254,6 +255,7 @@ def run_server(args: argparse.Namespace) -> list[dict]:
                          "tps": statistics.median(r.output_tokens_per_s for r in reports), "failed": failed,
                          "errors": sorted({e for r in reports for e in r.errors})[:3],
                          "acceptance": accepted / drafted if drafted else None})
+            save(rows)
             log(f"  {rows[-1]['tps']:.1f} tok/s" + (f", {failed} failed" if failed else ""))
     return rows
 
@@ -355,6 +357,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server", help="llama-server binary (the server part)")
     p.add_argument("--ngl", type=int, default=99, help="llama-server's GPU layers")
     p.add_argument("--server-n-max", type=int, default=3, help="llama-server's --spec-draft-n-max")
+    p.add_argument("--server-configs", default="plain,draft", help="llama-server runs: plain, draft (with the draft "
+                   "model), or both")
     p.add_argument("--server-threads", type=int, default=None, help="llama-server's -t (CPU runs: tandem's threads)")
     # On this shared 2-core CPU, llama-server's decode of one small random file swung between ~4 and ~200 tok/s from
     # one start to the next (with and without --no-warmup, -np 1 or 2): flags to try where a number looks like that.
@@ -369,6 +373,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("the server part needs --server PATH")
     args.acceptance = [float(a) for a in args.acceptance.split(",")]
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
+    args.server_configs = [x.strip() for x in args.server_configs.split(",") if x.strip()]
+    if set(args.server_configs) - {"plain", "draft"}:
+        p.error("--server-configs: plain, draft")
     args.fixed = [int(k) for k in args.fixed.split(",") if k.strip()]
     return args
 
@@ -382,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.parts:  # none: print the table of what --json holds
         doc["args"] = {k: v for k, v in vars(args).items() if k != "json"}
 
-    def save(rows: list[dict] | None = None) -> None:
+    def save(rows: list[dict] | None = None, part: str = "bench") -> None:
         if rows is not None:
-            doc["bench"] = rows
+            doc[part] = rows
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1)
@@ -397,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         target.close()
         draft.close()
     if "server" in args.parts:
-        doc["server"] = run_server(args)
+        # rows from an earlier call stay unless this call measures the same config again
+        earlier = [r for r in doc.get("server", []) if ("draft" if r["draft"] else "plain") not in args.server_configs]
+        doc["server"] = earlier + run_server(args, lambda rows: save(earlier + rows, "server"))
     save()
     print(format_table(doc))
     return 0
