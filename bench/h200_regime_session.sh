@@ -24,11 +24,11 @@ plain_server() { ACCEPTANCE=0.8 REGIME_ARGS="--repeats 3 --server-configs plain"
 case $1 in
 1) CUDA_LIBS=1 bash bench/h200.sh setup 2>&1 | tail -4; bash bench/h200.sh regimewrite 2>&1 | tail -5 ;;
 2) bash bench/h200.sh vksetup 2>&1 | tail -4
-   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-380} bash bench/h200.sh regimevk > /dev/null 2>&1
-   tail -3 $OUT/regime_vulkan_*.err; plain_server ${S2:-170} vulkan
+   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-330} bash bench/h200.sh regimevk > /dev/null 2>&1
+   tail -3 $OUT/regime_vulkan_*.err; plain_server ${S2:-150} vulkan
    table /root/m/big/regime_vulkan_Q4_0_1.5b.json; tail -2 /root/build-libs.log ;;
 3) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
-   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T3:-380} bash bench/h200.sh regime > /dev/null 2>&1
+   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T3:-350} bash bench/h200.sh regime > /dev/null 2>&1
    tail -3 $OUT/regime_cuda_*.err; plain_server ${S3:-170} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
 4) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=560 REGIME=vulkan \
        bash bench/h200.sh regimellama > /dev/null 2>&1
