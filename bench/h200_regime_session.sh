@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issue 26's H200 session, one device call per step, back to back (the box goes cold 30 s after a call):
-#   run(carry=[".whl", ".xfer"],             "bash bench/h200_regime_session.sh 1")   setup + the random GGUFs
-#   run(carry=[".vk", ".gl", ".vkserver"],  "bash bench/h200_regime_session.sh 2")   Vulkan: regime, then
-#                                                        llama-server plain on the same files (beside the CUDA build)
-#   run("bash bench/h200_regime_session.sh 3")  CUDA regime (waits for setup's build), then llama-server plain
-#   run("bash bench/h200_regime_session.sh 4")  llama-server with the draft on Vulkan, same files (if time is left)
-#   run("bash bench/h200_regime_session.sh 5")  llama-server with the draft on CUDA, same files (if time is left)
-# Each of steps 2-5 fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
+#   run(carry=[".whs", ".xfer", ".vk", ".gl", ".vkserver"], "bash bench/h200_regime_session.sh 1")
+#       setup (the CUDA build starts in the background), the random GGUFs, then on Vulkan: the regime and llama-server
+#       plain on the same files
+#   run(carry=[".whl"], "bash bench/h200_regime_session.sh 2")
+#       the CUDA regime (waits for the build) and llama-server plain
+#   run("bash bench/h200_regime_session.sh 3")  llama-server with the draft, Vulkan and CUDA (if time is left)
+# Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
 # Carried paths (git-ignored, listed in .git/info/exclude), made on the CPU machine:
 #   .whl       wheels: llama_cpp_python (CPU build; its Python package, CUDA_LIBS=1 swaps in CUDA libraries),
-#              gguf, diskcache, llguidance
+#              llguidance; .whs: gguf, diskcache
 #   .xfer      llama-src.tar.xz (llama-cpp-python 0.3.36's vendored llama.cpp, no build*/docs/models/media),
 #              qwen-tokenizer.gguf (python -m tandem.models.random_gguf ... --extract-tokenizer REAL.gguf)
 #   .vk        llama_cpp/ of llama-cpp-python 0.3.36 built with -DGGML_VULKAN=on (as .ci/vulkan), one copy per
@@ -22,19 +22,20 @@ A="--repeats 3 --prompts 2 --cost-repeats 5"
 plain_server() { ACCEPTANCE=0.8 REGIME_ARGS="--repeats 3 --server-configs plain" REGIME_TIMEOUT=$1 REGIME=$2 \
     bash bench/h200.sh regimellama > /dev/null 2>&1; tail -3 $OUT/regime_llama_*.err; }
 case $1 in
-1) CUDA_LIBS=1 bash bench/h200.sh setup 2>&1 | tail -4; bash bench/h200.sh regimewrite 2>&1 | tail -5 ;;
-2) bash bench/h200.sh vksetup 2>&1 | tail -4
-   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-330} bash bench/h200.sh regimevk > /dev/null 2>&1
-   tail -3 $OUT/regime_vulkan_*.err; plain_server ${S2:-150} vulkan
+1) CUDA_LIBS=1 bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4
+   bash bench/h200.sh vksetup 2>&1 | tail -3
+   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T1:-290} bash bench/h200.sh regimevk > /dev/null 2>&1
+   tail -3 $OUT/regime_vulkan_*.err; plain_server ${S1:-120} vulkan
    table /root/m/big/regime_vulkan_Q4_0_1.5b.json; tail -2 /root/build-libs.log ;;
-3) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
-   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T3:-350} bash bench/h200.sh regime > /dev/null 2>&1
-   tail -3 $OUT/regime_cuda_*.err; plain_server ${S3:-170} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
-4) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=560 REGIME=vulkan \
+2) python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+   while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
+   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-320} bash bench/h200.sh regime > /dev/null 2>&1
+   tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-140} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
+3) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 REGIME=vulkan \
        bash bench/h200.sh regimellama > /dev/null 2>&1
-   tail -3 $OUT/regime_llama_*.err; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
-5) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=560 bash bench/h200.sh regimellama \
+   ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 bash bench/h200.sh regimellama \
        > /dev/null 2>&1
-   tail -3 $OUT/regime_llama_*.err; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
-*) echo "step 1-5"; exit 2 ;;
+   tail -3 $OUT/regime_llama_*.err; table /root/m/big/regime_vulkan_Q4_0_1.5b.json
+   table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
+*) echo "step 1-3"; exit 2 ;;
 esac
