@@ -18,19 +18,19 @@
 #              libllama-server-impl.so, libllama-common.so.0, libmtmd.so.0 (runs on .vk's libraries)
 export PYTHONPATH=/tmp/site:$PWD
 table() { python3 bench/gpu_report_regime.py --model x --draft y --parts "" --json $1 2>&1 | tail -24; cp $1 $OUT/; }
-A="--repeats 3 --prompts 2 --cost-repeats 5"
+A="--repeats ${REPEATS:-2} --prompts 2 --cost-repeats 5"
 plain_server() { ACCEPTANCE=0.8 REGIME_ARGS="--repeats 3 --server-configs plain" REGIME_TIMEOUT=$1 REGIME=$2 \
     bash bench/h200.sh regimellama > /dev/null 2>&1; tail -3 $OUT/regime_llama_*.err; }
 case $1 in
 1) CUDA_LIBS=1 bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4
    bash bench/h200.sh vksetup 2>&1 | tail -3
-   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T1:-290} bash bench/h200.sh regimevk > /dev/null 2>&1
-   tail -3 $OUT/regime_vulkan_*.err; plain_server ${S1:-120} vulkan
+   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T1:-250} bash bench/h200.sh regimevk > /dev/null 2>&1
+   tail -3 $OUT/regime_vulkan_*.err; plain_server ${S1:-100} vulkan
    table /root/m/big/regime_vulkan_Q4_0_1.5b.json; tail -2 /root/build-libs.log ;;
 2) python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
    while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
-   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-320} bash bench/h200.sh regime > /dev/null 2>&1
-   tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-140} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
+   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-280} bash bench/h200.sh regime > /dev/null 2>&1
+   tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-120} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
 3) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 REGIME=vulkan \
        bash bench/h200.sh regimellama > /dev/null 2>&1
    ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 bash bench/h200.sh regimellama \
