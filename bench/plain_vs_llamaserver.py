@@ -9,7 +9,8 @@ alike. Decode tokens/s: tandem's GenerationStats (tokens after the first / decod
 `timings.predicted_per_second`; with --cpu-time, decoded tokens per CPU second of each process instead. Paths:
 `generate` (tandem.generate, the batch-1 decoder `tandem generate` runs), `engine` (one request through the
 batched Engine, as `tandem serve` runs it), `unrepacked` (generate with repack=False, the backend's previous
-default), `worker` (generate with llama.cpp in tandem's worker process, which has no torch in it). Prints per
+default), `worker` (generate with llama.cpp in tandem's worker process, which has no torch in it), `bare` (a bare
+greedy loop over a context of the generate path's weights and settings: what tandem's per-token work costs). Prints per
 prompt the medians and each path's median ratio, over rounds, to llama-server in the same round.
 """
 
@@ -21,8 +22,10 @@ import os
 import signal
 import statistics
 import sys
+import time
 
 import httpx
+import numpy as np
 
 import tandem
 from tandem.bench.llamaserver import server_process
@@ -78,7 +81,26 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(target, None, slots=1) if "engine" in paths else None
     prompts = load_suite("default", args.prompts)
 
+    def bare(messages: list[dict], max_tokens: int) -> float:
+        """A bare greedy loop over a context of tandem's own weights and settings: llama_decode and numpy's argmax,
+        none of tandem's per-token work (sampling pipeline, stops, detokenising, stats)."""
+        ids = target.tokenizer.encode_chat(messages)
+        context = target.weights.context(target.n_ctx, target.n_batch)
+        out = np.empty((1, target.config.vocab_size), dtype=np.float32)
+        try:
+            wanted = np.zeros(len(ids), dtype=np.int8)
+            wanted[-1] = 1
+            context.decode([0] * len(ids), ids, np.arange(len(ids), dtype=np.int32), wanted, out)
+            started = time.perf_counter()
+            for pos in range(len(ids), len(ids) + max_tokens - 1):
+                context.decode([0], [int(out[0].argmax())], [pos], [1], out)
+            return (max_tokens - 1) / (time.perf_counter() - started)
+        finally:
+            target.weights.release(context)
+
     def run(path: str, messages: list[dict], max_tokens: int) -> float:
+        if path == "bare":
+            return bare(messages, max_tokens)
         if path == "engine":
             ids = target.tokenizer.encode_chat(messages)
             result = engine.generate([Request(ids, max_tokens=max_tokens, ignore_eos=True)])[0]
