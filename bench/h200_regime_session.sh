@@ -6,6 +6,8 @@
 #   run(carry=[".whl"], "bash bench/h200_regime_session.sh 2")
 #       the CUDA regime (waits for the build) and llama-server plain
 #   run("bash bench/h200_regime_session.sh 3")  llama-server with the draft, Vulkan and CUDA (if time is left)
+#   run(carry=[".whs", ".xfer/qwen-tokenizer.gguf", ".vk", ".gl", ".vkserver"], "bash bench/h200_regime_session.sh v")
+#       Vulkan alone in one call (no CUDA build: llama-src stays behind), for a session with ~13 device-minutes
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
 # Carried paths (git-ignored, listed in .git/info/exclude), made on the CPU machine:
 #   .whl       wheels: llama_cpp_python (CPU build; its Python package, CUDA_LIBS=1 swaps in CUDA libraries),
@@ -37,5 +39,9 @@ case $1 in
        > /dev/null 2>&1
    tail -3 $OUT/regime_llama_*.err; table /root/m/big/regime_vulkan_Q4_0_1.5b.json
    table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
-*) echo "step 1-3"; exit 2 ;;
+v) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # Vulkan alone, one call
+   bash bench/h200.sh vksetup 2>&1 | tail -3
+   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T1:-340} bash bench/h200.sh regimevk > /dev/null 2>&1
+   tail -3 $OUT/regime_vulkan_*.err; plain_server ${S1:-120} vulkan; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
+*) echo "step 1-3, or v"; exit 2 ;;
 esac
