@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The H200 session that produced bench/results/h200-2026-12-03b/: one phase per device call, in this order.
+#   wheels    the carried wheels (.whl, .whs) into /tmp/site, as setup does first
 #   setup     wheels (.whl, .whs), Vulkan loader (.gl debs), llama-cpp-python built for Vulkan here (.vk), and llama.cpp's
 #             CUDA llama-server built in the background from llama-cpp-python's vendored tree (.xfer/llama-src.tar.xz)
 #   (then one call per chunk: cat .xfer/pNNN >> /root/m/pair.bin, carrying only that chunk; made here with
@@ -53,11 +54,13 @@ LLAMA_SERVER=/root/llama/llama.cpp.src/build/bin/llama-server
 [ -f /root/m/nosplit ] && export TANDEM_SPLIT_K=0 && echo "split-K output projections OFF (slower step)"
 [ -f /root/m/nopdl ] && export TANDEM_PDL=0 && echo "programmatic dependent launch OFF (slower step)"
 case $phase in
-setup)
+wheels|setup)
     # .whl: the big wheels (llama_cpp_python's CPU build, llguidance), .whs: the small ones (gguf, diskcache); a call
-    # may carry one of them (64 MiB a call), a later call `setup`s again with the other
+    # may carry one of them (64 MiB a call), a later call installs the other (phase wheels)
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
         $(ls .whl/*.whl .whs/*.whl 2>/dev/null)
+    ;;&
+setup)
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
     mkdir -p /root/m /root/vk && cp -a .vk/. /root/vk/
     if [ -f .xfer/llama-src.tar.xz ] && [ "${CUDA_LIBS:-0}" != 1 ]; then  # llamacpp phase: the build takes 10 cores

@@ -7,7 +7,7 @@
 #       the CUDA regime (waits for the build) and llama-server plain
 #   run("bash bench/h200_regime_session.sh 3")  llama-server with the draft, Vulkan and CUDA (if time is left)
 #   run(carry=[".whs", ".xfer/qwen-tokenizer.gguf", ".vk", ".gl", ".vkserver"], "bash bench/h200_regime_session.sh v")
-#       Vulkan alone in one call (no CUDA build: llama-src stays behind), for a session with ~13 device-minutes
+#       Vulkan alone in one call (no CUDA build: llama-src stays behind), for a session with ~11 device-minutes
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
 # Carried paths (git-ignored, listed in .git/info/exclude), made on the CPU machine:
 #   .whl       wheels: llama_cpp_python (CPU build; its Python package, CUDA_LIBS=1 swaps in CUDA libraries),
@@ -23,13 +23,14 @@ table() { python3 bench/gpu_report_regime.py --model x --draft y --parts "" --js
 A="--repeats ${REPEATS:-2} --prompts 2 --cost-repeats 5"
 plain_server() { ACCEPTANCE=0.8 REGIME_ARGS="--repeats 3 --server-configs plain" REGIME_TIMEOUT=$1 REGIME=$2 \
     bash bench/h200.sh regimellama > /dev/null 2>&1; tail -3 $OUT/regime_llama_*.err; }
+# vulkan TIMEOUT SERVER_TIMEOUT: llama.cpp for Vulkan set up, the regime on it, then llama-server plain, the table
+vulkan() { bash bench/h200.sh vksetup 2>&1 | tail -3
+    ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=$1 bash bench/h200.sh regimevk > /dev/null 2>&1
+    tail -3 $OUT/regime_vulkan_*.err; plain_server $2 vulkan; table /root/m/big/regime_vulkan_Q4_0_1.5b.json; }
 case $1 in
 1) CUDA_LIBS=1 bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4
-   bash bench/h200.sh vksetup 2>&1 | tail -3
-   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T1:-250} bash bench/h200.sh regimevk > /dev/null 2>&1
-   tail -3 $OUT/regime_vulkan_*.err; plain_server ${S1:-100} vulkan
-   table /root/m/big/regime_vulkan_Q4_0_1.5b.json; tail -2 /root/build-libs.log ;;
-2) python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+   vulkan ${T1:-250} ${S1:-100}; tail -2 /root/build-libs.log ;;
+2) bash bench/h200.sh wheels
    while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
    ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-280} bash bench/h200.sh regime > /dev/null 2>&1
    tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-120} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
@@ -40,8 +41,6 @@ case $1 in
    tail -3 $OUT/regime_llama_*.err; table /root/m/big/regime_vulkan_Q4_0_1.5b.json
    table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
 v) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # Vulkan alone, one call
-   bash bench/h200.sh vksetup 2>&1 | tail -3
-   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T1:-340} bash bench/h200.sh regimevk > /dev/null 2>&1
-   tail -3 $OUT/regime_vulkan_*.err; plain_server ${S1:-120} vulkan; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
+   vulkan ${T1:-340} ${S1:-120} ;;
 *) echo "step 1-3, or v"; exit 2 ;;
 esac
