@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from tandem.backends.torch_backend import GRAPH_ROWS, TorchSequence
+from tandem.backends.torch_backend import TorchSequence
+from tandem.backends.torch_graphs import GRAPH_ROWS
 from tandem.models.shapes import random_model
 
 

@@ -10,12 +10,12 @@ from collections.abc import Sequence as Seq
 import torch
 
 from tandem.backends.base import BatchedCache, Model, Sequence
+from tandem.backends.torch_graphs import GRAPH_ROWS, PackedGraphs, StepGraph
 from tandem.cache import KVCache
 from tandem.config import ModelConfig
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
 from tandem.loading.weights import load_weights
-from tandem.models import fused_projections
 from tandem.models.transformer import Transformer
 
 DTYPES = {
@@ -26,16 +26,9 @@ DTYPES = {
 }
 DEFAULT_CTX = 4096
 PREFILL_CHUNK = 512  # bounds the [T, S] attention mask and activations of a long prompt
-# Every graphed forward runs as 9 rows: a target's verify of up to 8 drafts, and a draft's one-token steps, for
-# which 9 rows cost 1.6% more than 1 on an H200 and let an idle draft catch up 9 tokens a replay (what makes
-# turning drafting back on affordable, speculative/policy.py).
-GRAPH_ROWS = 9
 GRAPH_CHUNKS_MAX = 64  # forwards of up to this many tokens replay the graph in chunks; longer ones run eagerly
 SLOT_ALIGN = 64  # cache slots are rounded up to this: aligned rows for the attention matmuls
-KV_BUCKET_MIN = 256  # a graph attends over 256, 512, 1024, ... cache slots, the fewest that hold every position
 SEQUENCE_POOL = 4  # closed sequences kept per capacity: their caches and captured graphs are reused
-PACKED_ROWS_MIN = 16  # a batch's graphs hold 16, 32, 64, ... rows (the kernels' tile: fewer cost the same)
-PACKED_ROUNDS = 8  # replays one batched forward takes at most (a 64-token prompt in 9-row pieces): pinned buffers
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -58,91 +51,6 @@ def parse_device(device: str | torch.device) -> torch.device:
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device {device!r} requested but MPS is not available")
     return dev
-
-
-class StepGraph:
-    """CUDA graphs of a forward over a fixed number of rows; forwards of 1..rows tokens all replay one of them.
-
-    A small model's decode step is hundreds of kernel launches that each take less time to run than to launch;
-    replaying a graph launches them all at once. Padding every forward to the same row count also makes a token's
-    logits independent of how many tokens were verified with it: a GEMM's rounding depends on its shape (cuBLAS
-    picks other kernels for 1 row and for 9), so a 1-token plain step and a 9-token verify could argmax
-    differently in bf16. With one shape, greedy speculative output equals plain output bit for bit, for the
-    price of a few idle rows that a memory-bound step streams no extra weights for. Padded rows sit at positions
-    past the real ones: they write cache slots that no real query reads before a real token overwrites them.
-    Inputs are static buffers (tokens copied in, positions from one device scalar), so a replay creates no tensor
-    and waits for nothing on the host. One graph per power-of-two span of cache slots attended over: attention
-    reads only the slots a position can see, rounded up, instead of the whole context every step.
-    """
-
-    def __init__(self, model: TorchModel, cache: KVCache, rows: int) -> None:
-        device = model.torch_device
-        self.model, self.cache, self.rows = model, cache, rows
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.start = torch.zeros(1, dtype=torch.long, device=device)
-        self.offsets = torch.arange(rows, device=device)
-        # Host tokens go through pinned memory: a copy that needs no staging and never blocks the host. Reusing it
-        # is safe because the decode loop synchronises once per iteration, after every copy out of it has run.
-        self.host = torch.zeros(rows, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.host_view = self.host.numpy()
-        self.slots = cache.k[0].shape[2]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # kv_len -> graph, [rows, V] logits
-
-    def _forward(self, kv_len: int) -> torch.Tensor:
-        positions = self.start + self.offsets
-        return self.model.step(self.tokens, positions, self.cache.k, self.cache.v, kv_len)
-
-    def _capture(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
-        if self.model.torch_device.type != "cuda":
-            return None, None  # elsewhere the same padded step runs uncaptured (see TorchModel's `graphs`)
-        stream = torch.cuda.Stream(self.model.torch_device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph: compilation, cuBLAS handles, autotuning
-            for _ in range(2):
-                self._forward(kv_len)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self._forward(kv_len)
-        return graph, logits
-
-    def capture_all(self) -> None:
-        """Capture the graph of every span now: a first capture mid-generation stalls that request for a
-        compilation (seen on an H200: +3 ms a token over a 128-token reply that crossed into a new span). The
-        forwards write slots 0..rows-1 of a cache that holds nothing yet."""
-        span = KV_BUCKET_MIN
-        while True:
-            span = min(span, self.slots)
-            if span not in self.graphs:
-                self.graphs[span] = self._capture(span)
-            if span == self.slots:
-                return
-            span *= 2
-
-    def kv_span(self, start: int) -> int:
-        span = KV_BUCKET_MIN
-        while span < start + self.rows:
-            span *= 2
-        return min(span, self.slots)
-
-    def run(self, tokens: Seq[int] | torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
-        n = len(tokens)
-        if isinstance(tokens, torch.Tensor):
-            self.tokens[:n].copy_(tokens, non_blocking=True)
-        else:
-            self.host_view[:n] = tokens
-            self.tokens[:n].copy_(self.host[:n], non_blocking=True)
-        self.start.fill_(start)
-        kv_len = self.kv_span(start)
-        if kv_len not in self.graphs:
-            self.graphs[kv_len] = self._capture(kv_len)
-        graph, logits = self.graphs[kv_len]
-        if graph is None:
-            logits = self._forward(kv_len)
-        else:
-            graph.replay()
-        # Views of the static output: valid until this sequence's next forward.
-        return logits[n - 1 : n] if last_only else logits[:n]
 
 
 def cache_slots(capacity: int, rows: int = GRAPH_ROWS) -> int:
@@ -212,114 +120,6 @@ class TorchSequence(Sequence):
 
     def close(self) -> None:
         self.model.release(self)
-
-
-def kv_bucket(keys: int, slots: int) -> int:
-    """The span a graph attends over for `keys` keys: 256, 512, 1024, ... cache slots, at most `slots`."""
-    span = KV_BUCKET_MIN
-    while span < keys:
-        span *= 2
-    return min(span, slots)
-
-
-class PackedGraphs:
-    """CUDA graphs of Transformer.forward_packed over a KV pool: several sequences' rows in one replay.
-
-    One graph per bucket of total rows (16, 32, 64, ... up to every slot's rows_per_sequence) and span of cache
-    slots attended over (as StepGraph's), all captured now, when the pool is made. Inputs are one static int64
-    buffer (tokens, positions, cache rows, logits rows, per-sequence ranges), filled on the host and copied in one
-    transfer; the logits land in a static buffer, so the graphs share one memory pool (nothing they allocate
-    outlives a replay). Padding rows write no cache (cache row -1) and belong to no sequence; a sequence's rows
-    are computed as they would be alone (Transformer.forward_packed), so which bucket serves a batch changes no bit.
-    """
-
-    def __init__(self, model: TorchModel, pool: KVCache, slots: int) -> None:
-        transformer, device = model.transformer, model.torch_device
-        self.model, self.pool, self.slots = model, pool, slots
-        self.seq_rows = min(GRAPH_ROWS, transformer.rows_per_sequence())  # rows of one sequence a replay takes
-        self.buckets = [PACKED_ROWS_MIN]  # up to the kernels' limit: more rows go in several replays
-        while self.buckets[-1] < min(slots * self.seq_rows, fused_projections.MAX_ROWS):
-            self.buckets.append(2 * self.buckets[-1])
-        self.max_rows = R = self.buckets[-1]
-        # [tokens R | positions R | cache rows R | logits rows R | (first row, rows, cache row, keys) per slot]
-        size = 4 * R + 4 * slots
-        self.meta = torch.zeros(size, dtype=torch.long, device=device)
-        on_cuda = device.type == "cuda"
-        # One pinned buffer a round of a forward, each reused once the copy out of it has run (its event)
-        self.hosts = [torch.zeros(size, dtype=torch.long, pin_memory=on_cuda) for _ in range(PACKED_ROUNDS)]
-        self.copied = [torch.cuda.Event() if on_cuda else None for _ in range(PACKED_ROUNDS)]
-        self.logits = torch.empty(R, transformer.output.shape[0], dtype=torch.float32, device=device)
-        self.cache_slots = pool.k[0].shape[2]
-        self.use_graphs = on_cuda and model.use_graphs
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.spans = sorted({kv_bucket(KV_BUCKET_MIN << i, self.cache_slots) for i in range(32)
-                             if KV_BUCKET_MIN << i < 2 * self.cache_slots})
-
-    def _views(self, rows: int) -> tuple[torch.Tensor, ...]:
-        R, m, n_seqs = self.max_rows, self.meta, min(self.slots, rows)
-        return m[:rows], m[R : R + rows], m[2 * R : 2 * R + rows], m[4 * R : 4 * R + 4 * n_seqs].view(n_seqs, 4), \
-            m[3 * R : 3 * R + rows]
-
-    def _forward(self, rows: int, span: int) -> None:
-        tokens, positions, cache_rows, seqs, out_rows = self._views(rows)
-        self.model.transformer.forward_packed(tokens, positions, cache_rows, seqs, span, out_rows, self.pool.k,
-                                              self.pool.v, self.logits)
-
-    def capture_all(self) -> None:
-        """Every (rows, span) graph, now: from a buffer of padding alone, which writes no cache slot."""
-        if not self.use_graphs:
-            return
-        self.meta.zero_()
-        self.meta[2 * self.max_rows : 3 * self.max_rows] = -1
-        stream = torch.cuda.Stream(self.model.torch_device)
-        for rows in self.buckets:
-            for span in self.spans:
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm-up outside the graph: Triton's compilation
-                    self._forward(rows, span)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.graph_pool):
-                    self._forward(rows, span)
-                self.graphs[rows, span] = graph
-        torch.cuda.synchronize(self.model.torch_device)
-
-    def run(self, pieces: Seq[tuple[int, Seq[int] | torch.Tensor, int, bool]], round_: int = 0) -> list[torch.Tensor]:
-        """One replay: per piece (cache row, tokens (at most seq_rows), first position, logits of all its rows or
-        none); returns the logits of each piece that wants them, [T, V] views of the static buffer, valid until
-        the next run."""
-        n = sum(len(tokens) for _, tokens, _, _ in pieces)
-        rows = next(b for b in self.buckets if b >= n)
-        R, ring = self.max_rows, round_ % PACKED_ROUNDS
-        host, event = self.hosts[ring], self.copied[ring]
-        if event is not None:
-            event.synchronize()  # the last copy out of this buffer has run
-        h = host.numpy()
-        h[: 4 * R + 4 * min(self.slots, rows)] = 0
-        h[2 * R : 2 * R + rows] = -1
-        at, out, counts, keys = 0, 0, [], 0
-        for i, (slot, tokens, start, want) in enumerate(pieces):
-            k = len(tokens)
-            h[at : at + k] = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-            h[R + at : R + at + k] = range(start, start + k)
-            h[2 * R + at : 2 * R + at + k] = slot
-            h[4 * R + 4 * i : 4 * R + 4 * i + 4] = (at, k, slot, start + k)
-            if want:
-                h[3 * R + out : 3 * R + out + k] = range(at, at + k)
-                counts.append((out, k))
-                out += k
-            at, keys = at + k, max(keys, start + k)
-        self.meta.copy_(host, non_blocking=True)
-        if event is not None:
-            event.record()
-        span = kv_bucket(keys, self.cache_slots)
-        graph = self.graphs.get((rows, span))
-        if graph is not None:
-            graph.replay()
-        else:
-            self._forward(rows, span)
-        return [self.logits[o : o + k] for o, k in counts]
 
 
 class TorchBatchedCache(BatchedCache):

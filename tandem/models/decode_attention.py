@@ -9,7 +9,7 @@ values), and a second kernel folds the chunks in slot order.
 
 Chunks sit at fixed slots whatever span a forward attends over, and a chunk past every key a row may see adds
 exactly zero, so a row's output does not depend on the span or on how many rows share the forward: greedy
-speculation stays bit-exact on the GPU (see StepGraph in tandem.backends.torch_backend).
+speculation stays bit-exact on the GPU (see StepGraph in tandem.backends.torch_graphs).
 """
 
 from __future__ import annotations
