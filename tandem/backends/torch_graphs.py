@@ -4,16 +4,15 @@ a token's logits independent of what else it was computed with, so speculation a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from tandem.cache import KVCache
 from tandem.models import fused_projections
-
-if TYPE_CHECKING:
-    from tandem.backends.torch_backend import TorchModel
+from tandem.models.transformer import Transformer
 
 # Every graphed forward runs as 9 rows: a target's verify of up to 8 drafts, and a draft's one-token steps, for
 # which 9 rows cost 1.6% more than 1 on an H200 and let an idle draft catch up 9 tokens a replay (what makes
@@ -22,6 +21,15 @@ GRAPH_ROWS = 9
 KV_BUCKET_MIN = 256  # a graph attends over 256, 512, 1024, ... cache slots, the fewest that hold every position
 PACKED_ROWS_MIN = 16  # a batch's graphs hold 16, 32, 64, ... rows (the kernels' tile: fewer cost the same)
 PACKED_ROUNDS = 8  # replays one batched forward takes at most (a 64-token prompt in 9-row pieces): pinned buffers
+
+
+class GraphedModel(Protocol):
+    """What the graphs use of a TorchModel."""
+
+    torch_device: torch.device
+    transformer: Transformer
+    use_graphs: bool
+    step: Callable[..., torch.Tensor]  # Transformer.forward, compiled on CUDA: what a graph captures
 
 
 def kv_bucket(keys: int, slots: int) -> int:
@@ -47,7 +55,7 @@ class StepGraph:
     reads only the slots a position can see, rounded up, instead of the whole context every step.
     """
 
-    def __init__(self, model: TorchModel, cache: KVCache, rows: int) -> None:
+    def __init__(self, model: GraphedModel, cache: KVCache, rows: int) -> None:
         device = model.torch_device
         self.model, self.cache, self.rows = model, cache, rows
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
@@ -125,7 +133,7 @@ class PackedGraphs:
     are computed as they would be alone (Transformer.forward_packed), so which bucket serves a batch changes no bit.
     """
 
-    def __init__(self, model: TorchModel, pool: KVCache, slots: int) -> None:
+    def __init__(self, model: GraphedModel, pool: KVCache, slots: int) -> None:
         transformer, device = model.transformer, model.torch_device
         self.model, self.pool, self.slots = model, pool, slots
         self.seq_rows = min(GRAPH_ROWS, transformer.rows_per_sequence())  # rows of one sequence a replay takes
