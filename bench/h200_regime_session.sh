@@ -15,7 +15,9 @@
 #   .xfer      llama-src.tar.xz (llama-cpp-python 0.3.36's vendored llama.cpp, no build*/docs/models/media),
 #              qwen-tokenizer.gguf (python -m tandem.models.random_gguf ... --extract-tokenizer REAL.gguf)
 #   .vk        llama_cpp/ of llama-cpp-python 0.3.36 built with -DGGML_VULKAN=on (as .ci/vulkan), one copy per
-#              library soname (libllama.so, libggml*.so.0), 34 MB; .gl: Debian's libvulkan1 .deb (the loader)
+#              library soname (libllama.so, libggml*.so.0), 34 MB; .gl: Debian's libvulkan1 (the loader) and libglvnd0,
+#              libglx0, libgl1, libegl1, libopengl0, libgles2 .debs: NVIDIA's Vulkan driver is libGLX_nvidia, which
+#              needs glvnd (without them: "Could not get 'vkCreateInstance'", no Vulkan device; device README's list)
 #   .vkserver  llama-server built for Vulkan from the same tree (BUILD_SHARED_LIBS=ON): llama-server,
 #              libllama-server-impl.so, libllama-common.so.0, libmtmd.so.0 (runs on .vk's libraries)
 export PYTHONPATH=/tmp/site:$PWD
@@ -24,7 +26,8 @@ A="--repeats ${REPEATS:-2} --prompts 2 --cost-repeats 5"
 plain_server() { ACCEPTANCE=0.8 REGIME_ARGS="--repeats 3 --server-configs plain" REGIME_TIMEOUT=$1 REGIME=$2 \
     bash bench/h200.sh regimellama > /dev/null 2>&1; tail -3 $OUT/regime_llama_*.err; }
 # vulkan TIMEOUT SERVER_TIMEOUT: llama.cpp for Vulkan set up, the regime on it, then llama-server plain, the table
-vulkan() { bash bench/h200.sh vksetup 2>&1 | tail -3
+vulkan() { bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1; local rc=$?; tail -3 /tmp/vksetup.log
+    [ $rc = 0 ] || { echo "no Vulkan device: the regime on Vulkan skipped"; return 1; }
     ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=$1 bash bench/h200.sh regimevk > /dev/null 2>&1
     tail -3 $OUT/regime_vulkan_*.err; plain_server $2 vulkan; table /root/m/big/regime_vulkan_Q4_0_1.5b.json; }
 case $1 in
