@@ -40,6 +40,14 @@ def kv_bucket(keys: int, slots: int) -> int:
     return min(span, slots)
 
 
+def kv_spans(slots: int) -> list[int]:
+    """Every span kv_bucket gives for a cache of `slots` slots: 256, 512, ... and `slots` itself."""
+    spans = [min(KV_BUCKET_MIN, slots)]
+    while spans[-1] < slots:
+        spans.append(min(2 * spans[-1], slots))
+    return spans
+
+
 class StepGraph:
     """CUDA graphs of a forward over a fixed number of rows; forwards of 1..rows tokens all replay one of them.
 
@@ -90,14 +98,9 @@ class StepGraph:
         """Capture the graph of every span now: a first capture mid-generation stalls that request for a
         compilation (seen on an H200: +3 ms a token over a 128-token reply that crossed into a new span). The
         forwards write slots 0..rows-1 of a cache that holds nothing yet."""
-        span = KV_BUCKET_MIN
-        while True:
-            span = min(span, self.slots)
+        for span in kv_spans(self.slots):
             if span not in self.graphs:
                 self.graphs[span] = self._capture(span)
-            if span == self.slots:
-                return
-            span *= 2
 
     def kv_span(self, start: int) -> int:
         return kv_bucket(start + self.rows, self.slots)
@@ -153,8 +156,7 @@ class PackedGraphs:
         self.use_graphs = on_cuda and model.use_graphs
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.spans = sorted({kv_bucket(KV_BUCKET_MIN << i, self.cache_slots) for i in range(32)
-                             if KV_BUCKET_MIN << i < 2 * self.cache_slots})
+        self.spans = kv_spans(self.cache_slots)
 
     def _views(self, rows: int) -> tuple[torch.Tensor, ...]:
         R, m, n_seqs = self.max_rows, self.meta, min(self.slots, rows)
