@@ -8,6 +8,8 @@
 #   run("bash bench/h200_regime_session.sh 3")  llama-server with the draft, Vulkan and CUDA (if time is left)
 #   run(carry=[".whs", ".xfer/qwen-tokenizer.gguf", ".vk", ".gl", ".vkserver"], "bash bench/h200_regime_session.sh v")
 #       Vulkan alone in one call (no CUDA build: llama-src stays behind), for a session with ~11 device-minutes
+#   run(same carry as v, "bash bench/h200_regime_session.sh e")  Vulkan, the regime alone (ACC, default 0.8; T1)
+#   run(same carry as v, "bash bench/h200_regime_session.sh t")  Vulkan, bench/regime_trace.py: the engine's plans
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
 # Carried paths (git-ignored, listed in .git/info/exclude), made on the CPU machine:
 #   .whl       wheels: llama_cpp_python (CPU build; its Python package, CUDA_LIBS=1 swaps in CUDA libraries),
@@ -21,8 +23,10 @@
 #   .vkserver  llama-server built for Vulkan from the same tree (BUILD_SHARED_LIBS=ON): llama-server,
 #              libllama-server-impl.so, libllama-common.so.0, libmtmd.so.0 (runs on .vk's libraries)
 export PYTHONPATH=/tmp/site:$PWD
+# the byte floor's bandwidth: the lent box may be an H100 (3.35 TB/s) where an H200 (4.8) was asked for
+BW=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && echo 3350 || echo 4800)
 table() { python3 bench/gpu_report_regime.py --model x --draft y --parts "" --json $1 2>&1 | tail -24; cp $1 $OUT/; }
-A="--repeats ${REPEATS:-2} --prompts 2 --cost-repeats 5"
+A="--repeats ${REPEATS:-2} --prompts 2 --cost-repeats 5 --bandwidth-gbs $BW"
 plain_server() { ACCEPTANCE=0.8 REGIME_ARGS="--repeats 3 --server-configs plain" REGIME_TIMEOUT=$1 REGIME=$2 \
     bash bench/h200.sh regimellama > /dev/null 2>&1; tail -3 $OUT/regime_llama_*.err; }
 # vulkan TIMEOUT SERVER_TIMEOUT: llama.cpp for Vulkan set up, the regime on it, then llama-server plain, the table
@@ -45,5 +49,16 @@ case $1 in
    table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
 v) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # Vulkan alone, one call
    vulkan ${T1:-340} ${S1:-120} ;;
-*) echo "step 1-3, or v"; exit 2 ;;
+e) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # the engine alone, Vulkan
+   bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
+   ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --fixed 2" REGIME_TIMEOUT=${T1:-300} bash bench/h200.sh regimevk \
+       > /dev/null 2>&1; tail -12 $OUT/regime_vulkan_*.err; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
+t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # the engine's plans, Vulkan
+   bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
+   export PYTHONPATH=/root/vk:$PYTHONPATH:$PWD/bench LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
+   icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd
+   timeout ${T1:-240} python3 bench/regime_trace.py --model /root/m/big/T32_Q4_0.gguf --draft /root/m/big/D1.5b_Q4_0.gguf \
+       --device vulkan --acceptance ${ACC:-0.8} --concurrency ${CONC:-1,2} --repeats 1 --prompts 2 --fixed '' \
+       2>$OUT/trace.err | tee $OUT/trace.txt ;;
+*) echo "step 1-3, v, e or t"; exit 2 ;;
 esac

@@ -118,11 +118,19 @@ class Drafter:
         self.kv.forward(first, [True] * len(first))
         return self.kv.forward([(slot, rows[-1:]) for slot, rows in batch], [True] * len(batch))
 
-    def read_evidence(self, gens: list[Generation]) -> None:
+    def prefill(self, chunks: list[tuple[Generation, int]]) -> None:
+        """Take in each sequence's tokens up to `end` (a prompt chunk's end) beside the target's prefill, so that
+        its first drafts need no catch-up (Engine._draft_may_pay says which sequences)."""
+        batch = [(gen.slot, rows) for gen, end in chunks if (rows := self._unseen(gen, end))]
+        if batch:
+            self.kv.forward(batch, [True] * len(batch))
+
+    def read_evidence(self, gens: list[Generation], synthetic: float | None = None) -> None:
         """Catch each sequence's draft up on the tokens it has not seen but the pending one (which it takes in
         when it drafts), reading its argmax at the rows before the latest generated ones (at most EVIDENCE_ROWS):
         whether it would have predicted each is evidence of its acceptance (a greedy match; under sampling the same
-        figure stands in, as in the batch-1 policy)."""
+        figure stands in, as in the batch-1 policy). Under synthetic acceptance (benchmarks) each position matches
+        with that probability, drawn as the verify draws: the catch-up is paid, the random draft's argmax unread."""
         started = time.perf_counter()
         heads, tails = [], []
         for gen in gens:
@@ -133,16 +141,23 @@ class Drafter:
             split = first_checked - 1 - seen
             if split > 0:
                 heads.append((gen.slot, unseen[:split]))
-            tails.append((gen, unseen[split:], first_checked))
+            if unseen[split:]:  # else nothing generated yet that the draft has not seen: nothing to check
+                tails.append((gen, unseen[split:], first_checked))
         if heads:
             self.kv.forward(heads, [True] * len(heads))
+        if not tails:
+            return
         logits = self.kv.forward([(g.slot, rows) for g, rows, _ in tails], [False] * len(tails))
         predicted = torch.cat([argmax(rows[:, : self.target_vocab]) for rows in logits]).tolist()
         ms = 1000.0 * (time.perf_counter() - started) / len(gens)
         at = 0
         for gen, _, first_checked in tails:
             actual = gen.tokens[first_checked:]
-            matched = [p == t for p, t in zip(predicted[at : at + len(actual)], actual, strict=True)]
+            if synthetic is None:
+                matched = [p == t for p, t in zip(predicted[at : at + len(actual)], actual, strict=True)]
+            else:
+                draws = torch.rand(len(actual), generator=gen.generator, device=gen.generator.device)
+                matched = (draws < synthetic).tolist()
             at += len(actual)
             gen.observe_evidence(DRAFT_MODEL, matched)
             gen.stats.record_catch_up(DRAFT_MODEL, ms, sum(matched), len(matched))

@@ -208,6 +208,8 @@ class Engine:
                 prefills.append((gen, rows))
                 budget -= len(rows)
         prefill_rows = sum(len(rows) for _, rows in prefills)
+        if self.drafter is not None:
+            self.drafter.prefill([(gen, gen.fed + len(rows)) for gen, rows in prefills if gen.draft_prefill])
         ks = self._plan(decoding, prefill_rows)
         self._drafted = None  # (sequences, steps) of a steady batched draft, set by _propose
         proposals = self._propose(decoding, ks)
@@ -293,6 +295,7 @@ class Engine:
             self.target_kv.rewind(slot, min(reuse, self.target_kv.length(slot)))
             if self.drafter is not None:
                 self.drafter.place(slot, own, source, reuse)
+                gen.draft_prefill = self._draft_may_pay(gen)
             gen.slot, gen.fed = slot, reuse
             gen.stats.cached_tokens = reuse
             self.table.occupy(slot, gen.tokens)
@@ -311,6 +314,18 @@ class Engine:
             gen.stats.belief = {"acceptance": {s: gen.acceptance(s) for s in gen.estimates},
                                 "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()}}
         self.table.release(gen.slot, self.target_kv.length(gen.slot))
+
+    def _draft_may_pay(self, gen: Generation) -> bool:
+        """Whether the draft takes in the prompt beside the target's prefill: where, by the batch-1 costs at the
+        request's prior acceptance, a draft with nothing to catch up beats plain decoding. A draft that took in
+        nothing must catch up on the whole prompt first, a cost that kept it off for good where it would have paid
+        (H200/H100, 32B target: the engine never drafted at 1 and 2 requests); a draft that cannot pay on this
+        machine (a CPU's 1.5B/0.5B pair) still costs nothing."""
+        if DRAFT_MODEL not in gen.estimates or gen.draft_max == 0:
+            return False
+        if self.costs is None or gen.request.draft_policy == "fixed":
+            return True
+        return planner.plan([planner.Candidate(gen.acceptance(DRAFT_MODEL), gen.draft_max)], self.costs)[0] > 0
 
     # --- drafting and verification -----------------------------------------------------------------------
 
@@ -334,18 +349,29 @@ class Engine:
         # draft that cannot pay then never drafts, instead of drafting at the prior first). It waits for
         # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks.
         for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
-            if ks[i] and gen.draft_source == DRAFT_MODEL and self._wants_evidence(gen, candidate):
-                if gen.estimates[DRAFT_MODEL].request_reached == 0 and not self._first_read_pays(gen):
+            if gen.draft_source != DRAFT_MODEL or not self._wants_evidence(gen, candidate):
+                continue
+            first = gen.estimates[DRAFT_MODEL].request_reached == 0
+            if ks[i] or first and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior):
+                if first and not self._first_read_pays(gen):
                     gen.draft_declined, ks[i] = True, 0  # this request goes on with prompt lookup alone
                 elif len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
                     self._evidence.append(gen)
                 else:
                     ks[i] = 0
         if self._evidence:
-            self.drafter.read_evidence(self._evidence)
+            self.drafter.read_evidence(self._evidence, self.synthetic_acceptance)
             ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows)
         self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
+
+    def _reading_may_pay(self, candidate: planner.Candidate, prior: tuple[float, float]) -> bool:
+        """Whether reading could switch on a draft that the plan keeps off at its prior: would one sequence draft
+        (batch 1, nothing to catch up) at the acceptance that EVIDENCE_TOKENS matches in a row would give? Without
+        this, a prior learned from requests that accepted little would keep every later request off unread, and so
+        never learn otherwise."""
+        hopeful = (prior[0] + EVIDENCE_TOKENS) / (prior[1] + EVIDENCE_TOKENS)
+        return planner.plan([planner.Candidate(hopeful, candidate.k_max)], self.costs)[0] > 0
 
     def _lookup_may_pay(self, decoding: list[Generation]) -> bool:
         """Whether some sequence's text now repeats where its lookup estimate beats the least acceptance at which
@@ -365,17 +391,20 @@ class Engine:
         return False
 
     def _wants_evidence(self, gen: Generation, candidate: planner.Candidate) -> bool:
-        """Whether the draft should read the text it missed before drafting: never read yet in this request, or
-        stale (more than EVIDENCE_TOKENS plain iterations since), with more than a steady catch-up to read."""
-        if candidate.fixed or candidate.lag == 0 or self.synthetic_acceptance is not None:
-            return False  # a synthetic draft is judged by its outcomes
+        """Whether the draft should read the text it missed before drafting: never read (nor verified) yet in
+        this request, or stale (more than EVIDENCE_TOKENS plain iterations since) with more than a steady
+        catch-up to read. A draft that took in the prompt waits for generated tokens to read as one that did not."""
+        if candidate.fixed:
+            return False
         estimate = gen.estimates[DRAFT_MODEL]
-        return estimate.request_reached == 0 or gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS
+        if estimate.request_reached == 0:
+            return True
+        return candidate.lag > 0 and gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS
 
     def _batch1_view(self, gen: Generation) -> tuple[CostModel, AdaptivePolicy]:
         """The draft's batch-1 costs and a policy holding this sequence's draft estimate: the batch-1 rules' terms."""
         costs = CostModel(self.costs.draft_ms(1), dict(self.costs.verify[min(self.costs.verify)].verify_ms),
-                          self.costs.catch_up_ms_per_token)
+                          self.costs.catch_up_ms_per_token, self.costs.catch_up_base_ms)
         estimate = gen.estimates[DRAFT_MODEL]
         return costs, AdaptivePolicy(costs, gen.draft_max, prior=(estimate.accepted, estimate.drafted))
 
@@ -447,7 +476,7 @@ class Engine:
             verify = [self.costs.target_ms(1, k + 1) for k in range(self.draft_max + 1)]
             self._rates = (verify, [v + k * self.costs.draft_ms(1) for k, v in enumerate(verify)])
         lookup_ms, draft_ms = self._rates
-        catch_up_ms = max(0, lag - STEADY_CATCH_UP) * self.costs.catch_up_ms_per_token / planner.CATCH_UP_ITERATIONS
+        catch_up_ms = self.costs.catch_up_ms(max(0, lag - STEADY_CATCH_UP)) / planner.CATCH_UP_ITERATIONS
         return best_rate(lookup_a, lookup_ms, k_lookup) >= best_rate(draft_a, draft_ms, k_draft, catch_up_ms)
 
     def _propose(self, decoding: list[Generation], ks: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:

@@ -26,6 +26,11 @@ from tandem.speculative.policy import CostModel, expected_tokens
 EWMA_WEIGHT = 0.2  # weight of a new timing in the running estimates
 CONTEXT = 16  # tokens each timed sequence attends over
 REPEATS = 3
+# Rows a sequence at which the target's forward is timed (and k_max + 1): V(n) is no straight line. On llama.cpp's
+# Vulkan build (H200/H100) 2-8 rows added 4.8 ms each and the 9th 120 ms (its matrix-vector kernel takes up to 8
+# columns), so a line from V(2) to V(9) put V(3) at 1.8x its cost and a 2-token draft never ran.
+MEASURED_ROWS = (1, 2, 3, 5, 8)
+CATCH_UP_ROWS = (8, 64)  # a draft's catch-up forward is timed over these many tokens
 NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
 # A draft that missed tokens (it was off, or the request just started) first takes them in. That cost is charged
 # spread over this many iterations: drafting that pays off afterwards may start, where charging it all to one
@@ -51,7 +56,8 @@ class BatchCosts:
 
     verify: dict[int, CostModel] = field(default_factory=dict)
     draft_step: dict[int, float] = field(default_factory=dict)
-    catch_up_ms_per_token: float = 0.0
+    catch_up_ms_per_token: float = 0.0  # a draft's catch-up forward: base + tokens * per token (see measure)
+    catch_up_base_ms: float = 0.0
 
     @staticmethod
     def _bucket(table: dict, n: int) -> int:
@@ -74,6 +80,12 @@ class BatchCosts:
         value = np.maximum(vs[i - 1] + (vs[i] - vs[i - 1]) * (rows - ns[i - 1]) / (ns[i] - ns[i - 1]), 1e-6)
         later_min = np.append(np.minimum.accumulate(vs[::-1])[::-1], np.inf)  # min of vs[j:], inf past the end
         return np.minimum(value, later_min[after])
+
+    def catch_up_ms(self, tokens: int | np.ndarray) -> float | np.ndarray:
+        """One draft forward taking in `tokens` unseen tokens (of one or several sequences; 0 costs nothing)."""
+        return np.where(tokens > 0, self.catch_up_base_ms + tokens * self.catch_up_ms_per_token, 0.0) \
+            if isinstance(tokens, np.ndarray) else \
+            (self.catch_up_base_ms + tokens * self.catch_up_ms_per_token if tokens > 0 else 0.0)
 
     def draft_ms(self, sequences: int) -> float:
         if not self.draft_step or sequences == 0:
@@ -117,7 +129,7 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     def ms(steps: int, drafters: int, lag: int, rows: int) -> float:
         if rows not in target_ms:
             target_ms[rows] = costs.target_ms(batch, rows)
-        catch_up = lag * costs.catch_up_ms_per_token / CATCH_UP_ITERATIONS
+        catch_up = costs.catch_up_ms(lag) / CATCH_UP_ITERATIONS
         return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows]
 
     best_rate = fixed_tokens / ms(steps_fixed, len(fixed_stepping), 0, fixed_rows)
@@ -148,7 +160,7 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     stepping = len(fixed_stepping) + n  # draft-model sequences stepping together
     draft_cost = np.array([costs.draft_ms(int(s)) if s else 0.0 for s in stepping])  # [n]
     steps = np.where(n[None, :] > 0, np.maximum(Ks, steps_fixed), steps_fixed)  # [K, n]
-    time_ms = (steps * draft_cost)[:, None, :] + lags * costs.catch_up_ms_per_token / CATCH_UP_ITERATIONS \
+    time_ms = (steps * draft_cost)[:, None, :] + costs.catch_up_ms(lags) / CATCH_UP_ITERATIONS \
         + costs.target_ms_array(batch, rows)
     rates = (fixed_tokens + gain) / time_ms
     K_best, m_best, n_best = np.unravel_index(np.argmax(rates), rates.shape)  # the first best: shortest K, fewest
@@ -183,8 +195,9 @@ def _grid(n: int) -> np.ndarray:
 
 
 def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchronize) -> BatchCosts:
-    """Time the target's forward over B sequences of 1, 2 and k_max + 1 rows each, and the draft's one-row step
-    over B sequences, for B = 1, 2, 4, ... up to the slots (the caches must be empty: slots are scratch here)."""
+    """Time the target's forward over B sequences of MEASURED_ROWS and k_max + 1 rows each, and the draft's
+    one-row step over B sequences, for B = 1, 2, 4, ... up to the slots (the caches must be empty: slots are scratch
+    here)."""
     batches = [1]
     while batches[-1] * 2 <= target.slots:
         batches.append(batches[-1] * 2)
@@ -193,13 +206,20 @@ def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchr
     k_max = max(0, min(k_max, target.capacity - CONTEXT - 1))
     costs = BatchCosts()
     for b in batches:
-        rows = sorted({1, 2, k_max + 1})
+        rows = sorted({n for n in MEASURED_ROWS if n <= k_max} | {k_max + 1})
         costs.verify[b] = CostModel(draft_step_ms=0.0, verify_ms={b * n: _time(target, b, n, synchronize)
                                                                   for n in rows})
         if draft is not None:
             costs.draft_step[b] = _time(draft, b, 1, synchronize)
     if draft is not None:
-        costs.catch_up_ms_per_token = _time(draft, 1, 8, synchronize) / 8
+        # Two sizes, a base and a price a token: on a GPU a forward's cost hardly grows with its tokens (Vulkan, H200:
+        # 2.0 ms + 0.47 a token), where an 8-token forward's price a token priced a prompt's catch-up several times
+        # over; on a CPU the base is near 0.
+        short = _time(draft, 1, CATCH_UP_ROWS[0], synchronize)
+        long = _time(draft, 1, CATCH_UP_ROWS[1], synchronize) if draft.capacity >= CONTEXT + CATCH_UP_ROWS[1] \
+            else short * CATCH_UP_ROWS[1] / CATCH_UP_ROWS[0]
+        costs.catch_up_ms_per_token = max(0.0, long - short) / (CATCH_UP_ROWS[1] - CATCH_UP_ROWS[0])
+        costs.catch_up_base_ms = max(0.0, short - CATCH_UP_ROWS[0] * costs.catch_up_ms_per_token)
     return costs
 
 

@@ -89,6 +89,7 @@ class CostModel:
     draft_step_ms: float
     verify_ms: dict[int, float] = field(default_factory=dict)
     catch_up_ms_per_token: float | None = None  # the draft's forward over many unseen tokens, per token (batched)
+    catch_up_base_ms: float = 0.0  # and what such a forward costs whatever its tokens (GPUs: most of it)
 
     def verify(self, n: int) -> float:
         """V(n), linear between (and beyond) the measured points: a forward's cost is affine in its tokens. Never
@@ -118,7 +119,7 @@ class CostModel:
 
     def catch_up_ms(self, tokens: int) -> float:
         per_token = self.catch_up_ms_per_token if self.catch_up_ms_per_token is not None else self.draft_step_ms
-        return tokens * per_token
+        return self.catch_up_base_ms + tokens * per_token if tokens > 0 else 0.0
 
     def observe(self, k: int, draft_ms: float, verify_ms: float) -> None:
         if k > 0:
@@ -129,8 +130,8 @@ class CostModel:
 
     def observe_catch_up(self, tokens: int, ms: float) -> None:
         if tokens > 0:
-            old = self.catch_up_ms_per_token
-            self.catch_up_ms_per_token = ms / tokens if old is None else old + EWMA_WEIGHT * (ms / tokens - old)
+            old, per_token = self.catch_up_ms_per_token, max(0.0, ms - self.catch_up_base_ms) / tokens
+            self.catch_up_ms_per_token = per_token if old is None else old + EWMA_WEIGHT * (per_token - old)
 
 
 def beta_grid(accepted: float, drafted: float, points: int = BETA_GRID) -> list[tuple[float, float]]:

@@ -1,0 +1,63 @@
+"""Why the engine drafted or did not: the regime bench's flow (bench/gpu_report_regime.py: tandem.generate's
+runs first, then the engine at each concurrency) with every step's plan printed (draft lengths, and per sequence
+its acceptance estimate, the draft's lag, whether the draft took in the prompt, whether its first read was
+declined) and the shared acceptance prior between the parts. Synthetic acceptance, random weights welcome.
+
+  python bench/regime_trace.py --model T.gguf --draft D.gguf --device vulkan --acceptance 0.8 --concurrency 1,2
+"""
+
+from __future__ import annotations
+
+import sys
+
+from gpu_report_regime import load, parse_args, run_engine, run_generate
+
+from tandem.engine import Engine, planner
+from tandem.engine.sequence import DRAFT_MODEL
+from tandem.speculative.calibrate import shared_prior
+
+STEPS_SHOWN = 12  # the first plans of each engine run, and every one that drafted
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    target, draft = load(args.model, args), load(args.draft, args)
+    plans: list[tuple] = []
+    plan = Engine._plan
+
+    def traced(self: Engine, decoding, prefill_rows):
+        ks = plan(self, decoding, prefill_rows)
+        if self.drafter is not None:
+            plans.append((tuple(ks), [(round(g.acceptance(DRAFT_MODEL), 3), self.drafter.lag(g), g.draft_prefill,
+                                       g.draft_declined) for g in decoding if DRAFT_MODEL in g.estimates]))
+        return ks
+
+    Engine._plan = traced
+    measure = planner.measure
+
+    def measured(*a, **k):
+        costs = measure(*a, **k)
+        verify = {b: {n: round(v, 2) for n, v in m.verify_ms.items()} for b, m in costs.verify.items()}
+        draft = {b: round(v, 2) for b, v in costs.draft_step.items()}
+        print("  engine costs: V", verify, "draft", draft, "catch-up base", round(costs.catch_up_base_ms, 2),
+              "per token", round(costs.catch_up_ms_per_token, 3), flush=True)
+        return costs
+
+    planner.measure = measured
+    prior = shared_prior(target)
+    for a in args.acceptance:
+        print("generate", run_generate(target, draft, a, args), flush=True)
+        print("prior after generate", prior.counts(DRAFT_MODEL), flush=True)
+        for n in args.concurrency:
+            plans.clear()
+            row = run_engine(target, draft, a, n, args)
+            print(f"engine x{n}", row, "prior", prior.counts(DRAFT_MODEL), flush=True)
+            drafting = [p for p in plans if any(p[0])]
+            print(f"  plans {len(plans)}, drafting {len(drafting)}")
+            for ks, seqs in plans[:STEPS_SHOWN] + drafting[:STEPS_SHOWN]:
+                print("   ", ks, seqs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
