@@ -10,6 +10,8 @@
 #       Vulkan alone in one call (no CUDA build: llama-src stays behind), for a session with ~11 device-minutes
 #   run(same carry as v, "bash bench/h200_regime_session.sh e")  Vulkan, the regime alone (ACC, default 0.8; T1)
 #   run(same carry as v, "bash bench/h200_regime_session.sh t")  Vulkan, bench/regime_trace.py: the engine's plans
+#   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
+#       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
 # Carried paths (git-ignored, listed in .git/info/exclude), made on the CPU machine:
 #   .whl       wheels: llama_cpp_python (CPU build; its Python package, CUDA_LIBS=1 swaps in CUDA libraries),
@@ -60,5 +62,11 @@ t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 
    timeout ${T1:-240} python3 bench/regime_trace.py --model /root/m/big/T32_Q4_0.gguf --draft /root/m/big/D1.5b_Q4_0.gguf \
        --device vulkan --acceptance ${ACC:-0.8} --concurrency ${CONC:-1,2} --repeats 1 --prompts 2 --fixed '' \
        2>$OUT/trace.err | tee $OUT/trace.txt ;;
-*) echo "step 1-3, v, e or t"; exit 2 ;;
+g) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # shape changes, Vulkan
+   bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
+   export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
+   icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd
+   for m in T32_Q4_0 D1.5b_Q4_0; do python3 bench/llamacpp_graph_reuse.py --model /root/m/big/$m.gguf --device vulkan \
+       --rows 1,2,3 --repeats 20 2>/dev/null | tee $OUT/graph_reuse_vulkan_$m.txt | head -7; done ;;
+*) echo "step 1-3, v, e, t or g"; exit 2 ;;
 esac

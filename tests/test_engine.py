@@ -270,6 +270,46 @@ def test_planner_drafts_when_rows_are_cheap_and_stops_when_compute_bound():
     assert ks[0] == 0 and ks[1] == 3 and ks[2] == 2
 
 
+def test_planner_prices_a_change_of_shape(pair64, monkeypatch):
+    """A target forward of other rows than the one before pays switch_ms (llama.cpp rebuilds its graph): at a
+    marginal acceptance a plain batch stays plain and a drafting one keeps drafting, where without the price (or
+    with no forward before) it drafts. The engine passes its last forward's rows."""
+    table = costs({1: {1: 10.0, 2: 11.0, 9: 14.0}}, draft_ms=1.0)  # k = 1 pays above a = 0.2, by 8% at 0.3
+    marginal = [planner.Candidate(0.3, 4)]
+    assert planner.plan(marginal, table) == [1] and planner.plan(marginal, table, previous_rows=1) == [1]
+    table.switch_ms = 2.0
+    assert planner.plan(marginal, table) == [1]
+    assert planner.plan(marginal, table, previous_rows=1) == [0]  # starting to draft costs the switch
+    assert planner.plan(marginal, table, previous_rows=2) == [1]  # so does stopping
+    target, draft = pair64
+    engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
+    engine.costs = cheap_rows(1, draft_ms=0.5)
+    seen, plan = [], planner.plan
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: seen.append(a[3] if len(a) > 3 else None) or plan(*a, **k))
+    gen = engine.add(requests(target, PROMPTS[:1], max_tokens=8)[0])
+    fed = []
+    while engine.busy:
+        engine.step()
+        fed.append(engine._previous_rows)
+    passed = [rows for rows in seen if rows is not None]  # (admission's hypothetical plans pass none)
+    assert passed and passed[0] == gen.prompt_len and set(passed) <= set(fed)
+
+
+@pytest.mark.parametrize("curve, rows", [
+    ("line", {1, 2, 5, 9}),  # a CPU's: the probe at 5 rows is on the line, nothing more is timed
+    ("cliff", {1, 2, 3, 5, 8, 9}),  # llama.cpp's Vulkan build: +4.8 ms a row to 8 rows, then 12 steps at 9
+])
+def test_the_verify_table_is_timed_finer_where_it_bends(monkeypatch, curve, rows):
+    def cost(n: int) -> float:
+        return 10.0 + 3.0 * n if curve == "line" else (14.0 + 4.8 * (n - 1) if n <= 8 else 171.0)
+
+    timed = []
+    monkeypatch.setattr(planner, "_time", lambda cache, b, n, sync, after=None: timed.append(n) or cost(n))
+    table = planner._verify_costs(None, 1, 8, lambda: None)
+    assert set(table.verify_ms) == rows == set(timed)
+    assert table.verify(3) == pytest.approx(cost(3), rel=0.05 if curve == "line" else 1e-9)
+
+
 def test_planner_prices_the_draft_catch_up():
     flat = costs({1: {1: 10.0, 9: 10.1}}, draft_ms=1.0)
     flat.catch_up_ms_per_token = 1.0
@@ -598,6 +638,7 @@ def test_a_catch_up_is_priced_as_a_forward_base_plus_its_tokens(pair64):
     costs = engine.costs
     assert costs.catch_up_base_ms >= 0 and costs.catch_up_ms_per_token >= 0
     assert costs.catch_up_base_ms + costs.catch_up_ms_per_token > 0
+    assert costs.switch_ms >= 0  # measured beside (torch's captured steps: about 0)
     assert costs.catch_up_ms(0) == 0.0
     tokens = np.array([0, 1, 8, 64])
     assert np.allclose(costs.catch_up_ms(tokens), [costs.catch_up_ms(int(t)) for t in tokens])

@@ -120,6 +120,7 @@ class Engine:
         self._plain_plan: tuple[tuple[int, ...], int] | None = None  # (batch, steps it still stands for)
         self._evidence: list[Generation] = []  # sequences whose draft reads the text before drafting (see _plan)
         self._rates = None
+        self._previous_rows: int | None = None  # rows of the target's last forward (a plan of others pays a switch)
 
     def _synchronize(self) -> None:
         for model in (self.target, self.draft_model):
@@ -222,6 +223,7 @@ class Engine:
         # Prompt chunks want no logits but the last row of a prompt's last chunk.
         last_only = [False] * len(decoding) + [True] * len(prefills)
         logits = self.target_kv.forward(batch, last_only)
+        self._previous_rows = sum(len(rows) for _, rows in batch)
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
                   if gen.fed + len(chunk) == gen.prompt_len]
         outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
@@ -342,7 +344,7 @@ class Engine:
             return [0] * len(decoding)
         self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
         candidates = [self._candidate(g) for g in decoding]
-        ks = planner.plan(candidates, self.costs, prefill_rows)
+        ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows)
         # Before a draft drafts blind (first time in the request, or back after a plain stretch), it reads the text
         # it missed, teacher-forced: how much of it it would have predicted is its acceptance on this text, known
         # before a single draft is verified, and the plan is made again with it (the batch-1 policy's rule: a
@@ -361,7 +363,7 @@ class Engine:
                     ks[i] = 0
         if self._evidence:
             self.drafter.read_evidence(self._evidence, self.synthetic_acceptance)
-            ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows)
+            ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows, self._previous_rows)
         self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
 

@@ -26,11 +26,15 @@ from tandem.speculative.policy import CostModel, expected_tokens
 EWMA_WEIGHT = 0.2  # weight of a new timing in the running estimates
 CONTEXT = 16  # tokens each timed sequence attends over
 REPEATS = 3
-# Rows a sequence at which the target's forward is timed (and k_max + 1): V(n) is no straight line. On llama.cpp's
-# Vulkan build (H200/H100) 2-8 rows added 4.8 ms each and the 9th 120 ms (its matrix-vector kernel takes up to 8
-# columns), so a line from V(2) to V(9) put V(3) at 1.8x its cost and a 2-token draft never ran.
-MEASURED_ROWS = (1, 2, 3, 5, 8)
-CATCH_UP_ROWS = (8, 64)  # a draft's catch-up forward is timed over these many tokens
+# Rows a sequence at which the target's forward is timed: 1, 2 and k_max + 1, then PROBE_ROWS; where V there is
+# off the line through the others by NONLINEAR, FINE_ROWS too. V(n) need be no straight line: on llama.cpp's Vulkan
+# build (H200/H100) 2-8 rows added 4.8 ms each and the 9th 120 ms (its matrix-vector kernel takes up to 8 columns), so
+# a line from V(2) to V(9) put V(3) at 1.8x its cost and a 2-token draft never ran. On a CPU V is a line and the probe
+# is all it costs (each row is a step's work there: an engine of 4 slots calibrates in seconds, not tens of them).
+PROBE_ROWS = (5,)
+FINE_ROWS = (3, 8)
+NONLINEAR = 0.15
+CATCH_UP_ROWS = (8, 32)  # a draft's catch-up forward is timed over these many tokens
 NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
 # A draft that missed tokens (it was off, or the request just started) first takes them in. That cost is charged
 # spread over this many iterations: drafting that pays off afterwards may start, where charging it all to one
@@ -58,6 +62,9 @@ class BatchCosts:
     draft_step: dict[int, float] = field(default_factory=dict)
     catch_up_ms_per_token: float = 0.0  # a draft's catch-up forward: base + tokens * per token (see measure)
     catch_up_base_ms: float = 0.0
+    # A target forward whose rows differ from the forward before: llama.cpp rebuilds its graph (and, on CUDA,
+    # re-captures it) where it reused it for an unchanged shape; what a start or stop of drafting costs
+    switch_ms: float = 0.0
 
     @staticmethod
     def _bucket(table: dict, n: int) -> int:
@@ -104,8 +111,10 @@ class BatchCosts:
             self.draft_step[sequences] = old + EWMA_WEIGHT * (ms / steps - old)
 
 
-def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_rows: int = 0) -> list[int]:
-    """Draft length per decoding sequence (None: it cannot draft). extra_rows: prompt rows in the same forward."""
+def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_rows: int = 0,
+         previous_rows: int | None = None) -> list[int]:
+    """Draft length per decoding sequence (None: it cannot draft). extra_rows: prompt rows in the same forward;
+    previous_rows: the rows of the target's forward before (a plan of other rows pays costs.switch_ms)."""
     ks = [0] * len(candidates)
     adaptive = []
     for i, c in enumerate(candidates):
@@ -126,11 +135,12 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
 
     target_ms: dict[int, float] = {}  # rows -> V(batch, rows), each interpolated once a plan
 
-    def ms(steps: int, drafters: int, lag: int, rows: int) -> float:
+    def ms(steps: int, drafters: int, lag: int, rows: int, switch: bool = True) -> float:
         if rows not in target_ms:
             target_ms[rows] = costs.target_ms(batch, rows)
         catch_up = costs.catch_up_ms(lag) / CATCH_UP_ITERATIONS
-        return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows]
+        switched = costs.switch_ms if switch and previous_rows is not None and rows != previous_rows else 0.0
+        return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows] + switched
 
     best_rate = fixed_tokens / ms(steps_fixed, len(fixed_stepping), 0, fixed_rows)
     if steps_fixed == 0:
@@ -140,8 +150,8 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
         # that does not draft).
         most = sum(k if a >= 1.0 else min(k, a / (1.0 - a))
                    for a, k in ((candidates[i].acceptance, candidates[i].k_max) for i in adaptive))
-        cheapest = ms(0, 0, 0, fixed_rows + 1) if any(candidates[i].lookup for i in adaptive) else \
-            ms(0, 0, 0, fixed_rows) + costs.draft_ms(1)
+        cheapest = ms(0, 0, 0, fixed_rows + 1, switch=False) if any(candidates[i].lookup for i in adaptive) else \
+            ms(0, 0, 0, fixed_rows, switch=False) + costs.draft_ms(1)
         if (fixed_tokens + most) / cheapest <= best_rate:
             return ks
     # Every K, and for each the n most accepting draft-model candidates and the m most accepting lookup ones
@@ -162,6 +172,8 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     steps = np.where(n[None, :] > 0, np.maximum(Ks, steps_fixed), steps_fixed)  # [K, n]
     time_ms = (steps * draft_cost)[:, None, :] + costs.catch_up_ms(lags) / CATCH_UP_ITERATIONS \
         + costs.target_ms_array(batch, rows)
+    if previous_rows is not None and costs.switch_ms:
+        time_ms = time_ms + np.where(rows != previous_rows, costs.switch_ms, 0.0)
     rates = (fixed_tokens + gain) / time_ms
     K_best, m_best, n_best = np.unravel_index(np.argmax(rates), rates.shape)  # the first best: shortest K, fewest
     if rates[K_best, m_best, n_best] > best_rate:
@@ -195,9 +207,9 @@ def _grid(n: int) -> np.ndarray:
 
 
 def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchronize) -> BatchCosts:
-    """Time the target's forward over B sequences of MEASURED_ROWS and k_max + 1 rows each, and the draft's
-    one-row step over B sequences, for B = 1, 2, 4, ... up to the slots (the caches must be empty: slots are scratch
-    here)."""
+    """Time the target's forward over B sequences of 1, 2, k_max + 1 (and, see PROBE_ROWS, more) rows each, the
+    draft's one-row step over B sequences, for B = 1, 2, 4, ... up to the slots, the draft's catch-up and a change
+    of shape (the caches must be empty: slots are scratch here)."""
     batches = [1]
     while batches[-1] * 2 <= target.slots:
         batches.append(batches[-1] * 2)
@@ -206,9 +218,7 @@ def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchr
     k_max = max(0, min(k_max, target.capacity - CONTEXT - 1))
     costs = BatchCosts()
     for b in batches:
-        rows = sorted({n for n in MEASURED_ROWS if n <= k_max} | {k_max + 1})
-        costs.verify[b] = CostModel(draft_step_ms=0.0, verify_ms={b * n: _time(target, b, n, synchronize)
-                                                                  for n in rows})
+        costs.verify[b] = _verify_costs(target, b, k_max, synchronize)
         if draft is not None:
             costs.draft_step[b] = _time(draft, b, 1, synchronize)
     if draft is not None:
@@ -220,17 +230,41 @@ def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchr
             else short * CATCH_UP_ROWS[1] / CATCH_UP_ROWS[0]
         costs.catch_up_ms_per_token = max(0.0, long - short) / (CATCH_UP_ROWS[1] - CATCH_UP_ROWS[0])
         costs.catch_up_base_ms = max(0.0, short - CATCH_UP_ROWS[0] * costs.catch_up_ms_per_token)
+    if k_max > 0:  # a plain step after a verify, and a verify after a plain step, against each repeated
+        same = costs.verify[1].verify_ms
+        plain_after_verify = _time(target, 1, 1, synchronize, after=2) - same[1]
+        verify_after_plain = _time(target, 1, 2, synchronize, after=1) - same[2]
+        costs.switch_ms = max(0.0, (plain_after_verify + verify_after_plain) / 2)
     return costs
 
 
-def _time(cache: BatchedCache, batch: int, rows: int, synchronize) -> float:
+def _verify_costs(target: BatchedCache, batch: int, k_max: int, synchronize) -> CostModel:
+    """V(batch, R) at R = batch x 1, 2 and k_max + 1 rows, and at PROBE_ROWS; at FINE_ROWS as well where a probe
+    is off the line through the others."""
+    def timed(rows: list[int]) -> dict[int, float]:
+        return {batch * n: _time(target, batch, n, synchronize) for n in rows}
+
+    table = timed(sorted({1, 2, k_max + 1}))
+    probes = timed([n for n in PROBE_ROWS if 2 < n < k_max + 1])
+    line = CostModel(draft_step_ms=0.0, verify_ms=dict(table))
+    if any(abs(ms - line.verify(r)) > NONLINEAR * ms for r, ms in probes.items()):
+        table |= timed([n for n in FINE_ROWS if n <= k_max and batch * n not in probes])
+    return CostModel(draft_step_ms=0.0, verify_ms=table | probes)
+
+
+def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | None = None) -> float:
     """Median ms of one forward of `rows` tokens in each of `batch` slots, after CONTEXT tokens (the first run is
-    a warm-up); every slot is rewound to empty after."""
+    a warm-up), each right after an untimed forward of `after` rows where given (a change of shape); every slot is
+    rewound to empty after."""
     token = 0
     slots = list(range(batch))
     cache.forward([(s, [token] * CONTEXT) for s in slots], [True] * batch)
     times = []
     for _ in range(REPEATS + 1):
+        if after is not None:
+            cache.forward([(s, [token] * after) for s in slots], [False] * batch)
+            for s in slots:
+                cache.rewind(s, CONTEXT)
         synchronize()
         started = time.perf_counter()
         cache.forward([(s, [token] * rows) for s in slots], [False] * batch)
