@@ -209,8 +209,6 @@ class Engine:
                 prefills.append((gen, rows))
                 budget -= len(rows)
         prefill_rows = sum(len(rows) for _, rows in prefills)
-        if self.drafter is not None:
-            self.drafter.prefill([(gen, gen.fed + len(rows)) for gen, rows in prefills if gen.draft_prefill])
         ks = self._plan(decoding, prefill_rows)
         self._drafted = None  # (sequences, steps) of a steady batched draft, set by _propose
         proposals = self._propose(decoding, ks)
@@ -232,6 +230,11 @@ class Engine:
         step_ms = 1000.0 * (finished - started)
         if self.costs is not None and not prefills:
             self.costs.observe_target(len(decoding), sum(len(rows) for _, rows in batch), verify_ms)
+        # The draft's share of the prompt chunks, after the timings: it is no draft step's or verify's cost.
+        prefill_ms = step_ms
+        if self.drafter is not None and any(gen.draft_prefill for gen, _ in prefills):
+            self.drafter.prefill([(gen, gen.fed + len(rows)) for gen, rows in prefills if gen.draft_prefill])
+            prefill_ms += 1000.0 * (time.perf_counter() - finished)
 
         events = []
         for gen in decoding:
@@ -253,7 +256,7 @@ class Engine:
             self._deliver(gen, new_tokens, events, scored.get(gen.id))
         for gen, rows in prefills:
             gen.fed += len(rows)
-            gen.stats.prefill_ms += step_ms
+            gen.stats.prefill_ms += prefill_ms
             if not gen.prefilling:
                 gen.tokens += outcomes[gen.id][1]
                 if gen.processor is not None:
@@ -325,9 +328,11 @@ class Engine:
         machine (a CPU's 1.5B/0.5B pair) still costs nothing."""
         if DRAFT_MODEL not in gen.estimates or gen.draft_max == 0:
             return False
-        if self.costs is None or gen.request.draft_policy == "fixed":
-            return True
-        return planner.plan([planner.Candidate(gen.acceptance(DRAFT_MODEL), gen.draft_max)], self.costs)[0] > 0
+        return gen.request.draft_policy == "fixed" or self._drafts_alone(gen.acceptance(DRAFT_MODEL), gen.draft_max)
+
+    def _drafts_alone(self, acceptance: float, k_max: int) -> bool:
+        """Whether one sequence at this acceptance, alone and with nothing to catch up, drafts by the costs."""
+        return planner.plan([planner.Candidate(acceptance, k_max)], self.costs)[0] > 0
 
     # --- drafting and verification -----------------------------------------------------------------------
 
@@ -372,8 +377,7 @@ class Engine:
         (batch 1, nothing to catch up) at the acceptance that EVIDENCE_TOKENS matches in a row would give? Without
         this, a prior learned from requests that accepted little would keep every later request off unread, and so
         never learn otherwise."""
-        hopeful = (prior[0] + EVIDENCE_TOKENS) / (prior[1] + EVIDENCE_TOKENS)
-        return planner.plan([planner.Candidate(hopeful, candidate.k_max)], self.costs)[0] > 0
+        return self._drafts_alone((prior[0] + EVIDENCE_TOKENS) / (prior[1] + EVIDENCE_TOKENS), candidate.k_max)
 
     def _lookup_may_pay(self, decoding: list[Generation]) -> bool:
         """Whether some sequence's text now repeats where its lookup estimate beats the least acceptance at which
