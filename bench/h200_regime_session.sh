@@ -4,7 +4,8 @@
 #       setup (the CUDA build starts in the background), the random GGUFs, then on Vulkan: the regime and llama-server
 #       plain on the same files
 #   run(carry=[".whl"], "bash bench/h200_regime_session.sh 2")
-#       the CUDA regime (waits for the build) and llama-server plain
+#       the CUDA regime (waits for the build) and llama-server plain; steps 1 and 2 also time shape changes (as g; G=0:
+#       not), on Vulkan and CUDA
 #   run("bash bench/h200_regime_session.sh 3")  llama-server with the draft, Vulkan and CUDA (if time is left)
 #   run(carry=[".whs", ".xfer/qwen-tokenizer.gguf", ".vk", ".gl", ".vkserver"], "bash bench/h200_regime_session.sh v")
 #       Vulkan alone in one call (no CUDA build: llama-src stays behind), for a session with ~11 device-minutes
@@ -36,13 +37,22 @@ vulkan() { bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1; local rc=$?; tail
     [ $rc = 0 ] || { echo "no Vulkan device: the regime on Vulkan skipped"; return 1; }
     ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=$1 bash bench/h200.sh regimevk > /dev/null 2>&1
     tail -3 $OUT/regime_vulkan_*.err; plain_server $2 vulkan; table /root/m/big/regime_vulkan_Q4_0_1.5b.json; }
+# graph DEVICE: what a change of forward shape costs the 32B target and the 1.5B draft (needs the device's libraries on
+# PYTHONPATH / LLAMA_CPP_LIB_PATH, as the caller sets them)
+graph() { for m in T32_Q4_0 D1.5b_Q4_0; do timeout 120 python3 bench/llamacpp_graph_reuse.py --model /root/m/big/$m.gguf \
+    --device $1 --rows 1,2,3 --repeats 20 2>/dev/null | tee $OUT/graph_reuse_$1_$m.txt | head -7; done; }
+vkenv() { export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
+    local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd; }
 case $1 in
 1) CUDA_LIBS=1 bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4
-   vulkan ${T1:-250} ${S1:-100}; tail -2 /root/build-libs.log ;;
+   [ "${G:-1}" = 1 ] && bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 && (vkenv; graph vulkan)
+   vulkan ${T1:-220} ${S1:-100}; tail -2 /root/build-libs.log ;;
 2) bash bench/h200.sh wheels
    while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
    ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-280} bash bench/h200.sh regime > /dev/null 2>&1
-   tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-120} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;
+   tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-120} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json
+   [ "${G:-1}" = 1 ] && (export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs \
+       LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs; graph cuda) ;;
 3) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 REGIME=vulkan \
        bash bench/h200.sh regimellama > /dev/null 2>&1
    ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 bash bench/h200.sh regimellama \
@@ -64,9 +74,6 @@ t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 
        2>$OUT/trace.err | tee $OUT/trace.txt ;;
 g) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # shape changes, Vulkan
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
-   export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
-   icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd
-   for m in T32_Q4_0 D1.5b_Q4_0; do python3 bench/llamacpp_graph_reuse.py --model /root/m/big/$m.gguf --device vulkan \
-       --rows 1,2,3 --repeats 20 2>/dev/null | tee $OUT/graph_reuse_vulkan_$m.txt | head -7; done ;;
+   vkenv; graph vulkan ;;
 *) echo "step 1-3, v, e, t or g"; exit 2 ;;
 esac
