@@ -4,10 +4,16 @@ its acceptance estimate, the draft's lag, whether the draft took in the prompt, 
 declined) and the shared acceptance prior between the parts. Synthetic acceptance, random weights welcome.
 
   python bench/regime_trace.py --model T.gguf --draft D.gguf --device vulkan --acceptance 0.8 --concurrency 1,2
+
+Replay: --replay REGIME.json (a regime run's costs, bench/gpu_report_regime.py --json) plans with that machine's
+costs, frozen (the loop's timings do not refine them), on whatever models and machine run this: the GPU's decisions
+reproduced on a CPU with tiny models (its speeds are meaningless then; the plans are the point).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 
 from gpu_report_regime import load, parse_args, run_engine, run_generate
@@ -19,8 +25,23 @@ from tandem.speculative.calibrate import shared_prior
 STEPS_SHOWN = 12  # the first plans of each engine run, and every one that drafted
 
 
+def replayed(path: str, switch_ms: float, catch_up: tuple[float, float]) -> planner.BatchCosts:
+    """The costs of a regime run's JSON as the engine's BatchCosts (what measure would have found there)."""
+    from tandem.speculative.policy import CostModel
+    batched = json.load(open(path))["costs"]["batched"]
+    return planner.BatchCosts(
+        verify={int(b): CostModel(0.0, {int(n): v for n, v in c["verify_ms"].items()}) for b, c in batched.items()},
+        draft_step={int(b): c["draft_step_ms"] for b, c in batched.items()},
+        catch_up_base_ms=catch_up[0], catch_up_ms_per_token=catch_up[1], switch_ms=switch_ms)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--replay", help="a regime run's JSON: plan with its costs, frozen")
+    extra.add_argument("--switch-ms", type=float, default=0.0, help="with --replay: a change of shape's price")
+    extra.add_argument("--catch-up", default="2.0,0.05", help="with --replay: a catch-up's base ms, ms a token")
+    known, rest = extra.parse_known_args(argv if argv is not None else sys.argv[1:])
+    args = parse_args(rest)
     target, draft = load(args.model, args), load(args.draft, args)
     plans: list[tuple] = []
     plan = Engine._plan
@@ -36,14 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     measure = planner.measure
 
     def measured(*a, **k):
-        costs = measure(*a, **k)
+        costs = measure(*a, **k) if known.replay is None else \
+            replayed(known.replay, known.switch_ms, tuple(float(x) for x in known.catch_up.split(",")))
         verify = {b: {n: round(v, 2) for n, v in m.verify_ms.items()} for b, m in costs.verify.items()}
         draft = {b: round(v, 2) for b, v in costs.draft_step.items()}
         print("  engine costs: V", verify, "draft", draft, "catch-up base", round(costs.catch_up_base_ms, 2),
-              "per token", round(costs.catch_up_ms_per_token, 3), flush=True)
+              "per token", round(costs.catch_up_ms_per_token, 3), "switch", round(costs.switch_ms, 2), flush=True)
         return costs
 
     planner.measure = measured
+    if known.replay is not None:  # frozen: this machine's timings must not refine the replayed costs
+        planner.BatchCosts.observe_target = lambda *a, **k: None
+        planner.BatchCosts.observe_draft = lambda *a, **k: None
     prior = shared_prior(target)
     for a in args.acceptance:
         print("generate", run_generate(target, draft, a, args), flush=True)

@@ -271,16 +271,21 @@ def test_planner_drafts_when_rows_are_cheap_and_stops_when_compute_bound():
 
 
 def test_planner_prices_a_change_of_shape(pair64, monkeypatch):
-    """A target forward of other rows than the one before pays switch_ms (llama.cpp rebuilds its graph): at a
-    marginal acceptance a plain batch stays plain and a drafting one keeps drafting, where without the price (or
-    with no forward before) it drafts. The engine passes its last forward's rows."""
+    """A target forward of other rows than the one before pays switch_ms (llama.cpp rebuilds its graph), spread
+    over SWITCH_ITERATIONS: at a marginal acceptance a plain batch stays plain and a drafting one keeps drafting,
+    where without the price (or with no forward before) it drafts; a draft length that pays clearly more is taken
+    despite the change (charged whole to one iteration, an H100's CUDA price held k = 1 where k = 2 paid 12% more).
+    The engine passes its last forward's rows."""
     table = costs({1: {1: 10.0, 2: 11.0, 9: 14.0}}, draft_ms=1.0)  # k = 1 pays above a = 0.2, by 8% at 0.3
     marginal = [planner.Candidate(0.3, 4)]
     assert planner.plan(marginal, table) == [1] and planner.plan(marginal, table, previous_rows=1) == [1]
-    table.switch_ms = 2.0
+    table.switch_ms = 2.0 * planner.SWITCH_ITERATIONS
     assert planner.plan(marginal, table) == [1]
     assert planner.plan(marginal, table, previous_rows=1) == [0]  # starting to draft costs the switch
     assert planner.plan(marginal, table, previous_rows=2) == [1]  # so does stopping
+    h100 = costs({1: {1: 11.58, 2: 12.31, 5: 17.76, 9: 26.23}}, draft_ms=2.15)  # CUDA, 32B / 1.5B Q4_0
+    h100.switch_ms = 2.9
+    assert planner.plan([planner.Candidate(0.8, 8)], h100, previous_rows=2) == [2]
     target, draft = pair64
     engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
     engine.costs = cheap_rows(1, draft_ms=0.5)
@@ -293,6 +298,48 @@ def test_planner_prices_a_change_of_shape(pair64, monkeypatch):
         fed.append(engine._previous_rows)
     passed = [rows for rows in seen if rows is not None]  # (admission's hypothetical plans pass none)
     assert passed and passed[0] == gen.prompt_len and set(passed) <= set(fed)
+
+
+def test_planner_expects_a_steady_drafts_extra_forward():
+    """A steady-shaped draft (one row a forward) whose drafts were all accepted takes a forward more before its
+    next draft: the planner's K maximises E(a, K) / ((K + P) c_d + V(K + 1)), P = 1 - prod(1 - a_i^K) over the
+    drafting sequences, against a brute force over K; without steady shapes P is 0."""
+    table = costs({1: {1: 10.0, 2: 10.4, 9: 14.0}, 2: {2: 10.5, 18: 16.0}}, draft_ms=1.2)
+
+    def best(acceptances: list[float], steady: bool) -> int:
+        def rate(k: int) -> float:
+            p = 1.0 - np.prod([1.0 - a ** k for a in acceptances]) if steady and k else 0.0
+            rows = len(acceptances) * (k + 1)
+            return sum(planner.expected_tokens(a, k) for a in acceptances) / \
+                ((k + p) * table.draft_ms(len(acceptances)) * (k > 0) + table.target_ms(len(acceptances), rows))
+        return max(range(9), key=lambda k: (rate(k), -k))
+
+    chosen = {}
+    for steady in (False, True):
+        table.steady_draft = steady
+        for group in ([0.5], [0.8], [0.95], [0.99], [0.9, 0.9]):
+            ks = planner.plan([planner.Candidate(a, 8) for a in group], table)
+            assert len(set(ks)) == 1 and ks[0] == best(group, steady), (steady, group, ks)
+            chosen[steady, tuple(group)] = ks[0]
+    assert any(chosen[True, g] != chosen[False, g] for g in ((0.5,), (0.8,), (0.95,), (0.99,), (0.9, 0.9)))
+
+
+def test_observed_costs_move_on_a_trend_not_on_a_one_off():
+    """The loop's timings refine the costs by a running median: one first-use spike (a graph capture, a Vulkan
+    pipeline: 10x a step) leaves a cost as it was, where an average of it kept drafting off for good; three timings
+    in a row at a new level move it there."""
+    table = costs({2: {2: 10.0, 6: 12.0}}, draft_ms=2.0)
+    table.observe_target(2, 6, 150.0)
+    table.observe_draft(2, 3, 3 * 40.0)
+    assert table.target_ms(2, 6) == 12.0 and table.draft_ms(2) == 2.0
+    for _ in range(3):
+        table.observe_target(2, 6, 13.0)
+        table.observe_draft(2, 2, 2 * 2.5)
+    assert table.target_ms(2, 6) == 13.0 and table.draft_ms(2) == 2.5
+    table.observe_target(2, 4, 20.0)  # a row count not timed before starts from its interpolated figure
+    assert table.target_ms(2, 4) == pytest.approx((10.0 + 13.0) / 2)
+    table.observe_target(3, 6, 1.0)  # batch sizes not measured are interpolated, not refined
+    assert 3 not in table.verify
 
 
 @pytest.mark.parametrize("curve, rows", [
@@ -394,6 +441,16 @@ def test_a_steady_shaped_draft_feeds_one_row_a_sequence_and_keeps_each_iteration
             calls.append(None if mark else [len(rows) for _, rows in batch])
             return forward(batch, last_only)
         monkeypatch.setattr(kv, "forward", recording)
+    prefill = engine.drafter.prefill  # the draft's prompt prefill after a target forward: an iteration of its own
+    monkeypatch.setattr(engine.drafter, "prefill",
+                        lambda chunks: calls.append(None) or prefill(chunks) or calls.append(None))
+    observed, shapes = [], []  # observe_draft's forwards; observe_target's rows and the forward's before
+    monkeypatch.setattr(engine.costs, "observe_draft", lambda n, forwards, ms: observed.append(forwards))
+    monkeypatch.setattr(engine.costs, "observe_target",
+                        lambda b, rows, ms: shapes.append((rows, previous[-1])))
+    previous = []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: previous.append(engine._previous_rows) or step())
     # different lengths: sequences stop drafting at different steps near their ends
     lengths = (30, 23, 27)
     results = engine.generate([Request(target.tokenizer.encode(p), max_tokens=n, draft_policy="fixed")
@@ -412,6 +469,10 @@ def test_a_steady_shaped_draft_feeds_one_row_a_sequence_and_keeps_each_iteration
     assert len(steady) > 5
     assert all(set(c) == {1} and len(c) == len(it[0]) for it in steady for c in it), steady
     assert any(len(it) > 2 for it in steady)  # k = 3: catch-up forwards and steps, all one shape
+    # The draft's cost is observed per forward, the catch-up's extra forward counted (a forward more than drafts)
+    assert sorted(observed) == sorted(len(it) for it in steady) and max(observed) == 4
+    # The target's is observed only where the forward before had its shape (a change is switch_ms's)
+    assert shapes and all(rows == before for rows, before in shapes)
 
     seen = []
     new_sequence = draft.new_sequence

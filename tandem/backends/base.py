@@ -153,9 +153,9 @@ class Model(ABC):
     backend: str  # "torch" | "llama.cpp"
     device: str  # e.g. "cpu", "cuda:0", "vulkan:0"
     n_ctx: int  # default capacity of a new sequence
-    # Whether a step runs fastest when consecutive forwards keep one shape: llama.cpp's CUDA build replays a step
-    # captured as a CUDA graph only while its shape stays, and runs a changed one launch by launch. A draft then
-    # feeds one row per sequence a forward (tandem.speculative.proposer, the engine's _propose).
+    # Whether a step runs fastest when consecutive forwards keep one shape: llama.cpp on a GPU reuses a context's
+    # graph (CUDA: replays it captured) only while its shape stays, and rebuilds a changed one at about a draft step's
+    # cost. A draft then feeds one row per sequence a forward (tandem.speculative.proposer, the engine's Drafter).
     steady_shapes: bool = False
 
     @abstractmethod

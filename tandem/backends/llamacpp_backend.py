@@ -45,9 +45,9 @@ from tandem.backends.llamacpp_settings import (
     DEFAULT_N_BATCH,
     DEFAULT_N_CTX,
     DRAFT_N_BATCH,
-    captures_graphs,
     kv_bytes_per_token,
     kv_q8_ok,
+    steady_shapes,
 )
 from tandem.loading.gguf import open_gguf
 from tandem.loading.tokenizer import Tokenizer
@@ -180,7 +180,7 @@ class LlamaCppModel(Model):
         self.config: ModelConfig = gguf.config
         self.tokenizer: Tokenizer = Tokenizer.from_gguf(gguf)
         self.device = device
-        self.steady_shapes = captures_graphs(device)
+        self.steady_shapes = steady_shapes(device)
         # None (what tandem.load passes when no context is asked for) means the default, as in the torch backend.
         self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_N_CTX, self.config.context_length)
         self.n_batch = n_batch

@@ -26,9 +26,11 @@ def kv_bytes_per_token(config: ModelConfig, kv_q8: bool) -> int:
     return values * 34 // 32 if kv_q8 else values * 2  # Q8_0: 34 bytes a block of 32; else F16
 
 
-def captures_graphs(device: str) -> bool:
-    """Whether llama.cpp replays a context's step as a CUDA graph: only while consecutive llama_decode calls have
-    one shape (ggml-cuda's graph warm-up; a context keeps one graph). A call of another shape runs uncaptured, one
-    launch a kernel, and the next same-shaped call captures again: a 1.5B draft alternating 2-row catch-ups with
-    1-row steps cost 3.6-4.2 ms a step on an H200 where a replayed step costs 1.9 (h200-2026-12-05-regime)."""
-    return device.split(":")[0].lower() == "cuda"
+def steady_shapes(device: str) -> bool:
+    """Whether a draft should keep its forwards' shape steady (one row a sequence a forward, a 2-token catch-up in
+    two forwards) on this device: llama.cpp rebuilds a context's graph when a forward's shape differs from the one
+    before (and CUDA re-captures it), which on a GPU costs about a draft step. Measured on an H100 with a 1.5B Q4_0
+    draft (bench/results/h100-2026-12-05f-regime, bench/llamacpp_graph_reuse.py): a 1-row step after a 2-row one
+    3.7 ms on Vulkan where after a 1-row one 1.9, on CUDA 4.4 where 2.0 (the 32B target: +4.1 and +2.9 ms). On a CPU
+    the rebuild is 0.4-1.8 ms of a 20-60 ms step, where a forward more costs the whole step."""
+    return device.split(":")[0].lower() != "cpu"

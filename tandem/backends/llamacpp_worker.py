@@ -300,7 +300,7 @@ class WorkerModel(Model):
                  n_gpu_layers: int = 0, device: str = "cpu", n_batch: int | None = None,
                  flash_attn: bool | None = None, use_mmap: bool = True, repack: bool = True) -> None:
         """Arguments as LlamaCppModel's."""
-        from tandem.backends.llamacpp_settings import DEFAULT_N_BATCH, DEFAULT_N_CTX, captures_graphs, kv_q8_ok
+        from tandem.backends.llamacpp_settings import DEFAULT_N_BATCH, DEFAULT_N_CTX, kv_q8_ok, steady_shapes
         from tandem.loading.gguf import open_gguf
         from tandem.loading.tokenizer import Tokenizer
 
@@ -309,7 +309,7 @@ class WorkerModel(Model):
         self.config: ModelConfig = gguf.config
         self.tokenizer: Tokenizer = Tokenizer.from_gguf(gguf)
         self.device = device
-        self.steady_shapes = captures_graphs(device)
+        self.steady_shapes = steady_shapes(device)
         self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_N_CTX, self.config.context_length)
         self.n_batch = n_batch or DEFAULT_N_BATCH
         self.worker = WorkerProcess.shared()

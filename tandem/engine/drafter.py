@@ -55,7 +55,7 @@ class Drafter:
         return draft_ids(gen.tokens[self.kv.length(gen.slot) : end], self.model.vocab_size)
 
     def draft(self, drafting: dict[int, tuple[Generation, int]]) -> tuple[dict[int, Proposal], int | None]:
-        """Per sequence id, k drafts (fewer where its grammar ends them), and the draft steps taken: None where a
+        """Per sequence id, k drafts (fewer where its grammar ends them), and the draft forwards run: None where a
         sequence caught up on more than a steady draft's tokens (then the time is no steady draft's cost)."""
         drawn: dict[int, list] = {i: [] for i in drafting}
         dists: dict[int, list] = {i: [] for i in drafting}
@@ -64,10 +64,9 @@ class Drafter:
         active = list(drafting)
         catching_up = max(len(rows) for _, rows in batch) > STEADY_CATCH_UP
         steady = self.model.steady_shapes and not catching_up
-        logits = self._steady_catch_up(gens, batch) if steady else self.kv.forward(batch, [True] * len(batch))
-        steps = 0
+        logits, forwards = self._steady_catch_up(gens, batch) if steady else \
+            (self.kv.forward(batch, [True] * len(batch)), 1)
         while True:
-            steps += 1
             tokens = []
             for i, rows in zip(active, logits, strict=False):  # fed = active + done: its first rows are active's
                 gen = drafting[i][0]
@@ -93,7 +92,8 @@ class Drafter:
                 if all(drawn[i] and self.kv.length(drafting[i][0].slot) < self.kv.capacity for i in done):
                     fed = active + done
             logits = self.kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in fed], [True] * len(fed))
-        return {i: (drawn[i], self._distributions(dists[i])) for i in drafting}, None if catching_up else steps
+            forwards += 1
+        return {i: (drawn[i], self._distributions(dists[i])) for i in drafting}, None if catching_up else forwards
 
     def _distributions(self, dists: list[torch.Tensor]) -> torch.Tensor | None:
         if not dists:
@@ -103,12 +103,13 @@ class Drafter:
             probs = torch.nn.functional.pad(probs, (0, self.target_vocab - probs.shape[-1]))
         return probs.to(self.device)
 
-    def _steady_catch_up(self, gens: list[Generation], batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+    def _steady_catch_up(self, gens: list[Generation], batch: list[tuple[int, list[int]]]
+                         ) -> tuple[list[torch.Tensor], int]:
         """1-2 unseen tokens a sequence in forwards of one row per sequence, the shape of the draft steps after: a
         sequence with one feeds its last seen token again first (rewound to before it). Each sequence's logits
-        after its last token, in batch order."""
+        after its last token, in batch order, and the forwards run (2 where someone had two tokens)."""
         if all(len(rows) == 1 for _, rows in batch) or any(self.kv.length(g.slot) == 0 for g in gens):
-            return self.kv.forward(batch, [True] * len(batch))
+            return self.kv.forward(batch, [True] * len(batch)), 1
         first = []
         for gen, (slot, rows) in zip(gens, batch, strict=True):
             if len(rows) == 1:
@@ -116,7 +117,7 @@ class Drafter:
                 rows = self._unseen(gen)  # the last seen token, then the new one
             first.append((slot, rows[:1]))
         self.kv.forward(first, [True] * len(first))
-        return self.kv.forward([(slot, rows[-1:]) for slot, rows in batch], [True] * len(batch))
+        return self.kv.forward([(slot, rows[-1:]) for slot, rows in batch], [True] * len(batch)), 2
 
     def prefill(self, chunks: list[tuple[Generation, int]]) -> None:
         """Take in each sequence's tokens up to `end` (a prompt chunk's end) beside the target's prefill, so that

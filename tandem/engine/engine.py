@@ -115,6 +115,7 @@ class Engine:
         if self.proposer and draft_max > 0 and measure_costs:
             self.costs = planner.measure(self.target_kv, self.drafter and self.drafter.kv, draft_max,
                                          self._synchronize)
+            self.costs.steady_draft = self.drafter is not None and self.draft_model.steady_shapes
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self._plain_plan: tuple[tuple[int, ...], int] | None = None  # (batch, steps it still stands for)
@@ -210,26 +211,28 @@ class Engine:
                 budget -= len(rows)
         prefill_rows = sum(len(rows) for _, rows in prefills)
         ks = self._plan(decoding, prefill_rows)
-        self._drafted = None  # (sequences, steps) of a steady batched draft, set by _propose
+        planned = time.perf_counter()  # planning is no draft step's cost
+        self._drafted = None  # (sequences, forwards) of a steady batched draft, set by _propose
         proposals = self._propose(decoding, ks)
         drafted = time.perf_counter()
         if self.costs is not None and self._drafted is not None:
-            self.costs.observe_draft(*self._drafted, 1000.0 * (drafted - started))
+            self.costs.observe_draft(*self._drafted, 1000.0 * (drafted - planned))
 
         batch = [(g.slot, [g.tokens[-1]] + proposals[g.id][0]) for g in decoding]
         batch += [(g.slot, rows) for g, rows in prefills]
         # Prompt chunks want no logits but the last row of a prompt's last chunk.
         last_only = [False] * len(decoding) + [True] * len(prefills)
         logits = self.target_kv.forward(batch, last_only)
-        self._previous_rows = sum(len(rows) for _, rows in batch)
+        target_rows = sum(len(rows) for _, rows in batch)
+        reshaped, self._previous_rows = target_rows != self._previous_rows, target_rows
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
                   if gen.fed + len(chunk) == gen.prompt_len]
         outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
         finished = time.perf_counter()
         draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
         step_ms = 1000.0 * (finished - started)
-        if self.costs is not None and not prefills:
-            self.costs.observe_target(len(decoding), sum(len(rows) for _, rows in batch), verify_ms)
+        if self.costs is not None and not prefills and not reshaped:  # a change of shape is switch_ms's
+            self.costs.observe_target(len(decoding), target_rows, verify_ms)
         # The draft's share of the prompt chunks, after the timings: it is no draft step's or verify's cost.
         prefill_ms = step_ms
         if self.drafter is not None and any(gen.draft_prefill for gen, _ in prefills):
@@ -499,9 +502,9 @@ class Engine:
             elif k:
                 drafting[gen.id] = (gen, k)
         if drafting:
-            drafted, steps = self.drafter.draft(drafting)
+            drafted, forwards = self.drafter.draft(drafting)
             proposals.update(drafted)
-            self._drafted = None if steps is None or self._evidence else (len(drafting), steps)
+            self._drafted = None if forwards is None or self._evidence else (len(drafting), forwards)
         return proposals
 
     def _outcomes(self, decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],

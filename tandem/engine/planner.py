@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.backends.base import BatchedCache
-from tandem.speculative.policy import CostModel, expected_tokens
+from tandem.speculative.policy import CostModel, expected_tokens, observed_median
 
-EWMA_WEIGHT = 0.2  # weight of a new timing in the running estimates
 CONTEXT = 16  # tokens each timed sequence attends over
 REPEATS = 3
 # Rows a sequence at which the target's forward is timed: 1, 2 and k_max + 1, then PROBE_ROWS; where V there is
@@ -36,10 +35,15 @@ FINE_ROWS = (3, 8)
 NONLINEAR = 0.15
 CATCH_UP_ROWS = (8, 32)  # a draft's catch-up forward is timed over these many tokens
 NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
+ALL_ACCEPTED_MAX = 1.0 - 1e-9  # a^k capped below 1, for log(1 - a^k)
 # A draft that missed tokens (it was off, or the request just started) first takes them in. That cost is charged
 # spread over this many iterations: drafting that pays off afterwards may start, where charging it all to one
 # iteration would keep a draft off for good after a long prompt.
 CATCH_UP_ITERATIONS = 16
+# A change of the target's shape is paid once, then the new shape stays (a batch drafts at one K while its estimates
+# hold): the price is spread over this many iterations. Charged whole to one iteration it held every K where it
+# was (k=1 where k=2 paid 12% more: an H100's CUDA graphs cost 2.9 ms a change, a 1.5B draft's step 2.2).
+SWITCH_ITERATIONS = 8
 
 
 @dataclass
@@ -65,6 +69,10 @@ class BatchCosts:
     # A target forward whose rows differ from the forward before: llama.cpp rebuilds its graph (and, on CUDA,
     # re-captures it) where it reused it for an unchanged shape; what a start or stop of drafting costs
     switch_ms: float = 0.0
+    # The draft steps one row a forward (Model.steady_shapes): a sequence whose drafts were all accepted has two
+    # tokens to take in, one more forward before its next draft (the planner expects it: 1 - prod(1 - a^k))
+    steady_draft: bool = False
+    _recent: dict = field(default_factory=dict, repr=False)  # observed_median's windows
 
     @staticmethod
     def _bucket(table: dict, n: int) -> int:
@@ -100,15 +108,18 @@ class BatchCosts:
         return self.draft_step[self._bucket(self.draft_step, sequences)]
 
     def observe_target(self, batch: int, rows: int, ms: float) -> None:
+        """A forward of the target over `rows` rows of `batch` sequences, of the shape of the forward before it
+        (a change of shape is switch_ms's)."""
         if batch not in self.verify:
             return  # refine measured batch sizes only; others interpolate between them
         table = self.verify[batch].verify_ms
-        table[rows] = ms if rows not in table else table[rows] + EWMA_WEIGHT * (ms - table[rows])
+        table[rows] = observed_median(self._recent, ("target", batch, rows), self.target_ms(batch, rows), ms)
 
-    def observe_draft(self, sequences: int, steps: int, ms: float) -> None:
-        if sequences in self.draft_step and steps > 0:
-            old = self.draft_step[sequences]
-            self.draft_step[sequences] = old + EWMA_WEIGHT * (ms / steps - old)
+    def observe_draft(self, sequences: int, forwards: int, ms: float) -> None:
+        """`forwards` draft forwards of one row for each of `sequences` sequences took `ms` in all."""
+        if sequences in self.draft_step and forwards > 0:
+            self.draft_step[sequences] = observed_median(self._recent, ("draft", sequences),
+                                                         self.draft_step[sequences], ms / forwards)
 
 
 def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_rows: int = 0,
@@ -139,10 +150,15 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
         if rows not in target_ms:
             target_ms[rows] = costs.target_ms(batch, rows)
         catch_up = costs.catch_up_ms(lag) / CATCH_UP_ITERATIONS
-        switched = costs.switch_ms if switch and previous_rows is not None and rows != previous_rows else 0.0
+        switched = costs.switch_ms / SWITCH_ITERATIONS \
+            if switch and previous_rows is not None and rows != previous_rows else 0.0
         return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows] + switched
 
-    best_rate = fixed_tokens / ms(steps_fixed, len(fixed_stepping), 0, fixed_rows)
+    # fixed draft-model drafters: log P(none of them has all its drafts accepted), for the steady draft's extra forward
+    fixed_none = sum(np.log1p(-min(candidates[i].acceptance ** k, ALL_ACCEPTED_MAX)) for i, k in enumerate(ks)
+                     if k and not candidates[i].lookup) if costs.steady_draft else 0.0
+    best_rate = fixed_tokens / ms(steps_fixed + (1.0 - np.exp(fixed_none)) * bool(fixed_stepping),
+                                  len(fixed_stepping), 0, fixed_rows)
     if steps_fixed == 0:
         # A quick bound first, the common case under load: drafting adds at most a/(1-a) tokens a sequence (any K)
         # and costs at least one draft step (or, by prompt lookup, one row); when even that cannot beat plain, the
@@ -162,18 +178,20 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     models = [i for i in order if not candidates[i].lookup]
     lookups = [i for i in order if candidates[i].lookup]
     Ks = np.arange(1, max(candidates[i].k_max for i in adaptive) + 1)[:, None]  # [K, 1]
-    lookup_gain, lookup_rows, m = _prefixes([candidates[i] for i in lookups], Ks)  # [K, m] each, m: [m]
-    model_gain, model_rows, n = _prefixes([candidates[i] for i in models], Ks)  # [K, n] each, n: [n]
+    lookup_gain, lookup_rows, _, m = _prefixes([candidates[i] for i in lookups], Ks)  # [K, m] each, m: [m]
+    model_gain, model_rows, model_none, n = _prefixes([candidates[i] for i in models], Ks)  # [K, n] each, n: [n]
     gain = lookup_gain[:, :, None] + model_gain[:, None, :]  # [K, m, n]
     rows = fixed_rows + lookup_rows[:, :, None] + model_rows[:, None, :]
     lags = np.concatenate([[0], np.cumsum([candidates[i].lag for i in models])])[n]  # [n]
     stepping = len(fixed_stepping) + n  # draft-model sequences stepping together
     draft_cost = np.array([costs.draft_ms(int(s)) if s else 0.0 for s in stepping])  # [n]
     steps = np.where(n[None, :] > 0, np.maximum(Ks, steps_fixed), steps_fixed)  # [K, n]
+    if costs.steady_draft:  # the extra forward of a draft whose every draft was accepted
+        steps = steps + np.where(stepping[None, :] > 0, 1.0 - np.exp(model_none + fixed_none), 0.0)
     time_ms = (steps * draft_cost)[:, None, :] + costs.catch_up_ms(lags) / CATCH_UP_ITERATIONS \
         + costs.target_ms_array(batch, rows)
     if previous_rows is not None and costs.switch_ms:
-        time_ms = time_ms + np.where(rows != previous_rows, costs.switch_ms, 0.0)
+        time_ms = time_ms + np.where(rows != previous_rows, costs.switch_ms / SWITCH_ITERATIONS, 0.0)
     rates = (fixed_tokens + gain) / time_ms
     K_best, m_best, n_best = np.unravel_index(np.argmax(rates), rates.shape)  # the first best: shortest K, fewest
     if rates[K_best, m_best, n_best] > best_rate:
@@ -183,19 +201,23 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     return ks
 
 
-def _prefixes(ranked: list[Candidate], Ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _prefixes(ranked: list[Candidate], Ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For each K and each prefix size on the grid (0 included) of candidates ranked by acceptance: the tokens the
-    prefix adds over plain steps (sum of E(a, k) - 1) and its draft rows, each drafting k = min(K, its k_max)."""
+    prefix adds over plain steps (sum of E(a, k) - 1), its draft rows, and log P(no one in it has all its drafts
+    accepted), each drafting k = min(K, its k_max)."""
     sizes = np.concatenate([[0], _grid(len(ranked))]) if ranked else np.zeros(1, dtype=int)
     if not ranked:
         zeros = np.zeros((Ks.shape[0], 1))
-        return zeros, zeros, sizes
+        return zeros, zeros, zeros, sizes
     acceptance = np.array([c.acceptance for c in ranked])
     k = np.minimum(Ks, np.array([c.k_max for c in ranked])[None, :])  # [K, len]
     tail = (acceptance - acceptance ** (k + 1)) / np.maximum(1.0 - acceptance, 1e-12)  # E(a, k) - 1
-    gain = np.concatenate([np.zeros((Ks.shape[0], 1)), np.cumsum(np.where(acceptance >= 1.0, k, tail), axis=1)], 1)
-    rows = np.concatenate([np.zeros((Ks.shape[0], 1)), np.cumsum(k, axis=1)], axis=1)
-    return gain[:, sizes], rows[:, sizes], sizes
+
+    def prefix_sums(per_candidate: np.ndarray) -> np.ndarray:
+        return np.concatenate([np.zeros((Ks.shape[0], 1)), np.cumsum(per_candidate, axis=1)], axis=1)[:, sizes]
+
+    none_all = np.log1p(-np.minimum(acceptance ** k, ALL_ACCEPTED_MAX))
+    return prefix_sums(np.where(acceptance >= 1.0, k, tail)), prefix_sums(k), prefix_sums(none_all), sizes
 
 
 @functools.cache

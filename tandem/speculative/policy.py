@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-EWMA_WEIGHT = 0.2  # weight of a new timing in the running cost estimates
+EWMA_WEIGHT = 0.2  # weight of a new figure in the running estimates of runs and catch-ups
+# A cost the loop observes is the median of its latest OBSERVED_WINDOW timings, the figure before them counted
+# thrice at first: a one-off (a shape's first use: graph capture, a Vulkan pipeline, an allocation; 10x a step) moves
+# no estimate. An average moved by it kept drafting off for good on an H100 (CUDA, Vulkan: a plan of plain steps
+# never times a verify again to correct it).
+OBSERVED_WINDOW = 5
 ACCEPTANCE_DECAY = 0.9  # per drafting iteration: evidence halves in ~7 iterations, so the policy follows a prompt
 IDLE_DECAY = 0.97  # per plain iteration: evidence fades to the prior, halfway in ~23 tokens
 # Pseudo-counts (accepted, drafted) a fresh process starts from and every estimate drifts back to while drafting is
@@ -75,6 +82,14 @@ def copied_risk(p_no_gain: float, shared: AcceptancePrior | None) -> float:
     return 1.0 - (1.0 - p_no_gain) * (1.0 - copied)
 
 
+def observed_median(recent: dict, key: object, before: float, ms: float) -> float:
+    """A cost's new estimate after a timing of `ms`: the median of its latest timings (`recent` keeps them per key),
+    seeded with its estimate `before` (see OBSERVED_WINDOW)."""
+    window = recent.setdefault(key, deque([before] * (OBSERVED_WINDOW // 2 + 1), maxlen=OBSERVED_WINDOW))
+    window.append(ms)
+    return statistics.median(window)
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """E(k): tokens an iteration yields, accepted drafts plus the target's own token."""
     if acceptance >= 1.0:
@@ -90,6 +105,7 @@ class CostModel:
     verify_ms: dict[int, float] = field(default_factory=dict)
     catch_up_ms_per_token: float | None = None  # the draft's forward over many unseen tokens, per token (batched)
     catch_up_base_ms: float = 0.0  # and what such a forward costs whatever its tokens (GPUs: most of it)
+    _recent: dict = field(default_factory=dict, repr=False, compare=False)  # observed_median's windows
 
     def verify(self, n: int) -> float:
         """V(n), linear between (and beyond) the measured points: a forward's cost is affine in its tokens. Never
@@ -123,10 +139,8 @@ class CostModel:
 
     def observe(self, k: int, draft_ms: float, verify_ms: float) -> None:
         if k > 0:
-            self.draft_step_ms += EWMA_WEIGHT * (draft_ms / k - self.draft_step_ms)
-        n = k + 1
-        old = self.verify_ms.get(n)
-        self.verify_ms[n] = verify_ms if old is None else old + EWMA_WEIGHT * (verify_ms - old)
+            self.draft_step_ms = observed_median(self._recent, "draft", self.draft_step_ms, draft_ms / k)
+        self.verify_ms[k + 1] = observed_median(self._recent, k + 1, self.verify(k + 1), verify_ms)
 
     def observe_catch_up(self, tokens: int, ms: float) -> None:
         if tokens > 0:
