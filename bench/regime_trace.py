@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     plans: list[tuple] = []
     plan = Engine._plan
 
+    engines = []
+
     def traced(self: Engine, decoding, prefill_rows):
+        if not engines or engines[-1] is not self:
+            engines.append(self)
         ks = plan(self, decoding, prefill_rows)
         if self.drafter is not None:
             plans.append((tuple(ks), [(round(g.acceptance(DRAFT_MODEL), 3), self.drafter.lag(g), g.draft_prefill,
@@ -77,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
             plans.clear()
             row = run_engine(target, draft, a, n, args)
             print(f"engine x{n}", row, "prior", prior.counts(DRAFT_MODEL), flush=True)
+            for e in {id(e): e for e in engines if e.costs is not None}.values():  # the costs the loop refined
+                print("  costs after: V", {b: {r: round(v, 2) for r, v in m.verify_ms.items()} for b, m in
+                                           e.costs.verify.items()}, "draft", {b: round(v, 2) for b, v in
+                                                                              e.costs.draft_step.items()})
+            engines.clear()
             drafting = [p for p in plans if any(p[0])]
             print(f"  plans {len(plans)}, drafting {len(drafting)}")
             for ks, seqs in plans[:STEPS_SHOWN] + drafting[:STEPS_SHOWN]:
