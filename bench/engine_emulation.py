@@ -149,7 +149,8 @@ def emulated_costs(slots: int, draft_max: int) -> planner.BatchCosts:
             break
         b = min(2 * b, slots)
     costs.catch_up_ms_per_token = interpolate(DRAFT_MS, 64) / 64
-    costs.observe_target = costs.observe_draft = lambda *args: None  # the emulated costs are the truth
+    # the emulated costs are the truth
+    costs.observe_target = costs.observe_draft = costs.observe_iteration = lambda *args: None
     return costs
 
 

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if known.replay is not None:  # frozen: this machine's timings must not refine the replayed costs
         planner.BatchCosts.observe_target = lambda *a, **k: None
         planner.BatchCosts.observe_draft = lambda *a, **k: None
+        planner.BatchCosts.observe_iteration = lambda *a, **k: None
     prior = shared_prior(target)
     for a in args.acceptance:
         print("generate", run_generate(target, draft, a, args), flush=True)

@@ -342,6 +342,42 @@ def test_observed_costs_move_on_a_trend_not_on_a_one_off():
     assert 3 not in table.verify
 
 
+def test_a_drafting_step_dearer_than_its_costs_turns_drafting_off():
+    """BatchCosts.drafting_overrun: a drafting step that takes longer than its forwards' costs say, beyond what a
+    plain step does (host work no forward's timing shows), prices drafting up by that ratio: three such steps in a
+    row turn a plan that drafted by 20% plain, one does not."""
+    table = costs({2: {2: 10.0, 4: 14.0, 6: 17.0, 18: 40.0}}, draft_ms=1.5)  # k = 2 pays by 22%
+    pair = [planner.Candidate(0.8, 8), planner.Candidate(0.8, 8)]
+    assert any(planner.plan(pair, table))
+    for _ in range(5):
+        table.observe_iteration(2, False, 10.0, 10.5)  # plain steps: 1.05x their costs
+    table.observe_iteration(2, True, 13.0, 26.0)  # a one-off
+    assert table.drafting_overrun(2) == 1.0 and any(planner.plan(pair, table))
+    for _ in range(3):
+        table.observe_iteration(2, True, 13.0, 13.0 * 1.05 * 1.5)
+    assert table.drafting_overrun(2) == pytest.approx(1.5)
+    assert planner.plan(pair, table) == [0, 0]
+    assert table.drafting_overrun(1) == 1.0  # per batch size
+
+
+def test_an_engine_whose_drafting_steps_overrun_stops_drafting(pair64, monkeypatch):
+    """In the loop: under costs that say drafting pays, draft forwards 20 ms slower than those costs (what the
+    costs cannot see) stop the drafting within a few steps; the output is the target's alone."""
+    import time as clock
+
+    target, draft = pair64
+    engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
+    engine.costs = cheap_rows(1, draft_ms=0.5)
+    del engine.costs.observe_iteration  # the one timing learned here
+    forward = engine.drafter.kv.forward
+    monkeypatch.setattr(engine.drafter.kv, "forward", lambda *a: clock.sleep(0.02) or forward(*a))
+    prompt = PROMPTS[0]
+    result = engine.generate([Request(target.tokenizer.encode(prompt), max_tokens=40)])[0]
+    assert result.tokens == alone(target, prompt, max_tokens=40).tokens
+    drafted = result.stats.draft_len_counts
+    assert 0 < sum(n for k, n in drafted.items() if k) <= 6 and drafted.get(0, 0) >= 10, drafted
+
+
 @pytest.mark.parametrize("curve, rows", [
     ("line", {1, 2, 5, 9}),  # a CPU's: the probe at 5 rows is on the line, nothing more is timed
     ("cliff", {1, 2, 3, 5, 8, 9}),  # llama.cpp's Vulkan build: +4.8 ms a row to 8 rows, then 12 steps at 9
@@ -578,7 +614,7 @@ def cheap_rows(slots: int, draft_ms: float) -> planner.BatchCosts:
     """Costs under which extra rows are nearly free (a memory-bound target): drafting pays where it is accepted.
     Held fixed (the engine's timings of the tiny models do not refine them)."""
     table = costs({b: {b: 10.0, 16 * b: 10.2} for b in (1, 2, 4, 8) if b <= slots}, draft_ms=draft_ms)
-    table.observe_target = table.observe_draft = lambda *args: None
+    table.observe_target = table.observe_draft = table.observe_iteration = lambda *args: None
     return table
 
 

@@ -267,7 +267,21 @@ class Engine:
                 if gen.ngram is not None:
                     gen.ngram.start(gen.request.prompt)
                 self._deliver(gen, gen.tokens[-1:], events, scored.get(gen.id))
+        self._observe_iteration(decoding, ks, prefills, target_rows, reshaped, 1000.0 * (time.perf_counter() - started))
         return events
+
+    def _observe_iteration(self, decoding: list[Generation], ks: list[int], prefills: list, target_rows: int,
+                           reshaped: bool, ms: float) -> None:
+        """A whole step's time against what its forwards' costs predict (BatchCosts.drafting_overrun); not a step
+        that took in prompts, read evidence or caught a draft up (no steady step's cost)."""
+        if self.costs is None or prefills or self._evidence:
+            return
+        model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
+        if model_drafting and self._drafted is None:
+            return
+        draft_ms = self.costs.draft_ms(self._drafted[0]) * self._drafted[1] if model_drafting else 0.0
+        predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows) + reshaped * self.costs.switch_ms
+        self.costs.observe_iteration(len(decoding), any(ks), predicted, ms)
 
     def _deliver(self, gen: Generation, new_tokens: list[int], events: list, scored: list | None) -> None:
         """Hand the caller this iteration's tokens (cut at a stop token or max_tokens), with their logprobs."""
