@@ -125,8 +125,9 @@ class BatchCosts:
     def drafting_overrun(self, batch: int) -> float:
         """How much longer a drafting step of `batch` sequences takes than its forwards' costs, over what a plain
         one does (>= 1): what no forward's timing shows (the steps' host work, the draft's bookkeeping, a worker
-        process's round trips). On an H100 (CUDA, 32B / 1.5B) a 2-request drafting step took ~1.3x its costs where
-        a plain one took its costs, and drafting at 1.23x predicted ran at 0.90x plain."""
+        process's round trips). On an H100 (CUDA, 32B / 1.5B, 2 requests) drafting predicted at 1.23x ran at 0.90x
+        plain, its 4- and 6-row verifies 23.0 and 25.9 ms in the loop against 15.2 and 19.5 timed alone, plain
+        steps as timed: what the loop's costs learn slowly, one row count at a time, this learns in three steps."""
         drafting = self._overrun.get((batch, True))
         return 1.0 if drafting is None else max(1.0, drafting / self._overrun.get((batch, False), 1.0))
 
