@@ -286,6 +286,14 @@ def test_planner_prices_a_change_of_shape(pair64, monkeypatch):
     h100 = costs({1: {1: 11.58, 2: 12.31, 5: 17.76, 9: 26.23}}, draft_ms=2.15)  # CUDA, 32B / 1.5B Q4_0
     h100.switch_ms = 2.9
     assert planner.plan([planner.Candidate(0.8, 8)], h100, previous_rows=2) == [2]
+    # Spread over the iterations shapes have lasted: a batch whose shape changes every step pays each change whole
+    for _ in range(30):
+        h100.observe_shape_run(1)
+    assert h100.shape_run == pytest.approx(planner.SHAPE_RUN_LIMITS[0], abs=0.01)
+    assert planner.plan([planner.Candidate(0.8, 8)], h100, previous_rows=2) == [1]
+    for _ in range(30):
+        h100.observe_shape_run(100)
+    assert h100.shape_run == pytest.approx(planner.SHAPE_RUN_LIMITS[1], rel=1e-3)
     target, draft = pair64
     engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
     engine.costs = cheap_rows(1, draft_ms=0.5)
@@ -483,7 +491,7 @@ def test_a_steady_shaped_draft_feeds_one_row_a_sequence_and_keeps_each_iteration
     observed, shapes = [], []  # observe_draft's forwards; observe_target's rows and the forward's before
     monkeypatch.setattr(engine.costs, "observe_draft", lambda n, forwards, ms: observed.append(forwards))
     monkeypatch.setattr(engine.costs, "observe_target",
-                        lambda b, rows, ms: shapes.append((rows, previous[-1])))
+                        lambda b, rows, ms: shapes.append((rows, previous[-1], engine._shape_run)))
     previous = []
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: previous.append(engine._previous_rows) or step())
@@ -507,8 +515,8 @@ def test_a_steady_shaped_draft_feeds_one_row_a_sequence_and_keeps_each_iteration
     assert any(len(it) > 2 for it in steady)  # k = 3: catch-up forwards and steps, all one shape
     # The draft's cost is observed per forward, the catch-up's extra forward counted (a forward more than drafts)
     assert sorted(observed) == sorted(len(it) for it in steady) and max(observed) == 4
-    # The target's is observed only where the forward before had its shape (a change is switch_ms's)
-    assert shapes and all(rows == before for rows, before in shapes)
+    # The target's is observed only from the third forward of a shape in a row (a change is switch_ms's)
+    assert shapes and all(rows == before and run >= 3 for rows, before, run in shapes)
 
     seen = []
     new_sequence = draft.new_sequence

@@ -56,6 +56,7 @@ log = logging.getLogger("tandem.engine")
 DEFAULT_SLOTS = 4
 DEFAULT_DRAFT_MAX = 8
 PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
+SETTLED_FORWARDS = 3  # the forward of a shape from which on its time is its steady cost (Engine._track_shape)
 REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
 IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
@@ -122,6 +123,7 @@ class Engine:
         self._evidence: list[Generation] = []  # sequences whose draft reads the text before drafting (see _plan)
         self._rates = None
         self._previous_rows: int | None = None  # rows of the target's last forward (a plan of others pays a switch)
+        self._shape_run = 0  # forwards in a row of that shape
 
     def _synchronize(self) -> None:
         for model in (self.target, self.draft_model):
@@ -224,14 +226,14 @@ class Engine:
         last_only = [False] * len(decoding) + [True] * len(prefills)
         logits = self.target_kv.forward(batch, last_only)
         target_rows = sum(len(rows) for _, rows in batch)
-        reshaped, self._previous_rows = target_rows != self._previous_rows, target_rows
+        settled = self._track_shape(target_rows)
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
                   if gen.fed + len(chunk) == gen.prompt_len]
         outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
         finished = time.perf_counter()
         draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
         step_ms = 1000.0 * (finished - started)
-        if self.costs is not None and not prefills and not reshaped:  # a change of shape is switch_ms's
+        if self.costs is not None and not prefills and settled:  # a change of shape is switch_ms's
             self.costs.observe_target(len(decoding), target_rows, verify_ms)
         # The draft's share of the prompt chunks, after the timings: it is no draft step's or verify's cost.
         prefill_ms = step_ms
@@ -267,20 +269,32 @@ class Engine:
                 if gen.ngram is not None:
                     gen.ngram.start(gen.request.prompt)
                 self._deliver(gen, gen.tokens[-1:], events, scored.get(gen.id))
-        self._observe_iteration(decoding, ks, prefills, target_rows, reshaped, 1000.0 * (time.perf_counter() - started))
+        if settled:
+            self._observe_iteration(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - started))
         return events
 
+    def _track_shape(self, rows: int) -> bool:
+        """Note the target's forward of `rows` rows; whether its shape has settled (the third forward of it in a
+        row: llama.cpp's CUDA build runs the first after a change uncaptured and captures the second; the two are
+        switch_ms's, measured apart)."""
+        if rows != self._previous_rows:
+            if self.costs is not None and self._previous_rows is not None:
+                self.costs.observe_shape_run(self._shape_run)
+            self._previous_rows, self._shape_run = rows, 0
+        self._shape_run += 1
+        return self._shape_run >= SETTLED_FORWARDS
+
     def _observe_iteration(self, decoding: list[Generation], ks: list[int], prefills: list, target_rows: int,
-                           reshaped: bool, ms: float) -> None:
-        """A whole step's time against what its forwards' costs predict (BatchCosts.drafting_overrun); not a step
-        that took in prompts, read evidence or caught a draft up (no steady step's cost)."""
+                           ms: float) -> None:
+        """A whole step's time against what its forwards' costs predict (BatchCosts.drafting_overrun), at a settled
+        shape; not a step that took in prompts, read evidence or caught a draft up (no steady step's cost)."""
         if self.costs is None or prefills or self._evidence:
             return
         model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
         if model_drafting and self._drafted is None:
             return
         draft_ms = self.costs.draft_ms(self._drafted[0]) * self._drafted[1] if model_drafting else 0.0
-        predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows) + reshaped * self.costs.switch_ms
+        predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows)
         self.costs.observe_iteration(len(decoding), any(ks), predicted, ms)
 
     def _deliver(self, gen: Generation, new_tokens: list[int], events: list, scored: list | None) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.backends.base import BatchedCache
-from tandem.speculative.policy import CostModel, expected_tokens, observed_median
+from tandem.speculative.policy import EWMA_WEIGHT, CostModel, expected_tokens, observed_median
 
 CONTEXT = 16  # tokens each timed sequence attends over
 REPEATS = 3
@@ -40,10 +40,14 @@ ALL_ACCEPTED_MAX = 1.0 - 1e-9  # a^k capped below 1, for log(1 - a^k)
 # spread over this many iterations: drafting that pays off afterwards may start, where charging it all to one
 # iteration would keep a draft off for good after a long prompt.
 CATCH_UP_ITERATIONS = 16
-# A change of the target's shape is paid once, then the new shape stays (a batch drafts at one K while its estimates
-# hold): the price is spread over this many iterations. Charged whole to one iteration it held every K where it
-# was (k=1 where k=2 paid 12% more: an H100's CUDA graphs cost 2.9 ms a change, a 1.5B draft's step 2.2).
+# A change of the target's shape is paid once, then the new shape stays for a while: the price is spread over the
+# iterations a shape has lasted in this engine (BatchCosts.shape_run, SWITCH_ITERATIONS before any is seen, within
+# SHAPE_RUN_LIMITS). Charged whole to one iteration it held every K where it was (k=1 where k=2 paid 12% more: an
+# H100's CUDA graphs cost 2.9 ms a change, a 1.5B draft's step 2.2); spread over a fixed 8 it let estimates that
+# jitter change K every few steps, each change paying it whole. Spread over the runs seen, a batch that keeps
+# changing shape pays its changes in full and so changes less.
 SWITCH_ITERATIONS = 8
+SHAPE_RUN_LIMITS = (1.0, 16.0)
 
 
 @dataclass
@@ -69,6 +73,7 @@ class BatchCosts:
     # A target forward whose rows differ from the forward before: llama.cpp rebuilds its graph (and, on CUDA,
     # re-captures it) where it reused it for an unchanged shape; what a start or stop of drafting costs
     switch_ms: float = 0.0
+    shape_run: float = SWITCH_ITERATIONS  # the iterations a target shape has lasted (EWMA), see observe_shape_run
     # The draft steps one row a forward (Model.steady_shapes): a sequence whose drafts were all accepted has two
     # tokens to take in, one more forward before its next draft (the planner expects it: 1 - prod(1 - a^k))
     steady_draft: bool = False
@@ -115,6 +120,15 @@ class BatchCosts:
             return  # refine measured batch sizes only; others interpolate between them
         table = self.verify[batch].verify_ms
         table[rows] = observed_median(self._recent, ("target", batch, rows), self.target_ms(batch, rows), ms)
+
+    def observe_shape_run(self, iterations: int) -> None:
+        """A target shape lasted this many forwards before the shape changed."""
+        self.shape_run = float(np.clip(self.shape_run + EWMA_WEIGHT * (iterations - self.shape_run),
+                                       *SHAPE_RUN_LIMITS))
+
+    def switch_share_ms(self) -> float:
+        """What a change of shape costs each iteration of the new shape."""
+        return self.switch_ms / self.shape_run
 
     def observe_iteration(self, batch: int, drafting: bool, predicted_ms: float, ms: float) -> None:
         """A whole step of `batch` decoding sequences took `ms` where its forwards' costs say `predicted_ms`."""
@@ -166,8 +180,7 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
         if rows not in target_ms:
             target_ms[rows] = costs.target_ms(batch, rows)
         catch_up = costs.catch_up_ms(lag) / CATCH_UP_ITERATIONS
-        switched = costs.switch_ms / SWITCH_ITERATIONS \
-            if switch and previous_rows is not None and rows != previous_rows else 0.0
+        switched = costs.switch_share_ms() if switch and previous_rows is not None and rows != previous_rows else 0.0
         return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows] + switched
 
     # fixed draft-model drafters: log P(none of them has all its drafts accepted), for the steady draft's extra forward
@@ -207,7 +220,7 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     time_ms = (steps * draft_cost)[:, None, :] + costs.catch_up_ms(lags) / CATCH_UP_ITERATIONS \
         + costs.target_ms_array(batch, rows)
     if previous_rows is not None and costs.switch_ms:
-        time_ms = time_ms + np.where(rows != previous_rows, costs.switch_ms / SWITCH_ITERATIONS, 0.0)
+        time_ms = time_ms + np.where(rows != previous_rows, costs.switch_share_ms(), 0.0)
     overrun = costs.drafting_overrun(batch)
     if overrun > 1.0:  # every plan but all-plain ([m = 0, n = 0]) drafts
         time_ms = time_ms * np.where((m[:, None] > 0) | (n[None, :] > 0), overrun, 1.0)
@@ -271,10 +284,12 @@ def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchr
             else short * CATCH_UP_ROWS[1] / CATCH_UP_ROWS[0]
         costs.catch_up_ms_per_token = max(0.0, long - short) / (CATCH_UP_ROWS[1] - CATCH_UP_ROWS[0])
         costs.catch_up_base_ms = max(0.0, short - CATCH_UP_ROWS[0] * costs.catch_up_ms_per_token)
-    if k_max > 0:  # a plain step after a verify, and a verify after a plain step, against each repeated
+    if k_max > 0:  # plain steps after a verify, and verifies after a plain step, against each repeated
+        # Two forwards after the change: llama.cpp's CUDA build runs the first uncaptured and captures the second
+        # (ggml-cuda's graph warm-up), replaying only from the third; elsewhere the second reuses the graph.
         same = costs.verify[1].verify_ms
-        plain_after_verify = _time(target, 1, 1, synchronize, after=2) - same[1]
-        verify_after_plain = _time(target, 1, 2, synchronize, after=1) - same[2]
+        plain_after_verify = _time(target, 1, 1, synchronize, after=2, calls=2) - 2 * same[1]
+        verify_after_plain = _time(target, 1, 2, synchronize, after=1, calls=2) - 2 * same[2]
         costs.switch_ms = max(0.0, (plain_after_verify + verify_after_plain) / 2)
     return costs
 
@@ -293,10 +308,10 @@ def _verify_costs(target: BatchedCache, batch: int, k_max: int, synchronize) -> 
     return CostModel(draft_step_ms=0.0, verify_ms=table | probes)
 
 
-def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | None = None) -> float:
-    """Median ms of one forward of `rows` tokens in each of `batch` slots, after CONTEXT tokens (the first run is
-    a warm-up), each right after an untimed forward of `after` rows where given (a change of shape); every slot is
-    rewound to empty after."""
+def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | None = None, calls: int = 1) -> float:
+    """Median ms of `calls` forwards in a row of `rows` tokens in each of `batch` slots, after CONTEXT tokens (the
+    first run is a warm-up), each run right after an untimed forward of `after` rows where given (a change of
+    shape); every slot is rewound to empty after."""
     token = 0
     slots = list(range(batch))
     cache.forward([(s, [token] * CONTEXT) for s in slots], [True] * batch)
@@ -306,13 +321,16 @@ def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | 
             cache.forward([(s, [token] * after) for s in slots], [False] * batch)
             for s in slots:
                 cache.rewind(s, CONTEXT)
-        synchronize()
-        started = time.perf_counter()
-        cache.forward([(s, [token] * rows) for s in slots], [False] * batch)
-        synchronize()
-        times.append(1000.0 * (time.perf_counter() - started))
-        for s in slots:
-            cache.rewind(s, CONTEXT)
+        total = 0.0
+        for _ in range(calls):
+            synchronize()
+            started = time.perf_counter()
+            cache.forward([(s, [token] * rows) for s in slots], [False] * batch)
+            synchronize()
+            total += 1000.0 * (time.perf_counter() - started)
+            for s in slots:
+                cache.rewind(s, CONTEXT)
+        times.append(total)
     for s in slots:
         cache.rewind(s, 0)
     return statistics.median(times[1:])
