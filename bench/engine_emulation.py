@@ -150,7 +150,7 @@ def emulated_costs(slots: int, draft_max: int) -> planner.BatchCosts:
         b = min(2 * b, slots)
     costs.catch_up_ms_per_token = interpolate(DRAFT_MS, 64) / 64
     # the emulated costs are the truth
-    costs.observe_target = costs.observe_draft = costs.observe_iteration = lambda *args: None
+    costs.observe_draft = costs.observe_iteration = lambda *args: None
     return costs
 
 

@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
 
     planner.measure = measured
     if known.replay is not None:  # frozen: this machine's timings must not refine the replayed costs
-        planner.BatchCosts.observe_target = lambda *a, **k: None
         planner.BatchCosts.observe_draft = lambda *a, **k: None
         planner.BatchCosts.observe_iteration = lambda *a, **k: None
     prior = shared_prior(target)

@@ -56,7 +56,6 @@ log = logging.getLogger("tandem.engine")
 DEFAULT_SLOTS = 4
 DEFAULT_DRAFT_MAX = 8
 PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
-SETTLED_FORWARDS = 3  # the forward of a shape from which on its time is its steady cost (Engine._track_shape)
 REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
 IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
@@ -114,9 +113,7 @@ class Engine:
         self.prior = shared_prior(target)
         self.costs = None
         if self.proposer and draft_max > 0 and measure_costs:
-            self.costs = planner.measure(self.target_kv, self.drafter and self.drafter.kv, draft_max,
-                                         self._synchronize)
-            self.costs.steady_draft = self.drafter is not None and self.draft_model.steady_shapes
+            self.calibrate()
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self._plain_plan: tuple[tuple[int, ...], int] | None = None  # (batch, steps it still stands for)
@@ -124,6 +121,13 @@ class Engine:
         self._rates = None
         self._previous_rows: int | None = None  # rows of the target's last forward (a plan of others pays a switch)
         self._shape_run = 0  # forwards in a row of that shape
+        self._drafting_run = 0  # steps in a row that drafted
+
+    def calibrate(self) -> None:
+        """Measure the planner's costs on these caches (empty: their slots are scratch here)."""
+        self.costs = planner.measure(self.target_kv, self.drafter and self.drafter.kv, self.draft_max,
+                                     self._synchronize)
+        self.costs.steady_draft = self.drafter is not None and self.draft_model.steady_shapes
 
     def _synchronize(self) -> None:
         for model in (self.target, self.draft_model):
@@ -226,15 +230,13 @@ class Engine:
         last_only = [False] * len(decoding) + [True] * len(prefills)
         logits = self.target_kv.forward(batch, last_only)
         target_rows = sum(len(rows) for _, rows in batch)
-        settled = self._track_shape(target_rows)
+        self._track_shape(target_rows, any(ks))
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
                   if gen.fed + len(chunk) == gen.prompt_len]
         outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
         finished = time.perf_counter()
         draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
         step_ms = 1000.0 * (finished - started)
-        if self.costs is not None and not prefills and settled:  # a change of shape is switch_ms's
-            self.costs.observe_target(len(decoding), target_rows, verify_ms)
         # The draft's share of the prompt chunks, after the timings: it is no draft step's or verify's cost.
         prefill_ms = step_ms
         if self.drafter is not None and any(gen.draft_prefill for gen, _ in prefills):
@@ -269,32 +271,38 @@ class Engine:
                 if gen.ngram is not None:
                     gen.ngram.start(gen.request.prompt)
                 self._deliver(gen, gen.tokens[-1:], events, scored.get(gen.id))
-        if settled:
-            self._observe_iteration(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - started))
+        self._observe_iteration(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - started))
         return events
 
-    def _track_shape(self, rows: int) -> bool:
-        """Note the target's forward of `rows` rows; whether its shape has settled (the third forward of it in a
-        row: llama.cpp's CUDA build runs the first after a change uncaptured and captures the second; the two are
-        switch_ms's, measured apart)."""
+    def _track_shape(self, rows: int, drafted: bool) -> None:
+        """Note the target's forward of `rows` rows, and whether the step drafted: how long shapes and runs of
+        drafting last prices a change and a start (BatchCosts.shape_run, drafting_run)."""
+        if drafted:
+            self._drafting_run += 1
+        elif self._drafting_run:
+            if self.costs is not None:
+                self.costs.observe_drafting_run(self._drafting_run)
+            self._drafting_run = 0
         if rows != self._previous_rows:
             if self.costs is not None and self._previous_rows is not None:
                 self.costs.observe_shape_run(self._shape_run)
             self._previous_rows, self._shape_run = rows, 0
         self._shape_run += 1
-        return self._shape_run >= SETTLED_FORWARDS
 
     def _observe_iteration(self, decoding: list[Generation], ks: list[int], prefills: list, target_rows: int,
                            ms: float) -> None:
-        """A whole step's time against what its forwards' costs predict (BatchCosts.drafting_overrun), at a settled
-        shape; not a step that took in prompts, read evidence or caught a draft up (no steady step's cost)."""
+        """A whole step's time against what its costs predict (BatchCosts.drafting_overrun): its forwards, and half
+        the switch in each of the two forwards after a change of shape (llama.cpp's CUDA build runs the first
+        uncaptured and captures the second). Not a step that took in prompts, read evidence or caught a draft up
+        (no steady step's cost)."""
         if self.costs is None or prefills or self._evidence:
             return
         model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
         if model_drafting and self._drafted is None:
             return
         draft_ms = self.costs.draft_ms(self._drafted[0]) * self._drafted[1] if model_drafting else 0.0
-        predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows)
+        switch_ms = self.costs.switch_ms / 2 if self._shape_run <= 2 else 0.0
+        predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows) + switch_ms
         self.costs.observe_iteration(len(decoding), any(ks), predicted, ms)
 
     def _deliver(self, gen: Generation, new_tokens: list[int], events: list, scored: list | None) -> None:
@@ -314,6 +322,7 @@ class Engine:
     # --- admission -------------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        admitted = []
         while self.waiting and self.table.free:
             gen = self.waiting.popleft()
             prompt = gen.request.prompt
@@ -331,11 +340,13 @@ class Engine:
             self.target_kv.rewind(slot, min(reuse, self.target_kv.length(slot)))
             if self.drafter is not None:
                 self.drafter.place(slot, own, source, reuse)
-                gen.draft_prefill = self._draft_may_pay(gen)
             gen.slot, gen.fed = slot, reuse
             gen.stats.cached_tokens = reuse
             self.table.occupy(slot, gen.tokens)
             self.running.append(gen)
+            admitted.append(gen)
+        for gen in admitted if self.drafter is not None else ():
+            gen.draft_prefill = self._draft_may_pay(gen, len(self.running))
 
     def _retire(self, gen: Generation) -> None:
         """The sequence leaves the batch; its slot keeps the KV of its tokens for a later prompt to reuse."""
@@ -351,19 +362,21 @@ class Engine:
                                 "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()}}
         self.table.release(gen.slot, self.target_kv.length(gen.slot))
 
-    def _draft_may_pay(self, gen: Generation) -> bool:
-        """Whether the draft takes in the prompt beside the target's prefill: where, by the batch-1 costs at the
-        request's prior acceptance, a draft with nothing to catch up beats plain decoding. A draft that took in
-        nothing must catch up on the whole prompt first, a cost that kept it off for good where it would have paid
+    def _draft_may_pay(self, gen: Generation, batch: int) -> bool:
+        """Whether the draft takes in the prompt beside the target's prefill: where, by the costs at the request's
+        prior acceptance, `batch` sequences drafting with nothing to catch up beat plain decoding. A draft that took
+        in nothing must catch up on the whole prompt first, a cost that kept it off for good where it would have paid
         (H200/H100, 32B target: the engine never drafted at 1 and 2 requests); a draft that cannot pay on this
-        machine (a CPU's 1.5B/0.5B pair) still costs nothing."""
+        machine (a CPU's 1.5B/0.5B pair) or at this load costs nothing (at 2 requests on an H100, emulated, a draft
+        that never paid cost 5% in its prompts, its reads and its catch-ups)."""
         if DRAFT_MODEL not in gen.estimates or gen.draft_max == 0:
             return False
-        return gen.request.draft_policy == "fixed" or self._drafts_alone(gen.acceptance(DRAFT_MODEL), gen.draft_max)
+        return gen.request.draft_policy == "fixed" or \
+            self._drafts_at(gen.acceptance(DRAFT_MODEL), gen.draft_max, batch)
 
-    def _drafts_alone(self, acceptance: float, k_max: int) -> bool:
-        """Whether one sequence at this acceptance, alone and with nothing to catch up, drafts by the costs."""
-        return planner.plan([planner.Candidate(acceptance, k_max)], self.costs)[0] > 0
+    def _drafts_at(self, acceptance: float, k_max: int, batch: int = 1) -> bool:
+        """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs."""
+        return planner.plan([planner.Candidate(acceptance, k_max)] * batch, self.costs)[0] > 0
 
     # --- drafting and verification -----------------------------------------------------------------------
 
@@ -380,7 +393,7 @@ class Engine:
             return [0] * len(decoding)
         self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
         candidates = [self._candidate(g) for g in decoding]
-        ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows)
+        ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows, self._drafting_run > 0)
         # Before a draft drafts blind (first time in the request, or back after a plain stretch), it reads the text
         # it missed, teacher-forced: how much of it it would have predicted is its acceptance on this text, known
         # before a single draft is verified, and the plan is made again with it (the batch-1 policy's rule: a
@@ -390,7 +403,7 @@ class Engine:
             if gen.draft_source != DRAFT_MODEL or not self._wants_evidence(gen, candidate):
                 continue
             first = gen.estimates[DRAFT_MODEL].request_reached == 0
-            if ks[i] or first and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior):
+            if ks[i] or first and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior, len(decoding)):
                 if first and not self._first_read_pays(gen):
                     gen.draft_declined, ks[i] = True, 0  # this request goes on with prompt lookup alone
                 elif len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
@@ -399,16 +412,17 @@ class Engine:
                     ks[i] = 0
         if self._evidence:
             self.drafter.read_evidence(self._evidence, self.synthetic_acceptance)
-            ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows, self._previous_rows)
+            ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows, self._previous_rows,
+                              self._drafting_run > 0)
         self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
 
-    def _reading_may_pay(self, candidate: planner.Candidate, prior: tuple[float, float]) -> bool:
-        """Whether reading could switch on a draft that the plan keeps off at its prior: would one sequence draft
-        (batch 1, nothing to catch up) at the acceptance that EVIDENCE_TOKENS matches in a row would give? Without
+    def _reading_may_pay(self, candidate: planner.Candidate, prior: tuple[float, float], batch: int) -> bool:
+        """Whether reading could switch on a draft that the plan keeps off at its prior: would `batch` sequences
+        draft (nothing to catch up) at the acceptance that EVIDENCE_TOKENS matches in a row would give? Without
         this, a prior learned from requests that accepted little would keep every later request off unread, and so
         never learn otherwise."""
-        return self._drafts_alone((prior[0] + EVIDENCE_TOKENS) / (prior[1] + EVIDENCE_TOKENS), candidate.k_max)
+        return self._drafts_at((prior[0] + EVIDENCE_TOKENS) / (prior[1] + EVIDENCE_TOKENS), candidate.k_max, batch)
 
     def _lookup_may_pay(self, decoding: list[Generation]) -> bool:
         """Whether some sequence's text now repeats where its lookup estimate beats the least acceptance at which
@@ -505,7 +519,7 @@ class Engine:
         """Whether one sequence drafting by lookup yields at least the tokens per ms of drafting by the draft model,
         each at its best draft length, at batch 1 (lookup drafts for free, so it wins at equal acceptance). The
         draft's catch-up on `lag` unseen tokens is charged as the planner charges it (spread over
-        CATCH_UP_ITERATIONS): a long prompt the draft has not read makes lookup the better start."""
+        the iterations runs of drafting last): a long prompt the draft has not read makes lookup the better start."""
         lookup_a, draft_a = gen.acceptance(source), gen.acceptance(DRAFT_MODEL)
         if self.costs is None or lookup_a >= draft_a:
             return lookup_a >= draft_a
@@ -513,7 +527,7 @@ class Engine:
             verify = [self.costs.target_ms(1, k + 1) for k in range(self.draft_max + 1)]
             self._rates = (verify, [v + k * self.costs.draft_ms(1) for k, v in enumerate(verify)])
         lookup_ms, draft_ms = self._rates
-        catch_up_ms = self.costs.catch_up_ms(max(0, lag - STEADY_CATCH_UP)) / planner.CATCH_UP_ITERATIONS
+        catch_up_ms = self.costs.catch_up_ms(max(0, lag - STEADY_CATCH_UP)) / self.costs.drafting_run
         return best_rate(lookup_a, lookup_ms, k_lookup) >= best_rate(draft_a, draft_ms, k_draft, catch_up_ms)
 
     def _propose(self, decoding: list[Generation], ks: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:

@@ -8,7 +8,8 @@ each K the best S of a given size is the sequences of highest acceptance, so the
 such prefix and keeps the most tokens per ms; K = 0 (everyone plain) is always a candidate, so by the measured costs
 the batch is never slower than plain decoding. As the batch grows V(B, R) turns compute-bound, extra rows stop being
 free, and drafting turns itself off; it turns back on as the batch drains. Costs are measured per batch size at
-start-up (`measure`) and refined from every step the engine runs.
+start-up (`measure`); the loop refines the draft's step, and prices drafting up by what its steps take beyond
+their costs (BatchCosts.drafting_overrun).
 """
 
 from __future__ import annotations
@@ -36,18 +37,18 @@ NONLINEAR = 0.15
 CATCH_UP_ROWS = (8, 32)  # a draft's catch-up forward is timed over these many tokens
 NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
 ALL_ACCEPTED_MAX = 1.0 - 1e-9  # a^k capped below 1, for log(1 - a^k)
-# A draft that missed tokens (it was off, or the request just started) first takes them in. That cost is charged
-# spread over this many iterations: drafting that pays off afterwards may start, where charging it all to one
-# iteration would keep a draft off for good after a long prompt.
+# Costs paid once for a run of iterations are spread over the iterations such runs have lasted in this engine
+# (EWMAs within RUN_LIMITS), charged whole to one iteration they would keep every start and change from happening:
+# - starting to draft: the draft's catch-up on what it missed (it was off, or the request just started), and the
+#   change of the target's shape there and back, over BatchCosts.drafting_run (CATCH_UP_ITERATIONS before any run
+#   is seen). Spread over a fixed 16, noise in the estimates started runs of one or two steps on an H100's costs
+#   (emulated, bench/regime_emulation.py), each paying its catch-up and two changes of shape whole: 0.94x plain.
+# - another shape while drafting or plain: its change, over BatchCosts.shape_run (SWITCH_ITERATIONS at first).
+#   Charged whole it held k=1 where k=2 paid 12% more (an H100's CUDA graphs: 2.9 ms a change, a 1.5B draft's
+#   step 2.2); spread over a fixed 8 it let estimates that jitter change K every few steps, each paying it whole.
 CATCH_UP_ITERATIONS = 16
-# A change of the target's shape is paid once, then the new shape stays for a while: the price is spread over the
-# iterations a shape has lasted in this engine (BatchCosts.shape_run, SWITCH_ITERATIONS before any is seen, within
-# SHAPE_RUN_LIMITS). Charged whole to one iteration it held every K where it was (k=1 where k=2 paid 12% more: an
-# H100's CUDA graphs cost 2.9 ms a change, a 1.5B draft's step 2.2); spread over a fixed 8 it let estimates that
-# jitter change K every few steps, each change paying it whole. Spread over the runs seen, a batch that keeps
-# changing shape pays its changes in full and so changes less.
 SWITCH_ITERATIONS = 8
-SHAPE_RUN_LIMITS = (1.0, 16.0)
+RUN_LIMITS = (1.0, 16.0)
 
 
 @dataclass
@@ -74,11 +75,12 @@ class BatchCosts:
     # re-captures it) where it reused it for an unchanged shape; what a start or stop of drafting costs
     switch_ms: float = 0.0
     shape_run: float = SWITCH_ITERATIONS  # the iterations a target shape has lasted (EWMA), see observe_shape_run
+    drafting_run: float = CATCH_UP_ITERATIONS  # the iterations a run of drafting has lasted (EWMA)
     # The draft steps one row a forward (Model.steady_shapes): a sequence whose drafts were all accepted has two
     # tokens to take in, one more forward before its next draft (the planner expects it: 1 - prod(1 - a^k))
     steady_draft: bool = False
     _recent: dict = field(default_factory=dict, repr=False)  # observed_median's windows
-    _overrun: dict = field(default_factory=dict, repr=False)  # (batch, drafting) -> an iteration's ms / predicted
+    _overrun: dict = field(default_factory=dict, repr=False)  # (batch, drafting) -> an iteration's ms - predicted
 
     @staticmethod
     def _bucket(table: dict, n: int) -> int:
@@ -113,18 +115,13 @@ class BatchCosts:
             return NGRAM_STEP_MS if sequences else 0.0
         return self.draft_step[self._bucket(self.draft_step, sequences)]
 
-    def observe_target(self, batch: int, rows: int, ms: float) -> None:
-        """A forward of the target over `rows` rows of `batch` sequences, of the shape of the forward before it
-        (a change of shape is switch_ms's)."""
-        if batch not in self.verify:
-            return  # refine measured batch sizes only; others interpolate between them
-        table = self.verify[batch].verify_ms
-        table[rows] = observed_median(self._recent, ("target", batch, rows), self.target_ms(batch, rows), ms)
-
     def observe_shape_run(self, iterations: int) -> None:
         """A target shape lasted this many forwards before the shape changed."""
-        self.shape_run = float(np.clip(self.shape_run + EWMA_WEIGHT * (iterations - self.shape_run),
-                                       *SHAPE_RUN_LIMITS))
+        self.shape_run = _run_average(self.shape_run, iterations)
+
+    def observe_drafting_run(self, iterations: int) -> None:
+        """The batch drafted this many steps in a row."""
+        self.drafting_run = _run_average(self.drafting_run, iterations)
 
     def switch_share_ms(self) -> float:
         """What a change of shape costs each iteration of the new shape."""
@@ -132,18 +129,21 @@ class BatchCosts:
 
     def observe_iteration(self, batch: int, drafting: bool, predicted_ms: float, ms: float) -> None:
         """A whole step of `batch` decoding sequences took `ms` where its forwards' costs say `predicted_ms`."""
-        if predicted_ms > 0:
-            key = ("iteration", batch, drafting)
-            self._overrun[batch, drafting] = observed_median(self._recent, key, 1.0, ms / predicted_ms)
+        key = ("iteration", batch, drafting)
+        self._overrun[batch, drafting] = observed_median(self._recent, key, 0.0, ms - predicted_ms)
 
     def drafting_overrun(self, batch: int) -> float:
-        """How much longer a drafting step of `batch` sequences takes than its forwards' costs, over what a plain
-        one does (>= 1): what no forward's timing shows (the steps' host work, the draft's bookkeeping, a worker
-        process's round trips). On an H100 (CUDA, 32B / 1.5B, 2 requests) drafting predicted at 1.23x ran at 0.90x
-        plain, its 4- and 6-row verifies 23.0 and 25.9 ms in the loop against 15.2 and 19.5 timed alone, plain
-        steps as timed: what the loop's costs learn slowly, one row count at a time, this learns in three steps."""
+        """How many ms longer a drafting step of `batch` sequences takes than its costs say, beyond what a plain one
+        does (>= 0): what the calibration's forwards, each timed alone and repeated, do not show (the step's host
+        work, the draft's bookkeeping, a worker process's round trips, a forward dearer in the loop). On an H100
+        (CUDA, 32B / 1.5B, 2 requests) drafting predicted at 1.23x ran at 0.90x plain, its 4- and 6-row verifies
+        23.0 and 25.9 ms in the loop against 15.2 and 19.5 timed alone, plain steps as timed. Refining each row
+        count's cost from the loop learned that one row count at a time, three steps each, while the counts not yet
+        seen still looked cheap; this one figure, for every draft length, is learned in three steps. Added, not
+        multiplied: the excess seen there was alike at 4 and 6 rows, and a ratio learned at one draft length
+        understated it at the longer ones the planner then chose (emulated: 0.94x plain at 4 requests)."""
         drafting = self._overrun.get((batch, True))
-        return 1.0 if drafting is None else max(1.0, drafting / self._overrun.get((batch, False), 1.0))
+        return 0.0 if drafting is None else max(0.0, drafting - self._overrun.get((batch, False), 0.0))
 
     def observe_draft(self, sequences: int, forwards: int, ms: float) -> None:
         """`forwards` draft forwards of one row for each of `sequences` sequences took `ms` in all."""
@@ -152,10 +152,15 @@ class BatchCosts:
                                                          self.draft_step[sequences], ms / forwards)
 
 
+def _run_average(average: float, run: int) -> float:
+    return float(np.clip(average + EWMA_WEIGHT * (run - average), *RUN_LIMITS))
+
+
 def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_rows: int = 0,
-         previous_rows: int | None = None) -> list[int]:
+         previous_rows: int | None = None, drafting: bool = False) -> list[int]:
     """Draft length per decoding sequence (None: it cannot draft). extra_rows: prompt rows in the same forward;
-    previous_rows: the rows of the target's forward before (a plan of other rows pays costs.switch_ms)."""
+    previous_rows: the rows of the target's forward before (a plan of other rows pays costs.switch_ms); drafting:
+    whether the step before drafted (a plan that starts to draft pays that change and the one back)."""
     ks = [0] * len(candidates)
     adaptive = []
     for i, c in enumerate(candidates):
@@ -179,7 +184,7 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     def ms(steps: int, drafters: int, lag: int, rows: int, switch: bool = True) -> float:
         if rows not in target_ms:
             target_ms[rows] = costs.target_ms(batch, rows)
-        catch_up = costs.catch_up_ms(lag) / CATCH_UP_ITERATIONS
+        catch_up = costs.catch_up_ms(lag) / costs.drafting_run
         switched = costs.switch_share_ms() if switch and previous_rows is not None and rows != previous_rows else 0.0
         return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows] + switched
 
@@ -217,13 +222,14 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     steps = np.where(n[None, :] > 0, np.maximum(Ks, steps_fixed), steps_fixed)  # [K, n]
     if costs.steady_draft:  # the extra forward of a draft whose every draft was accepted
         steps = steps + np.where(stepping[None, :] > 0, 1.0 - np.exp(model_none + fixed_none), 0.0)
-    time_ms = (steps * draft_cost)[:, None, :] + costs.catch_up_ms(lags) / CATCH_UP_ITERATIONS \
+    time_ms = (steps * draft_cost)[:, None, :] + costs.catch_up_ms(lags) / costs.drafting_run \
         + costs.target_ms_array(batch, rows)
+    drafts = (m[:, None] > 0) | (n[None, :] > 0)  # [m, n]: every plan but all-plain drafts
     if previous_rows is not None and costs.switch_ms:
-        time_ms = time_ms + np.where(rows != previous_rows, costs.switch_share_ms(), 0.0)
-    overrun = costs.drafting_overrun(batch)
-    if overrun > 1.0:  # every plan but all-plain ([m = 0, n = 0]) drafts
-        time_ms = time_ms * np.where((m[:, None] > 0) | (n[None, :] > 0), overrun, 1.0)
+        # starting to draft pays this change and the one back once a run; any other change, once a shape
+        price = np.where(drafts & (not drafting), 2 * costs.switch_ms / costs.drafting_run, costs.switch_share_ms())
+        time_ms = time_ms + np.where(rows != previous_rows, price, 0.0)
+    time_ms = time_ms + np.where(drafts, costs.drafting_overrun(batch), 0.0)
     rates = (fixed_tokens + gain) / time_ms
     K_best, m_best, n_best = np.unravel_index(np.argmax(rates), rates.shape)  # the first best: shortest K, fewest
     if rates[K_best, m_best, n_best] > best_rate:
