@@ -108,8 +108,14 @@ def costs_of(regime: dict):
     def bucket(n: int) -> int:
         return min([b for b in sizes if b >= n], default=sizes[-1])
 
+    widest = verify[sizes[-1]]
+
     def target(sequences: int, rows: int) -> float:
-        return verify[bucket(sequences)].verify(rows)
+        # past the rows a batch size was timed at (a prompt's, say), the widest batch's table: a line from its
+        # last points (one batch size's last slope, Vulkan's 8-to-9-row cliff, would price a prompt at seconds)
+        table = verify[bucket(sequences)]
+        return table.verify(rows) if rows <= max(table.verify_ms) else max(widest.verify(rows), table.verify(
+            max(table.verify_ms)))
 
     def draft(sequences: int, rows: int) -> float:
         per_step = float(np.interp(sequences, sizes, [batched[b]["draft_step_ms"] for b in sizes]))

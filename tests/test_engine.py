@@ -689,6 +689,32 @@ def test_the_draft_takes_in_the_prompt_beside_the_target_only_where_drafting_may
         assert (gens[0].stats.draft_tokens > 0) is prefilled, gens[0].stats.draft_len_counts
 
 
+def test_the_drafts_prompt_prefill_must_pay_for_itself_at_the_batch_it_joins(pair64):
+    """The prompt prefill's gate: at the request's prior acceptance the batch it joins must draft, and the time that
+    saves over the reply must be worth PROBE_VALUE_MARGIN times the prefill. A batch of 1 on nearly free rows
+    prefills; the same at 2 where a second sequence makes verify rows dear does not; nor does a gain of a few
+    percent that a long prompt's prefill would eat."""
+    target, draft = pair64
+    engine = Engine(target, draft, slots=2, draft_max=4, measure_costs=False, prompt_lookup=False)
+    prompt = " ".join(PROMPTS[:4]) * 3  # ~190 tokens
+    gen = engine.add(requests(target, [prompt], max_tokens=128)[0])
+    gen.slot = 0
+    assert 100 < gen.prompt_len < 250
+    estimate = gen.estimates["draft-model"]
+    estimate.accepted, estimate.drafted = 1.4, 2.0  # a prior of 0.7, whatever other tests taught this target's
+    assert gen.acceptance("draft-model") == pytest.approx(0.7)
+    engine.costs = costs({1: {1: 10.0, 5: 10.5}, 2: {2: 10.0, 10: 90.0}}, draft_ms=0.5)
+    engine.costs.catch_up_base_ms, engine.costs.catch_up_ms_per_token = 1.0, 0.1
+    assert engine._draft_may_pay(gen, 1) and not engine._draft_may_pay(gen, 2)
+    marginal = costs({1: {1: 10.0, 2: 15.5, 5: 32.0}}, draft_ms=0.5)  # k = 1 pays by 6% at 0.7
+    marginal.catch_up_base_ms, marginal.catch_up_ms_per_token = 1.0, 0.5
+    engine.costs = marginal
+    rates = {}
+    assert planner.plan([planner.Candidate(gen.acceptance("draft-model"), 4)], marginal, rates=rates)[0] > 0
+    assert 1.0 < rates["planned"] / rates["plain"] < 1.1
+    assert not engine._draft_may_pay(gen, 1)
+
+
 def test_synthetic_acceptance_draws_the_evidence_too(tiny_model_path):
     """Under synthetic acceptance (benchmarks of random weights) an evidence read pays its catch-up but draws each
     position's match at the synthetic rate: a random draft that predicts nothing of the target's text is judged by

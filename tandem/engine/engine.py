@@ -364,15 +364,26 @@ class Engine:
 
     def _draft_may_pay(self, gen: Generation, batch: int) -> bool:
         """Whether the draft takes in the prompt beside the target's prefill: where, by the costs at the request's
-        prior acceptance, `batch` sequences drafting with nothing to catch up beat plain decoding. A draft that took
-        in nothing must catch up on the whole prompt first, a cost that kept it off for good where it would have paid
+        prior acceptance, `batch` sequences drafting with nothing to catch up beat plain decoding by PROBE_VALUE_MARGIN
+        times that prefill over the reply (the batch-1 policy's first switch-on test). A draft that took in nothing
+        must catch up on the whole prompt first, a cost that kept it off for good where it would have paid
         (H200/H100, 32B target: the engine never drafted at 1 and 2 requests); a draft that cannot pay on this
-        machine (a CPU's 1.5B/0.5B pair) or at this load costs nothing (at 2 requests on an H100, emulated, a draft
-        that never paid cost 5% in its prompts, its reads and its catch-ups)."""
+        machine (a CPU's 1.5B/0.5B pair), at this load, or by a margin worth its prefill costs nothing (at 2 and 4
+        requests on an H100's costs, emulated, drafts that never or barely paid cost 2-5% in their prompts, their
+        reads and their catch-ups)."""
         if DRAFT_MODEL not in gen.estimates or gen.draft_max == 0:
             return False
-        return gen.request.draft_policy == "fixed" or \
-            self._drafts_at(gen.acceptance(DRAFT_MODEL), gen.draft_max, batch)
+        if gen.request.draft_policy == "fixed":
+            return True
+        rates: dict[str, float] = {}
+        ks = planner.plan([planner.Candidate(gen.acceptance(DRAFT_MODEL), gen.draft_max)] * batch, self.costs,
+                          rates=rates)
+        if not ks[0]:
+            return False
+        # its share of the batch's time saved over the reply: its tokens' worth of the batch's ms a token saved
+        tokens = min(self.prior.reply_tokens, gen.request.max_tokens)
+        saved_ms = tokens * (1.0 / rates["plain"] - 1.0 / rates["planned"])
+        return bool(saved_ms >= PROBE_VALUE_MARGIN * self.costs.catch_up_ms(self.drafter.lag(gen)))
 
     def _drafts_at(self, acceptance: float, k_max: int, batch: int = 1) -> bool:
         """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs."""

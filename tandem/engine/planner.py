@@ -157,10 +157,11 @@ def _run_average(average: float, run: int) -> float:
 
 
 def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_rows: int = 0,
-         previous_rows: int | None = None, drafting: bool = False) -> list[int]:
+         previous_rows: int | None = None, drafting: bool = False, rates: dict | None = None) -> list[int]:
     """Draft length per decoding sequence (None: it cannot draft). extra_rows: prompt rows in the same forward;
     previous_rows: the rows of the target's forward before (a plan of other rows pays costs.switch_ms); drafting:
-    whether the step before drafted (a plan that starts to draft pays that change and the one back)."""
+    whether the step before drafted (a plan that starts to draft pays that change and the one back). `rates`, where
+    given, gets the batch's tokens per ms by the costs: "plain" (the fixed drafters alone) and "planned"."""
     ks = [0] * len(candidates)
     adaptive = []
     for i, c in enumerate(candidates):
@@ -203,6 +204,8 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
         cheapest = ms(0, 0, 0, fixed_rows + 1, switch=False) if any(candidates[i].lookup for i in adaptive) else \
             ms(0, 0, 0, fixed_rows, switch=False) + costs.draft_ms(1)
         if (fixed_tokens + most) / cheapest <= best_rate:
+            if rates is not None:
+                rates.update(plain=best_rate, planned=best_rate)
             return ks
     # Every K, and for each the n most accepting draft-model candidates and the m most accepting lookup ones
     # drafting min(K, their k_max), n and m on a grid (all up to 8, then about 12% apart), as [K, m, n] arrays: a
@@ -230,12 +233,15 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
         price = np.where(drafts & (not drafting), 2 * costs.switch_ms / costs.drafting_run, costs.switch_share_ms())
         time_ms = time_ms + np.where(rows != previous_rows, price, 0.0)
     time_ms = time_ms + np.where(drafts, costs.drafting_overrun(batch), 0.0)
-    rates = (fixed_tokens + gain) / time_ms
-    K_best, m_best, n_best = np.unravel_index(np.argmax(rates), rates.shape)  # the first best: shortest K, fewest
-    if rates[K_best, m_best, n_best] > best_rate:
+    rate = (fixed_tokens + gain) / time_ms
+    K_best, m_best, n_best = np.unravel_index(np.argmax(rate), rate.shape)  # the first best: shortest K, fewest
+    best = float(rate[K_best, m_best, n_best])
+    if best > best_rate:
         K = int(Ks[K_best, 0])
         for i in lookups[: m[m_best]] + models[: n[n_best]]:
             ks[i] = min(K, candidates[i].k_max)
+    if rates is not None:
+        rates.update(plain=best_rate, planned=max(best, best_rate))
     return ks
 
 
