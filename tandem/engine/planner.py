@@ -41,8 +41,8 @@ ALL_ACCEPTED_MAX = 1.0 - 1e-9  # a^k capped below 1, for log(1 - a^k)
 # (EWMAs within RUN_LIMITS), charged whole to one iteration they would keep every start and change from happening:
 # - starting to draft: the draft's catch-up on what it missed (it was off, or the request just started), and the
 #   change of the target's shape there and back, over BatchCosts.drafting_run (CATCH_UP_ITERATIONS before any run
-#   is seen). Spread over a fixed 16, noise in the estimates started runs of one or two steps on an H100's costs
-#   (emulated, bench/regime_emulation.py), each paying its catch-up and two changes of shape whole: 0.94x plain.
+#   is seen). A fixed 16 assumed every run lasts; near break-even, noise in the estimates starts runs of a step or
+#   two (emulated on an H100's costs, bench/regime_emulation.py), each paying its catch-up and two changes whole.
 # - another shape while drafting or plain: its change, over BatchCosts.shape_run (SWITCH_ITERATIONS at first).
 #   Charged whole it held k=1 where k=2 paid 12% more (an H100's CUDA graphs: 2.9 ms a change, a 1.5B draft's
 #   step 2.2); spread over a fixed 8 it let estimates that jitter change K every few steps, each paying it whole.
