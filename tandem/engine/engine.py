@@ -373,7 +373,7 @@ class Engine:
         reads and their catch-ups)."""
         if DRAFT_MODEL not in gen.estimates or gen.draft_max == 0:
             return False
-        if gen.request.draft_policy == "fixed":
+        if gen.request.draft_policy == "fixed" or self.costs is None:  # no costs: every draft drafts its k_max
             return True
         rates: dict[str, float] = {}
         ks = planner.plan([planner.Candidate(gen.acceptance(DRAFT_MODEL), gen.draft_max)] * batch, self.costs,
