@@ -61,7 +61,7 @@ def test_bench_real_files(tmp_path, tiny_model_path, backend, monkeypatch):
 
     monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(
         draft_step_ms=1e-3, verify_ms={1: 1.0, k_max + 1: 1.0}, catch_up_ms_per_token=1e-3))
-    monkeypatch.setattr(CostModel, "observe", lambda self, k, draft_ms, verify_ms: None)
+    monkeypatch.setattr(CostModel, "observe", lambda self, k, draft_ms, verify_ms, forwards=None: None)
     # Quantised weights with 64-wide heads: what llama.cpp computes batch-invariantly (F32/F16 weights are not;
     # see test_llamacpp_backend.py), so greedy drafts of any length are exact on both backends.
     target = tiny_model_path(seed=0, qtype="Q8_0", context_length=2048, **K_QUANT_SHAPES)

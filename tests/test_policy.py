@@ -444,3 +444,21 @@ def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt():
         policy = AdaptivePolicy(copy.deepcopy(gpu), K_MAX, prior=(1.7, 2.0), shared=shared, evidence=True)
         plan = policy.plan({"draft-model": 120, "ngram3": None}, remaining=128, generated=1)
         assert (plan.k == 0) is waits, (share, plan)
+
+
+def test_a_steady_drafts_cost_counts_its_forwards():
+    """A draft that keeps one row a forward takes, after an iteration whose k drafts were all accepted, one forward
+    more than k: its cost is learned per forward (a two-token catch-up's time divided by k + 1, not k: counted per
+    draft, the k = 1 iterations that pay it most looked dearest and held k at 1), and a draft length's time expects
+    a^k such forwards."""
+    costs = CostModel(draft_step_ms=2.0, verify_ms={1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5})
+    for _ in range(3):
+        costs.observe(1, 4.0, 10.5, forwards=2)
+    assert costs.draft_step_ms == 2.0
+    for _ in range(3):
+        costs.observe(2, 0.0, 11.0, forwards=0)  # its first draft came with a catch-up: nothing learned
+    assert costs.draft_step_ms == 2.0
+    plain = costs.tokens_per_ms(0.8, 2)
+    costs.steady_draft = True
+    assert costs.tokens_per_ms(0.8, 2) == pytest.approx(expected_tokens(0.8, 2) / ((2 + 0.64) * 2.0 + 11.0))
+    assert costs.tokens_per_ms(0.8, 2) < plain and costs.tokens_per_ms(0.8, 0) == pytest.approx(0.1)

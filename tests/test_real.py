@@ -69,7 +69,7 @@ def test_the_readmes_generate_command(real_pair, monkeypatch, capsys):
 
     monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(
         draft_step_ms=1e-3, verify_ms={1: 1.0, k_max + 1: 1.0}, catch_up_ms_per_token=1e-3))
-    monkeypatch.setattr(CostModel, "observe", lambda self, k, draft_ms, verify_ms: None)
+    monkeypatch.setattr(CostModel, "observe", lambda self, k, draft_ms, verify_ms, forwards=None: None)
     loaded, load = [], tandem.api.load
     monkeypatch.setattr(tandem.api, "load", lambda *a, **kw: loaded.append(load(*a, **kw)) or loaded[-1])
     chat = ["--chat", "Write a Python function that merges two sorted lists.", "--json", "--max-tokens", "48"]

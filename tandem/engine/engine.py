@@ -466,7 +466,7 @@ class Engine:
     def _batch1_view(self, gen: Generation) -> tuple[CostModel, AdaptivePolicy]:
         """The draft's batch-1 costs and a policy holding this sequence's draft estimate: the batch-1 rules' terms."""
         costs = CostModel(self.costs.draft_ms(1), dict(self.costs.verify[min(self.costs.verify)].verify_ms),
-                          self.costs.catch_up_ms_per_token, self.costs.catch_up_base_ms)
+                          self.costs.catch_up_ms_per_token, self.costs.catch_up_base_ms, self.costs.steady_draft)
         estimate = gen.estimates[DRAFT_MODEL]
         return costs, AdaptivePolicy(costs, gen.draft_max, prior=(estimate.accepted, estimate.drafted))
 

@@ -241,6 +241,7 @@ def policy_for(target: Model, proposer: Proposer, draft_max: int, evidence: bool
         if source == DraftModelProposer.name:
             draft = proposer.draft.draft if isinstance(proposer, MixedProposer) else proposer.draft
             costs[source] = cached_costs(target, draft, draft_max)
+            costs[source].steady_draft = draft.steady_shapes
         else:
             costs[source] = copy.deepcopy(lookup_costs)
     evidence = evidence and DraftModelProposer.name in costs

@@ -126,11 +126,12 @@ class SpeculativeDecoder:
     def _speculate(self, target_seq, pending: torch.Tensor, tokens: list[int], k: int, generator, clock,
                    source: str | None = None):
         """One iteration: draft k tokens, verify them and the pending token in one target forward, keep n + 1."""
-        catch_up = 0
+        catch_up, forwards = 0, None
         clock.mark()
         if k > 0:
             proposal = self.proposer.propose(tokens, k, source)
             draft_tokens, draft_probs, catch_up = proposal.tokens, proposal.probs, proposal.catch_up
+            forwards = proposal.forwards
         else:
             draft_tokens, draft_probs = torch.empty(0, dtype=torch.long, device=self.device), None
         k = draft_tokens.shape[0]
@@ -145,7 +146,7 @@ class SpeculativeDecoder:
         n = result[0]
         target_seq.rewind(base + 1 + n)
         draft_ms, verify_ms = clock.spans_ms()
-        return result[1 : 1 + n] + result[-1:], recovered.view(1), [(k, n, draft_ms, verify_ms, catch_up)]
+        return result[1 : 1 + n] + result[-1:], recovered.view(1), [(k, n, draft_ms, verify_ms, catch_up, forwards)]
 
     def _plain_steps(self, target_seq, pending: torch.Tensor, steps: int, generator, clock):
         """Up to `steps` plain decode steps, each token read back while the steps after it run.
@@ -185,7 +186,7 @@ class SpeculativeDecoder:
                 pending = queue(pending)
         clock.mark()
         (verify_ms,) = clock.spans_ms()
-        return new_tokens, pending, [(0, 0, 0.0, verify_ms / len(landed), 0)] * len(landed)
+        return new_tokens, pending, [(0, 0, 0.0, verify_ms / len(landed), 0, None)] * len(landed)
 
     def run(self, prompt: Seq[int]) -> Iterator[list[int]]:
         prompt = list(prompt)
@@ -246,12 +247,12 @@ class SpeculativeDecoder:
                 # A catch-up ahead of the plan is charged on its own (observe_catch_up), not to this iteration.
                 cycle_ms = (1000.0 * (time.perf_counter() - iteration_started) - catch_up_ms) / len(iterations)
                 stats.draft_ms += catch_up_ms
-                for k, n, draft_ms, verify_ms, catch_up in iterations:
+                for k, n, draft_ms, verify_ms, catch_up, forwards in iterations:
                     stats.draft_ms += draft_ms
                     stats.verify_ms += verify_ms
                     stats.record_iteration(k, n, plan.source if k else None)
                     self.policy.observe(k, n, draft_ms, max(verify_ms, cycle_ms - draft_ms), catch_up,
-                                        chosen=not lookup_miss, source=plan.source if k else None)
+                                        chosen=not lookup_miss, source=plan.source if k else None, forwards=forwards)
                 if proposer is not None:
                     proposer.accept(len(tokens) + len(new_tokens) - 1)  # all but the pending token are final
                     self._drafted_by = plan.source if k else None

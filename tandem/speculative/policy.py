@@ -105,6 +105,9 @@ class CostModel:
     verify_ms: dict[int, float] = field(default_factory=dict)
     catch_up_ms_per_token: float | None = None  # the draft's forward over many unseen tokens, per token (batched)
     catch_up_base_ms: float = 0.0  # and what such a forward costs whatever its tokens (GPUs: most of it)
+    # The draft steps one row a forward (Model.steady_shapes): after an iteration whose k drafts were all accepted
+    # (probability a^k) it takes in two tokens in two forwards, one more than its k; draft_step_ms is then a forward's
+    steady_draft: bool = False
     _recent: dict = field(default_factory=dict, repr=False, compare=False)  # observed_median's windows
 
     def verify(self, n: int) -> float:
@@ -124,7 +127,8 @@ class CostModel:
         return min([value] + [v for m, v in self.verify_ms.items() if m > n])
 
     def tokens_per_ms(self, acceptance: float, k: int, extra_ms: float = 0.0) -> float:
-        return expected_tokens(acceptance, k) / (k * self.draft_step_ms + self.verify(k + 1) + extra_ms)
+        forwards = k + (min(acceptance, 1.0) ** k if self.steady_draft and k else 0.0)
+        return expected_tokens(acceptance, k) / (forwards * self.draft_step_ms + self.verify(k + 1) + extra_ms)
 
     def best_draft_len(self, acceptance: float, k_max: int) -> int:
         return max(range(k_max + 1), key=lambda k: (self.tokens_per_ms(acceptance, k), -k))
@@ -137,9 +141,12 @@ class CostModel:
         per_token = self.catch_up_ms_per_token if self.catch_up_ms_per_token is not None else self.draft_step_ms
         return self.catch_up_base_ms + tokens * per_token if tokens > 0 else 0.0
 
-    def observe(self, k: int, draft_ms: float, verify_ms: float) -> None:
-        if k > 0:
-            self.draft_step_ms = observed_median(self._recent, "draft", self.draft_step_ms, draft_ms / k)
+    def observe(self, k: int, draft_ms: float, verify_ms: float, forwards: int | None = None) -> None:
+        """An iteration of k drafts in `forwards` draft forwards (k where not said; 0: its first draft came with a
+        catch-up charged apart, nothing to learn a forward's cost from) and its verify."""
+        forwards = k if forwards is None else forwards
+        if k > 0 and forwards > 0:
+            self.draft_step_ms = observed_median(self._recent, "draft", self.draft_step_ms, draft_ms / forwards)
         self.verify_ms[k + 1] = observed_median(self._recent, k + 1, self.verify(k + 1), verify_ms)
 
     def observe_catch_up(self, tokens: int, ms: float) -> None:
@@ -250,10 +257,11 @@ class DraftPolicy(ABC):
         return Plan(available[0], k)
 
     def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float, catch_up: int = 0,
-                chosen: bool = True, source: str | None = None) -> None:
+                chosen: bool = True, source: str | None = None, forwards: int | None = None) -> None:
         """What the last iteration cost and earned; catch_up = tokens the proposer evaluated before drafting;
         chosen = False: the policy asked for a draft and the proposer had none (prompt lookup found no match), so
-        the plain step says what a step costs but nothing about whether drafting pays; source = who drafted."""
+        the plain step says what a step costs but nothing about whether drafting pays; source = who drafted;
+        forwards = the draft forwards it took (a steady draft's catch-up of two tokens takes one more than k)."""
 
     def observe_catch_up(self, source: str, tokens: int, ms: float, matched: Sequence[bool]) -> None:
         """A source took in `tokens` unseen tokens in `ms`, and would have predicted matched[i] of the generated
@@ -447,7 +455,7 @@ class AdaptivePolicy(DraftPolicy):
         return k
 
     def observe(self, k: int, n_accepted: int, draft_ms: float, verify_ms: float, catch_up: int = 0,
-                chosen: bool = True, source: str | None = None) -> None:
+                chosen: bool = True, source: str | None = None, forwards: int | None = None) -> None:
         src = self.sources[source] if source is not None else self.primary
         if not chosen:
             # Not an idle step: counting it so made prompt lookup pay the switch-on wait of a policy that had
@@ -465,7 +473,8 @@ class AdaptivePolicy(DraftPolicy):
         # 46-158 ms for one draft token). Charging that to c_d made drafting look 4x dearer and kept it off for
         # the rest of the request; a steady draft catches up on 1-2 tokens, which its step cost does include.
         steady = catch_up <= STEADY_CATCH_UP
-        src.costs.observe(k, draft_ms if steady else k * src.costs.draft_step_ms, verify_ms)
+        src.costs.observe(k, draft_ms if steady else k * src.costs.draft_step_ms, verify_ms,
+                          forwards if steady else None)
         if not steady:
             src.costs.observe_catch_up(catch_up, max(0.0, draft_ms - (k - 1) * src.costs.draft_step_ms))
         src.idle, src.started = 0, True

@@ -25,6 +25,7 @@ class Proposal:
     tokens: torch.Tensor  # [k] int64 on the target's device (k may be below what was asked, even 0)
     probs: torch.Tensor | None  # [k, V_target] distributions the tokens were drawn from; None = deterministic
     catch_up: int = 0  # tokens the proposer evaluated before drafting (the draft model's unseen accepted tokens)
+    forwards: int | None = None  # the draft model's forwards for these tokens, catch-up included (None: not one)
 
 
 @dataclass
@@ -155,11 +156,14 @@ class DraftModelProposer(Proposer):
         ready, self._next_logits = self._next_logits, None
         if not catch_up and ready is not None and ready[0] == len(tokens) == self.seq.length:
             logits = ready[1]  # catch_up() already took everything in and kept the row that predicts the next token
+            forwards = 0
         elif self.draft.steady_shapes and len(catch_up) <= STEADY_CATCH_UP:
             for token in catch_up:  # one row a forward, as the steps below: the step stays a replayed graph
                 logits = self.seq.forward([token], logits="last")
+            forwards = len(catch_up)
         else:
             logits = self.seq.forward(catch_up, logits="last")
+            forwards = 1
         drawn, dists = [], []
         for i in range(k):
             token, probs = self._draw(logits)
@@ -167,13 +171,14 @@ class DraftModelProposer(Proposer):
             dists.append(probs)
             if i < k - 1:
                 logits = self.seq.forward(token, logits="last")
+                forwards += 1
         draft_tokens = torch.cat(drawn).to(self.target_device, non_blocking=True)
         if self.params.greedy:
-            return Proposal(draft_tokens, None, len(catch_up))
+            return Proposal(draft_tokens, None, len(catch_up), forwards)
         probs = torch.cat(dists)
         if probs.shape[-1] < self.target_vocab:  # a narrower draft vocabulary gives q = 0 to the ids it lacks
             probs = torch.nn.functional.pad(probs, (0, self.target_vocab - probs.shape[-1]))
-        return Proposal(draft_tokens, probs.to(self.target_device, non_blocking=True), len(catch_up))
+        return Proposal(draft_tokens, probs.to(self.target_device, non_blocking=True), len(catch_up), forwards)
 
     def lag(self, n_tokens: int) -> int:
         return n_tokens - (self.seq.length if self.seq is not None else 0)
