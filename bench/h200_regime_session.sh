@@ -11,6 +11,8 @@
 #       Vulkan alone in one call (no CUDA build: llama-src stays behind), for a session with ~11 device-minutes
 #   run(same carry as v, "bash bench/h200_regime_session.sh e")  Vulkan, the regime alone (ACC, default 0.8; T1)
 #   run(same carry as v, "bash bench/h200_regime_session.sh t")  Vulkan, bench/regime_trace.py: the engine's plans
+#   run("bash bench/h200_regime_session.sh tc")  CUDA, the same, right after step 2 (its build): plans, what the loop
+#       learned, and each step's target forward apart from its host work
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
@@ -75,5 +77,10 @@ t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 
 g) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # shape changes, Vulkan
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
    vkenv; graph vulkan ;;
-*) echo "step 1-3, v, e, t or g"; exit 2 ;;
+tc) export PYTHONPATH=$PYTHONPATH:$PWD/bench LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs \
+       LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs  # CUDA: after step 2 on the same box (its build)
+   timeout ${T1:-240} python3 bench/regime_trace.py --model /root/m/big/T32_Q4_0.gguf --draft /root/m/big/D1.5b_Q4_0.gguf \
+       --device cuda --acceptance ${ACC:-0.8} --concurrency ${CONC:-2} --repeats 1 --prompts 1 --fixed '' \
+       2>$OUT/trace.err | tee $OUT/trace_cuda.txt ;;
+*) echo "step 1-3, v, e, t, tc or g"; exit 2 ;;
 esac

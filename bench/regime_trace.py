@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 
 from gpu_report_regime import load, parse_args, run_engine, run_generate
 
@@ -23,6 +25,31 @@ from tandem.engine.sequence import DRAFT_MODEL
 from tandem.speculative.calibrate import shared_prior
 
 STEPS_SHOWN = 12  # the first plans of each engine run, and every one that drafted
+SPLIT: dict[tuple, list[tuple[float, float]]] = {}  # (engine, sequences, rows) -> (target forward ms, outcomes ms)
+
+
+def instrument(engine: Engine) -> None:
+    """Time each decoding step's target forward apart from the host's reading of its rows (Engine._outcomes): what
+    a verify in the loop costs beyond the forward the calibration timed."""
+    forward, outcomes, last = engine.target_kv.forward, engine._outcomes, {}
+    kind = "adaptive" if engine.drafter is not None else "plain"
+
+    def timed_forward(batch, last_only):
+        started = time.perf_counter()
+        out = forward(batch, last_only)
+        last.update(ms=1000.0 * (time.perf_counter() - started), rows=sum(len(r) for _, r in batch),
+                    sequences=len(batch), prompts=any(last_only))
+        return out
+
+    def timed_outcomes(*a, **k):
+        started = time.perf_counter()
+        out = outcomes(*a, **k)
+        if last and not last["prompts"]:
+            SPLIT.setdefault((kind, last["sequences"], last["rows"]), []).append(
+                (last["ms"], 1000.0 * (time.perf_counter() - started)))
+        return out
+
+    engine.target_kv.forward, engine._outcomes = timed_forward, timed_outcomes
 
 
 def replayed(path: str, switch_ms: float, catch_up: tuple[float, float]) -> planner.BatchCosts:
@@ -50,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def traced(self: Engine, decoding, prefill_rows):
         if not engines or engines[-1] is not self:
+            if all(e is not self for e in engines):
+                instrument(self)
             engines.append(self)
         ks = plan(self, decoding, prefill_rows)
         if self.drafter is not None:
@@ -81,10 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             plans.clear()
             row = run_engine(target, draft, a, n, args)
             print(f"engine x{n}", row, "prior", prior.counts(DRAFT_MODEL), flush=True)
-            for e in {id(e): e for e in engines if e.costs is not None}.values():  # the costs the loop refined
-                print("  costs after: V", {b: {r: round(v, 2) for r, v in m.verify_ms.items()} for b, m in
-                                           e.costs.verify.items()}, "draft", {b: round(v, 2) for b, v in
-                                                                              e.costs.draft_step.items()})
+            for e in {id(e): e for e in engines if e.costs is not None}.values():  # what the loop learned
+                c = e.costs
+                print("  learned: draft", {b: round(v, 2) for b, v in c.draft_step.items()}, "overrun",
+                      {b: round(c.drafting_overrun(b), 2) for b in c.verify}, "shape run", round(c.shape_run, 1),
+                      "drafting run", round(c.drafting_run, 1))
+            print("  steps (engine, sequences, rows): n, target forward ms, outcomes ms (medians)")
+            for key, times in sorted(SPLIT.items()):
+                print("   ", key, len(times), round(statistics.median(t for t, _ in times), 2),
+                      round(statistics.median(o for _, o in times), 2))
+            SPLIT.clear()
             engines.clear()
             drafting = [p for p in plans if any(p[0])]
             print(f"  plans {len(plans)}, drafting {len(drafting)}")
