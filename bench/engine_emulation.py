@@ -60,11 +60,13 @@ class VirtualClock:
 
 
 class Timed(BatchedCache):
-    """A batched cache whose forwards advance the virtual clock by the emulated device's cost for their rows."""
+    """A batched cache whose forwards advance the virtual clock by the emulated device's cost for their rows (the
+    rest is the wrapped cache's)."""
 
     def __init__(self, cache: BatchedCache, clock: VirtualClock, table: dict[int, float]) -> None:
         self.cache, self.clock, self.table = cache, clock, table
         self.slots, self.capacity, self.can_copy = cache.slots, cache.capacity, cache.can_copy
+        self.prefill_align = cache.prefill_align
 
     def forward(self, batch, last_only):
         self.clock.advance(interpolate(self.table, sum(len(tokens) for _, tokens in batch)))
@@ -75,6 +77,9 @@ class Timed(BatchedCache):
 
     def rewind(self, slot, length):
         return self.cache.rewind(slot, length)
+
+    def reusable(self, slot, length):
+        return self.cache.reusable(slot, length)
 
     def copy_prefix(self, src, dst, length):
         return self.cache.copy_prefix(src, dst, length)

@@ -33,6 +33,7 @@ import tempfile
 import time
 
 import numpy as np
+from engine_emulation import HOST_MS, Timed, VirtualClock  # bench/: its virtual clock and timed cache
 
 import tandem
 from tandem.backends.base import BatchedCache
@@ -42,32 +43,19 @@ from tandem.sampling import SamplingParams
 from tandem.speculative.policy import CostModel
 
 GRAPH_MS = {"cuda": {"target": 2.9, "draft": 2.3}, "vulkan": {"target": 4.1, "draft": 1.7}}
-HOST_MS = (0.25, 0.01)  # the engine's host work a step: fixed, and per sequence (h200-2026-12-04g-engine)
 PROMPT_TOKENS = 48
 DRAFT_LENS: dict[int, int] = {}  # draft length -> iterations, of the runs since cleared (a sequence each)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, ms: float) -> None:
-        self.now += ms / 1000.0
-
-
-class Emulated(BatchedCache):
+class Emulated(Timed):
     """A batched cache whose forwards advance the clock by `cost(sequences, rows)` plus the graph model's price of
     a change of shape (rows differing from the forward before)."""
 
-    def __init__(self, cache: BatchedCache, clock: Clock, cost, first_ms: float, second_ms: float,
+    def __init__(self, cache: BatchedCache, clock: VirtualClock, cost, first_ms: float, second_ms: float,
                  excess_ms: float = 0.0) -> None:
-        self.cache, self.clock, self.cost, self.excess_ms, self.calibrating = cache, clock, cost, excess_ms, False
+        super().__init__(cache, clock, {})
+        self.cost, self.excess_ms, self.calibrating = cost, excess_ms, False
         self.first_ms, self.second_ms = first_ms, second_ms
-        self.slots, self.capacity, self.can_copy = cache.slots, cache.capacity, cache.can_copy
-        self.prefill_align = getattr(cache, "prefill_align", 1)
         self.rows, self.run = None, 0
 
     def forward(self, batch, last_only):
@@ -79,24 +67,6 @@ class Emulated(BatchedCache):
             extra += self.excess_ms
         self.clock.advance(self.cost(len(batch), rows) + extra)
         return self.cache.forward(batch, last_only)
-
-    def length(self, slot):
-        return self.cache.length(slot)
-
-    def rewind(self, slot, length):
-        return self.cache.rewind(slot, length)
-
-    def copy_prefix(self, src, dst, length):
-        return self.cache.copy_prefix(src, dst, length)
-
-    def reusable(self, slot, length):
-        return self.cache.reusable(slot, length)
-
-    def nbytes(self):
-        return self.cache.nbytes()
-
-    def close(self):
-        self.cache.close()
 
 
 def costs_of(regime: dict):
@@ -125,7 +95,7 @@ def costs_of(regime: dict):
     return target, draft
 
 
-def run(engine: Engine, clock: Clock, n: int, max_tokens: int, vocab: int, round_: int) -> tuple[float, int]:
+def run(engine: Engine, clock: VirtualClock, n: int, max_tokens: int, vocab: int, round_: int) -> tuple[float, int]:
     """n requests together: their tokens per second (virtual), and the draft tokens they verified."""
     rng = np.random.default_rng(round_)
     requests = [Request(rng.integers(10, vocab - 10, PROMPT_TOKENS).tolist(), SamplingParams(seed=round_ * 100 + i),
@@ -168,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = (tandem.load(write_tiny_gguf(os.path.join(root, f"{name}.gguf"), seed=seed, context_length=2048),
                                  backend="llama.cpp", n_ctx=1024) for name, seed in (("t", 1), ("d", 2)))
     draft.steady_shapes = args.graph != "none"  # as llama.cpp's GPU builds have it
-    clock = Clock()
+    clock = VirtualClock()
     real_clock, time.perf_counter = time.perf_counter, clock  # the engine's clock; nothing else times here
     print(f"EMULATED: costs of {args.regime} ({regime['costs'].get('device_name', '?')}), graph model {args.graph}: "
           f"target +{first['target']} / +{second['target']} ms, draft +{first['draft']} / +{second['draft']} ms the "
