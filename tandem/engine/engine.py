@@ -385,7 +385,7 @@ class Engine:
         saved_ms = tokens * (1.0 / rates["plain"] - 1.0 / rates["planned"])
         return bool(saved_ms >= PROBE_VALUE_MARGIN * self.costs.catch_up_ms(self.drafter.lag(gen)))
 
-    def _drafts_at(self, acceptance: float, k_max: int, batch: int = 1) -> bool:
+    def _drafts_at(self, acceptance: float, k_max: int, batch: int) -> bool:
         """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs."""
         return planner.plan([planner.Candidate(acceptance, k_max)] * batch, self.costs)[0] > 0
 

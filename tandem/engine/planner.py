@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.backends.base import BatchedCache
-from tandem.speculative.policy import EWMA_WEIGHT, CostModel, expected_tokens, observed_median
+from tandem.speculative.policy import EWMA_WEIGHT, CostModel, catch_up_cost, expected_tokens, observed_median
 
 CONTEXT = 16  # tokens each timed sequence attends over
 REPEATS = 3
@@ -106,9 +106,7 @@ class BatchCosts:
 
     def catch_up_ms(self, tokens: int | np.ndarray) -> float | np.ndarray:
         """One draft forward taking in `tokens` unseen tokens (of one or several sequences; 0 costs nothing)."""
-        return np.where(tokens > 0, self.catch_up_base_ms + tokens * self.catch_up_ms_per_token, 0.0) \
-            if isinstance(tokens, np.ndarray) else \
-            (self.catch_up_base_ms + tokens * self.catch_up_ms_per_token if tokens > 0 else 0.0)
+        return catch_up_cost(self.catch_up_base_ms, self.catch_up_ms_per_token, tokens)
 
     def draft_ms(self, sequences: int) -> float:
         if not self.draft_step or sequences == 0:

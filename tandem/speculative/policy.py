@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 EWMA_WEIGHT = 0.2  # weight of a new figure in the running estimates of runs and catch-ups
 # A cost the loop observes is the median of its latest OBSERVED_WINDOW timings, the figure before them counted
 # thrice at first: a one-off (a shape's first use: graph capture, a Vulkan pipeline, an allocation; 10x a step) moves
@@ -82,6 +84,14 @@ def copied_risk(p_no_gain: float, shared: AcceptancePrior | None) -> float:
     return 1.0 - (1.0 - p_no_gain) * (1.0 - copied)
 
 
+def catch_up_cost(base_ms: float, per_token_ms: float, tokens):
+    """One draft forward taking in `tokens` unseen tokens (an int, or an array of counts): a base plus a price a
+    token; nothing to take in costs nothing."""
+    if isinstance(tokens, np.ndarray):
+        return np.where(tokens > 0, base_ms + tokens * per_token_ms, 0.0)
+    return base_ms + tokens * per_token_ms if tokens > 0 else 0.0
+
+
 def observed_median(recent: dict, key: object, before: float, ms: float) -> float:
     """A cost's new estimate after a timing of `ms`: the median of its latest timings (`recent` keeps them per key),
     seeded with its estimate `before` (see OBSERVED_WINDOW)."""
@@ -139,7 +149,7 @@ class CostModel:
 
     def catch_up_ms(self, tokens: int) -> float:
         per_token = self.catch_up_ms_per_token if self.catch_up_ms_per_token is not None else self.draft_step_ms
-        return self.catch_up_base_ms + tokens * per_token if tokens > 0 else 0.0
+        return catch_up_cost(self.catch_up_base_ms, per_token, tokens)
 
     def observe(self, k: int, draft_ms: float, verify_ms: float, forwards: int | None = None) -> None:
         """An iteration of k drafts in `forwards` draft forwards (k where not said; 0: its first draft came with a
