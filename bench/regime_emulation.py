@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                     rates[name] = [rate for rate, _ in rounds]
                     if engine.drafter is not None:
                         c = engine.costs
-                        learned = f"overrun {c.drafting_overrun(n):.2f}, shape run {c.shape_run:.1f}, switch " \
-                                  f"{c.switch_ms:.1f} ms"
+                        learned = f"overrun {c.drafting_overrun(n):.2f}, yield {c.yield_factor(n):.2f}, shape run " \
+                                  f"{c.shape_run:.1f}, switch {c.switch_ms:.1f} ms"
                         drafted = sum(d for _, d in rounds)
                         learned += f"; k: {dict(sorted(DRAFT_LENS.items()))}"
                 ratio = statistics.median(x / y for x, y in zip(rates["adaptive"], rates["plain"], strict=True))

@@ -372,6 +372,58 @@ def test_a_drafting_step_dearer_than_its_costs_turns_drafting_off():
     assert table.drafting_overrun(1) == 0.0  # per batch size
 
 
+def test_plans_are_held_to_what_drafting_yielded_in_a_batch():
+    """BatchCosts.yield_factor: where a batch's drafting steps yield fewer accepted drafts than their plans expected
+    (the highest of several noisy estimates set the draft length), the plans count only that share of the gain: a
+    pair that drafted by ~10% goes plain once its steps yielded half what was hoped. One sequence's plans are not
+    scaled (no such selection: measured 1.00-1.03)."""
+    table = costs({1: {1: 10.0, 2: 11.0, 9: 19.0}, 2: {2: 10.0, 4: 14.5, 18: 40.0}}, draft_ms=1.0)
+    pair = [planner.Candidate(0.7, 8), planner.Candidate(0.7, 8)]
+    rates = {}
+    assert any(planner.plan(pair, table, rates=rates)) and 1.05 < rates["planned"] / rates["plain"] < 1.2
+    assert table.yield_factor(2) == 1.0
+    for _ in range(40):
+        table.observe_yield(2, expected=2.0, yielded=1.0)
+    assert 0.5 < table.yield_factor(2) < 0.7  # held a while by YIELD_PRIOR, one-offs moving it little
+    assert planner.plan(pair, table) == [0, 0]
+    table.observe_yield(1, expected=2.0, yielded=0.0)
+    assert table.yield_factor(1) == 1.0 and planner.plan(pair[:1], table)[0] > 0
+
+
+def test_the_value_of_drafting_is_a_sequences_share_at_its_batch():
+    """planner.value_of_drafting: the time one sequence's drafting saves, as its share of its batch's, over the
+    Beta of its acceptance. Where extra rows are nearly free for one sequence but dear for four, drafting is worth
+    less at four and more likely worth nothing; a tighter Beta (requests that accept alike) at an acceptance where
+    four cannot gain leaves no tail to bet on."""
+    table = costs({1: {1: 10.0, 9: 10.5}, 4: {4: 12.0, 8: 20.0, 36: 60.0}}, draft_ms=1.0)
+    one, one_risk = planner.value_of_drafting(1.4, 2.0, 8, 1, table)
+    four, four_risk = planner.value_of_drafting(1.4, 2.0, 8, 4, table)
+    assert one > 2 * four > 0 and four_risk > one_risk
+    _, tight_risk = planner.value_of_drafting(1.0, 2.0, 8, 4, table, least_strength=64.0)
+    _, loose_risk = planner.value_of_drafting(1.0, 2.0, 8, 4, table)
+    assert tight_risk > 0.9 and loose_risk < tight_risk
+
+
+def test_a_draft_back_after_a_plain_stretch_rereads_within_the_probe_budget(pair64):
+    """A stale draft reads what it missed only where that catch-up (which stalls the batch) is at most PROBE_BUDGET
+    of the sequence's share of the plain time since it last ran: at a batch of two the share is half."""
+    from tandem.speculative.policy import PROBE_BUDGET
+
+    target, draft = pair64
+    engine = Engine(target, draft, slots=2, draft_max=4, measure_costs=False, prompt_lookup=False)
+    engine.costs = cheap_rows(2, draft_ms=0.5)  # a plain step of one or two sequences: 10 ms
+    engine.costs.catch_up_base_ms, engine.costs.catch_up_ms_per_token = 0.0, 1.0
+    gen = engine.add(requests(target, PROMPTS[4:5], max_tokens=20)[0])
+    while gen.prefilling:
+        engine.step()
+    lag = engine.drafter.lag(gen)
+    idle = int(np.ceil(lag / (PROBE_BUDGET * 10.0)))  # the plain stretch whose budget just pays the catch-up
+    gen.plain_iterations = gen.estimates["draft-model"].settled_at + idle
+    assert engine._reread_in_budget(gen, 1) and not engine._reread_in_budget(gen, 2)
+    gen.plain_iterations -= 1
+    assert not engine._reread_in_budget(gen, 1)
+
+
 def test_an_engine_whose_drafting_steps_overrun_stops_drafting(pair64, monkeypatch):
     """In the loop: under costs that say drafting pays, draft forwards 20 ms slower than those costs (what the
     costs cannot see) stop the drafting within a few steps; the output is the target's alone."""
@@ -677,7 +729,9 @@ def test_evidence_keeps_a_draft_that_cannot_predict_the_text_off(tiny_model_path
     target = tandem.load(tiny_model_path(seed=0), dtype="float64")  # pair64's, with a prior of its own
     draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), dtype="float64")
     engine = Engine(target, draft, slots=2, draft_max=4, measure_costs=False, prompt_lookup=False)
-    engine.costs = cheap_rows(2, draft_ms=5.0)
+    # Cheaper draft steps (drafting pays above ~0.3): this draft agrees on only half of one prompt's text, and its
+    # first drafts may all miss, which the plans' yield (BatchCosts.yield_factor) then counts against drafting.
+    engine.costs = cheap_rows(2, draft_ms=2.0)
     results = engine.generate(requests(target, PROMPTS[:2], max_tokens=30))
     assert [r.tokens for r in results] == [alone(target, p, max_tokens=30).tokens for p in PROMPTS[:2]]
     assert_speculated(*[r.stats for r in results])
@@ -821,12 +875,11 @@ def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves(pair
     fresh = engine._candidate(gen)
     assert gen.lookup_share() == 0.0 and fresh.acceptance == gen.acceptance("draft-model")
     # The catch-up is priced so that the read pays for the whole reply but not for a quarter of it.
-    costs, policy = engine._batch1_view(gen)
-    gain_ms, _ = policy.value_of_drafting_ms(policy.primary)
+    gain_ms, _ = engine._value_of_drafting(gen, 1)
     tokens = min(engine.prior.reply_tokens, 200 - gen.emitted)
     lag = len(gen.tokens) - engine.drafter.kv.length(gen.slot)
     engine.costs.catch_up_ms_per_token = gain_ms * tokens / (4 * 2.0 * lag)  # PROBE_VALUE_MARGIN = 2
-    assert engine._first_read_pays(gen)
+    assert engine._first_read_pays(gen, 1)
     for _ in range(12):  # lookup's accepted drafts make 48 of 60 tokens
         gen.stats.record_iteration(4, 4, "ngram3")
     gen.emitted = 60
@@ -836,4 +889,4 @@ def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves(pair
     assert copying.acceptance == pytest.approx(gen.acceptance("draft-model") * (1 - share))
     tokens = min(engine.prior.reply_tokens, 200 - gen.emitted)
     engine.costs.catch_up_ms_per_token = gain_ms * tokens / (2 * 2.0 * lag)  # pays twice over, were it all drafted
-    assert not engine._first_read_pays(gen)
+    assert not engine._first_read_pays(gen, 1)

@@ -398,6 +398,33 @@ def test_shared_prior_learns_per_source():
     assert prior.reply_tokens == 40
 
 
+def test_the_prior_learns_how_much_requests_differ():
+    """AcceptancePrior.spread_strength: a Beta as wide as the spread of completed requests' acceptances. Until a
+    few requests are in, and where they differ as prompts do (0.3-0.95), it is the weak VALUE_MIN_STRENGTH; where
+    they all accept alike (one workload, a benchmark's synthetic rate) it tightens to VALUE_MAX_STRENGTH, and the
+    value of drafting then stops betting on acceptances nobody shows."""
+    from tandem.speculative.policy import VALUE_MAX_STRENGTH, VALUE_MIN_STRENGTH, AcceptancePrior
+
+    alike, apart = AcceptancePrior(), AcceptancePrior()
+    alike.record("draft-model", 80, 100)
+    assert alike.spread_strength("draft-model") == VALUE_MIN_STRENGTH
+    rates = (0.3, 0.95, 0.5, 0.9, 0.35, 0.85, 0.6, 0.95)
+    for i, rate in enumerate(rates):
+        alike.record("draft-model", 80 + (i % 2), 100)
+        apart.record("draft-model", 100 * rate, 100)
+    assert alike.spread_strength("draft-model") == VALUE_MAX_STRENGTH
+    assert VALUE_MIN_STRENGTH <= apart.spread_strength("draft-model") < 8
+    # The batch-1 policy values drafting over that Beta: at a prior where drafting barely pays, alike requests make
+    # "no gain" as likely as the mean says, apart ones leave a long tail of acceptances that would pay.
+    costs = CostModel(draft_step_ms=3.0, verify_ms={1: 10.0, 2: 13.0, 9: 34.0})
+    p_no_gain = {}
+    for name, shared in (("alike", alike), ("apart", apart)):
+        policy = AdaptivePolicy(copy.deepcopy(costs), K_MAX, prior=(1.1, 2.0), shared=shared)
+        policy.primary.accepted, policy.primary.drafted = 0.55 * 2, 2.0
+        p_no_gain[name] = policy.value_of_drafting_ms(policy.primary)[1]
+    assert p_no_gain["alike"] > 0.7 and p_no_gain["apart"] < 0.6, p_no_gain
+
+
 def test_policy_reports_what_it_believed():
     gpu = CostModel(draft_step_ms=0.5, verify_ms={1: 2.0, 2: 2.0, 9: 2.0}, catch_up_ms_per_token=0.06)
     policy = AdaptivePolicy({"draft-model": gpu}, K_MAX)

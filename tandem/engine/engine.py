@@ -41,10 +41,9 @@ from tandem.speculative.compat import check_compatible
 from tandem.speculative.policy import (
     EVIDENCE_TOKENS,
     LEARNING_ITERATIONS,
+    PROBE_BUDGET,
     PROBE_VALUE_MARGIN,
     STEADY_CATCH_UP,
-    AdaptivePolicy,
-    CostModel,
     copied_risk,
     expected_tokens,
 )
@@ -58,6 +57,11 @@ DEFAULT_DRAFT_MAX = 8
 PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
 REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
 IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
+# The draft takes in a prompt beside the target's prefill only where drafting is this likely at most to gain nothing
+# (over the Beta of the request's acceptance, Engine._draft_may_pay); elsewhere its first read takes the prompt in,
+# once EVIDENCE_TOKENS are generated, where that read is judged worth it. Prompts taken in on expected value alone
+# cost 2-4% at 2 and 4 requests where drafting barely paid (H100 costs, emulated: bench/regime_emulation.py).
+PREFILL_MAX_RISK = 0.2
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 
 
@@ -119,6 +123,8 @@ class Engine:
         self._plain_plan: tuple[tuple[int, ...], int] | None = None  # (batch, steps it still stands for)
         self._evidence: list[Generation] = []  # sequences whose draft reads the text before drafting (see _plan)
         self._rates = None
+        self._planned_acceptance: dict[int, float] = {}  # sequence id -> the acceptance its drafts were planned at
+        self._values: dict[tuple, tuple[float, float]] = {}
         self._previous_rows: int | None = None  # rows of the target's last forward (a plan of others pays a switch)
         self._shape_run = 0  # forwards in a row of that shape
         self._drafting_run = 0  # steps in a row that drafted
@@ -194,6 +200,7 @@ class Engine:
 
     def step(self) -> list[tuple[Generation, GenerationChunk]]:
         """Advance every running sequence by one iteration; returns the chunks produced, in no set order."""
+        self._values = {}  # costs move between steps
         for gen in [g for g in self.running if g.cancelled]:
             self._retire(gen)
         self._admit()
@@ -244,6 +251,7 @@ class Engine:
             prefill_ms += 1000.0 * (time.perf_counter() - finished)
 
         events = []
+        expected = yielded = 0.0
         for gen in decoding:
             k = len(proposals[gen.id][0])
             source = gen.draft_source if k else None
@@ -255,6 +263,9 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.settle(gen)
             gen.stats.record_iteration(k, n, source)
+            if k and gen.id in self._planned_acceptance:
+                expected += expected_tokens(self._planned_acceptance[gen.id], k) - 1.0
+                yielded += n
             gen.stats.draft_ms += draft_ms if k else 0.0
             gen.stats.verify_ms += verify_ms
             gen.stats.decode_ms += step_ms
@@ -271,6 +282,8 @@ class Engine:
                 if gen.ngram is not None:
                     gen.ngram.start(gen.request.prompt)
                 self._deliver(gen, gen.tokens[-1:], events, scored.get(gen.id))
+        if expected and self.costs is not None:
+            self.costs.observe_yield(len(decoding), expected, yielded)
         self._observe_iteration(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - started))
         return events
 
@@ -363,27 +376,20 @@ class Engine:
         self.table.release(gen.slot, self.target_kv.length(gen.slot))
 
     def _draft_may_pay(self, gen: Generation, batch: int) -> bool:
-        """Whether the draft takes in the prompt beside the target's prefill: where, by the costs at the request's
-        prior acceptance, `batch` sequences drafting with nothing to catch up beat plain decoding by PROBE_VALUE_MARGIN
-        times that prefill over the reply (the batch-1 policy's first switch-on test). A draft that took in nothing
-        must catch up on the whole prompt first, a cost that kept it off for good where it would have paid
-        (H200/H100, 32B target: the engine never drafted at 1 and 2 requests); a draft that cannot pay on this
-        machine (a CPU's 1.5B/0.5B pair), at this load, or by a margin worth its prefill costs nothing (at 2 and 4
-        requests on an H100's costs, emulated, drafts that never or barely paid cost 2-5% in their prompts, their
-        reads and their catch-ups)."""
+        """Whether the draft takes in the prompt beside the target's prefill: where `batch` sequences drafting alike
+        would likely gain (PREFILL_MAX_RISK) and the expected gain over the reply is worth PROBE_VALUE_MARGIN times
+        that prefill (the first read's test, `_first_read_pays`, over the Beta of the request's prior). A draft that
+        took in nothing must catch up on the whole prompt at its first read, a cost that kept it off for good where
+        it would have paid (H200/H100, 32B target: the engine never drafted at 1 and 2 requests); a draft that
+        cannot pay on this machine (a CPU's 1.5B/0.5B pair), at this load, or likely enough leaves it to that read."""
         if DRAFT_MODEL not in gen.estimates or gen.draft_max == 0:
             return False
         if gen.request.draft_policy == "fixed" or self.costs is None:  # no costs: every draft drafts its k_max
             return True
-        rates: dict[str, float] = {}
-        ks = planner.plan([planner.Candidate(gen.acceptance(DRAFT_MODEL), gen.draft_max)] * batch, self.costs,
-                          rates=rates)
-        if not ks[0]:
-            return False
-        # its share of the batch's time saved over the reply: its tokens' worth of the batch's ms a token saved
+        gain_ms, p_no_gain = self._value_of_drafting(gen, batch)
         tokens = min(self.prior.reply_tokens, gen.request.max_tokens)
-        saved_ms = tokens * (1.0 / rates["plain"] - 1.0 / rates["planned"])
-        return bool(saved_ms >= PROBE_VALUE_MARGIN * self.costs.catch_up_ms(self.drafter.lag(gen)))
+        catch_up_ms = self.costs.catch_up_ms(self.drafter.lag(gen))
+        return p_no_gain <= PREFILL_MAX_RISK and gain_ms * tokens >= PROBE_VALUE_MARGIN * catch_up_ms
 
     def _drafts_at(self, acceptance: float, k_max: int, batch: int) -> bool:
         """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs."""
@@ -397,6 +403,7 @@ class Engine:
         lookup match): estimates only drift while nobody drafts, and planning every step cost a tiny model's batch
         as much as its forward (llama.cpp, CPU: 0.2 of 0.4 ms)."""
         self._evidence = []
+        self._planned_acceptance = {}
         batch = tuple(g.id for g in decoding)
         if self._plain_plan is not None and self._plain_plan[0] == batch and self._plain_plan[1] > 0 and \
                 not self._lookup_may_pay(decoding):
@@ -409,22 +416,28 @@ class Engine:
         # it missed, teacher-forced: how much of it it would have predicted is its acceptance on this text, known
         # before a single draft is verified, and the plan is made again with it (the batch-1 policy's rule: a
         # draft that cannot pay then never drafts, instead of drafting at the prior first). It waits for
-        # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks.
+        # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks; back after
+        # a plain stretch, it reads only within the probe budget.
         for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
             if gen.draft_source != DRAFT_MODEL or not self._wants_evidence(gen, candidate):
                 continue
             first = gen.estimates[DRAFT_MODEL].request_reached == 0
             if ks[i] or first and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior, len(decoding)):
-                if first and not self._first_read_pays(gen):
+                if first and not self._first_read_pays(gen, len(decoding)):
                     gen.draft_declined, ks[i] = True, 0  # this request goes on with prompt lookup alone
-                elif len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
+                elif not first and not self._reread_in_budget(gen, len(decoding)):
+                    ks[i] = 0
+                elif len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS or \
+                        not self._worth_waiting(gen, len(decoding)):
                     self._evidence.append(gen)
                 else:
                     ks[i] = 0
         if self._evidence:
             self.drafter.read_evidence(self._evidence, self.synthetic_acceptance)
-            ks = planner.plan([self._candidate(g) for g in decoding], self.costs, prefill_rows, self._previous_rows,
-                              self._drafting_run > 0)
+            candidates = [self._candidate(g) for g in decoding]
+            ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows, self._drafting_run > 0)
+        self._planned_acceptance = {g.id: c.acceptance for g, c, k in zip(decoding, candidates, ks, strict=True)
+                                    if k and not c.fixed}
         self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
 
@@ -455,44 +468,59 @@ class Engine:
     def _wants_evidence(self, gen: Generation, candidate: planner.Candidate) -> bool:
         """Whether the draft should read the text it missed before drafting: never read (nor verified) yet in
         this request, or stale (more than EVIDENCE_TOKENS plain iterations since) with more than a steady
-        catch-up to read. A draft that took in the prompt waits for generated tokens to read as one that did not."""
-        if candidate.fixed:
+        catch-up to read. A draft that took in the prompt waits for generated tokens to read as one that did not.
+        Without costs every draft drafts its k_max, and its acceptance decides nothing."""
+        if candidate.fixed or self.costs is None:
             return False
         estimate = gen.estimates[DRAFT_MODEL]
         if estimate.request_reached == 0:
             return True
         return candidate.lag > 0 and gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS
 
-    def _batch1_view(self, gen: Generation) -> tuple[CostModel, AdaptivePolicy]:
-        """The draft's batch-1 costs and a policy holding this sequence's draft estimate: the batch-1 rules' terms."""
-        costs = CostModel(self.costs.draft_ms(1), dict(self.costs.verify[min(self.costs.verify)].verify_ms),
-                          self.costs.catch_up_ms_per_token, self.costs.catch_up_base_ms, self.costs.steady_draft)
-        estimate = gen.estimates[DRAFT_MODEL]
-        return costs, AdaptivePolicy(costs, gen.draft_max, prior=(estimate.accepted, estimate.drafted))
-
-    def _first_read_pays(self, gen: Generation) -> bool:
-        """The batch-1 policy's first switch-on test: the draft takes in the prompt only where the drafting this may
-        buy over the rest of the reply (expected over the estimate's uncertainty) is worth PROBE_VALUE_MARGIN
-        times that catch-up. A long prompt, a reply near its end or a draft barely ahead of plain decline. Of the
-        rest, the draft serves only what prompt lookup leaves (as it has so far): beside a lookup that copies most
-        of the reply, reading a long prompt would buy a few tokens."""
-        costs, policy = self._batch1_view(gen)
-        gain_ms, _ = policy.value_of_drafting_ms(policy.primary)
+    def _first_read_pays(self, gen: Generation, batch: int) -> bool:
+        """The batch-1 policy's first switch-on test at this batch size: the draft takes in the prompt only where
+        the drafting this may buy over the rest of the reply (expected over the estimate's uncertainty, in a batch
+        of `batch` sequences drafting alike: planner.value_of_drafting) is worth PROBE_VALUE_MARGIN times that
+        catch-up, which stalls the whole batch. A long prompt, a reply near its end, a draft barely ahead of plain
+        decoding or a batch that drafting hardly speeds decline. Of the rest, the draft serves only what prompt
+        lookup leaves (as it has so far): beside a lookup that copies most of the reply, reading a long prompt
+        would buy a few tokens."""
+        gain_ms, _ = self._value_of_drafting(gen, batch)
         tokens = min(self.prior.reply_tokens, gen.request.max_tokens - gen.emitted) * (1.0 - gen.lookup_share())
-        return gain_ms * tokens >= PROBE_VALUE_MARGIN * costs.catch_up_ms(self.drafter.lag(gen))
+        return gain_ms * tokens >= PROBE_VALUE_MARGIN * self.costs.catch_up_ms(self.drafter.lag(gen))
 
-    def _worth_waiting(self, gen: Generation) -> bool:
+    def _worth_waiting(self, gen: Generation, batch: int) -> bool:
         """The batch-1 policy's rule for a first switch-on: wait for generated tokens to read unless the drafting
         gain given up meanwhile exceeds what drafting blind risks (the catch-up and a few wasted drafts, weighted
         by the chance that the acceptance, a Beta of the estimate's counts, turns out too low to pay)."""
-        costs, policy = self._batch1_view(gen)
-        gain_ms, p_no_gain = policy.value_of_drafting_ms(policy.primary)
+        gain_ms, p_no_gain = self._value_of_drafting(gen, batch)
         if gen.ngram is not None:  # or the reply copies its prompt, which lookup's hindsight would show
             p_no_gain = copied_risk(p_no_gain, self.prior)
-        catch_up_ms = costs.catch_up_ms(self.drafter.lag(gen))
-        learning_ms = LEARNING_ITERATIONS * (costs.draft_step_ms + max(0.0, costs.verify(2) - costs.verify(1)))
+        catch_up_ms = self.costs.catch_up_ms(self.drafter.lag(gen))
+        extra_row_ms = max(0.0, self.costs.target_ms(batch, batch + 1) - self.costs.target_ms(batch, batch))
+        learning_ms = LEARNING_ITERATIONS * (self.costs.draft_ms(1) + extra_row_ms)
         wait = EVIDENCE_TOKENS - (len(gen.tokens) - gen.prompt_len)
         return wait * gain_ms < PROBE_VALUE_MARGIN * p_no_gain * (catch_up_ms + learning_ms)
+
+    def _reread_in_budget(self, gen: Generation, batch: int) -> bool:
+        """The batch-1 policy's re-probe rule: a draft back after a plain stretch reads what it missed only where
+        that catch-up, which stalls the batch, costs at most PROBE_BUDGET of this sequence's share of the plain time
+        since it last ran. Its estimate fades back to a prior that may look worth drafting while its text is not:
+        re-read every few steps, it cost 2-4% at 2 requests and acceptance 0.6 on an H100's costs (emulated,
+        bench/regime_emulation.py), for reads that never switched it on."""
+        idle = gen.plain_iterations - gen.estimates[DRAFT_MODEL].settled_at
+        plain_share_ms = idle * self.costs.target_ms(batch, batch) / batch
+        return self.costs.catch_up_ms(self.drafter.lag(gen)) <= PROBE_BUDGET * plain_share_ms
+
+    def _value_of_drafting(self, gen: Generation, batch: int) -> tuple[float, float]:
+        """planner.value_of_drafting for this sequence, once a step for a given estimate (sixteen plans: new
+        requests share their prior's counts, and a burst of them would plan it each)."""
+        estimate = gen.estimates[DRAFT_MODEL]
+        key = (estimate.accepted, estimate.drafted, gen.draft_max, batch)
+        if (id(self.costs), key) not in self._values:
+            self._values[id(self.costs), key] = planner.value_of_drafting(
+                *key, self.costs, self.prior.spread_strength(DRAFT_MODEL))
+        return self._values[id(self.costs), key]
 
     def _candidate(self, gen: Generation) -> planner.Candidate | None:
         """What the planner may have this sequence draft: prompt lookup where its text repeats and lookup promises

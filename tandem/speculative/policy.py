@@ -40,6 +40,13 @@ ACCEPTANCE_PRIOR = (1.4, 2.0)
 # many positions: a Beta(2.8, 1.2) spreads about as much (sd 0.2) as one pair's acceptance does across prompts
 # (0.29-0.92); a weaker one puts much weight near 1, where drafting would win big, and bets on it too often.
 VALUE_MIN_STRENGTH = 4.0
+# ... until completed requests show how much they differ (AcceptancePrior.spread_strength): the Beta whose spread is
+# their acceptances' spread, at most VALUE_MAX_STRENGTH positions, once PRIOR_SPREAD_REQUESTS requests are recorded.
+# Where requests all accept alike (one workload, or a benchmark's synthetic acceptance) a request's evidence cannot
+# show much the prior did not, and a Beta of 4 positions valued reads and prompts the draft took in for drafting
+# that never came: at 2 and 4 requests on an H100's costs (emulated) those cost 2-3% of plain decoding.
+VALUE_MAX_STRENGTH = 64.0
+PRIOR_SPREAD_REQUESTS = 3
 # Turning drafting back on may cost at most this fraction of the plain time since it went off (a re-probe after a
 # plain stretch first catches the draft up on every token it missed). At 0.1, failed probes cost 4-5% (H200).
 PROBE_BUDGET = 0.03
@@ -184,6 +191,7 @@ class AcceptancePrior:
         self.defaults = dict(defaults or {})
         self._lock = threading.Lock()
         self._acceptance: dict[str, float] = {}  # source -> EWMA over requests of their acceptance
+        self._spread: dict[str, float] = {}  # source -> EWMA over requests of (acceptance - that EWMA)^2
         self._requests: dict[str, int] = {}  # source -> requests recorded
         self._reply_tokens: float | None = None  # EWMA of generated tokens per request
         self._copied_share = DEFAULT_COPIED_SHARE  # EWMA of the share of a reply prompt lookup made
@@ -211,7 +219,22 @@ class AcceptancePrior:
         with self._lock:
             old = self._acceptance.get(source)
             self._acceptance[source] = rate if old is None else old + PRIOR_REQUEST_WEIGHT * (rate - old)
+            if old is not None:
+                spread = self._spread.get(source, (rate - old) ** 2)
+                self._spread[source] = spread + PRIOR_REQUEST_WEIGHT * ((rate - old) ** 2 - spread)
             self._requests[source] = self._requests.get(source, 0) + 1
+
+    def spread_strength(self, source: str) -> float:
+        """The positions a Beta of this prior's acceptance holds so as to spread as much as completed requests'
+        acceptances have (a method-of-moments fit, between VALUE_MIN_STRENGTH and VALUE_MAX_STRENGTH): how much a
+        new request may differ from them. Each request's own sampling noise counts in, so it errs wide."""
+        with self._lock:
+            mean, spread = self._acceptance.get(source), self._spread.get(source)
+            seen = self._requests.get(source, 0)
+        if mean is None or spread is None or seen < PRIOR_SPREAD_REQUESTS:
+            return VALUE_MIN_STRENGTH
+        fitted = mean * (1.0 - mean) / max(spread, 1e-9) - 1.0
+        return float(np.clip(fitted, VALUE_MIN_STRENGTH, VALUE_MAX_STRENGTH))
 
     def record_reply(self, tokens: int) -> None:
         with self._lock:
@@ -387,7 +410,8 @@ class AdaptivePolicy(DraftPolicy):
         drafting stays off and saves 0."""
         costs, plain_ms = src.costs, src.costs.verify(1)
         value = p_no_gain = 0.0
-        strength = max(src.drafted, VALUE_MIN_STRENGTH)
+        least = self.shared.spread_strength(src.name) if self.shared is not None else VALUE_MIN_STRENGTH
+        strength = max(src.drafted, least)
         for a, weight in beta_grid(src.acceptance * strength, strength):
             gain = plain_ms - 1.0 / costs.tokens_per_ms(a, costs.best_draft_len(a, self.k_max))
             value += weight * max(0.0, gain)
