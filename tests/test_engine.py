@@ -692,6 +692,22 @@ REPEATING = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a +
              "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", PROMPTS[1]]
 
 
+def test_an_engine_without_costs_drafts_its_draft_max_and_reads_nothing(pair64):
+    """measure_costs=False and no costs set: every drafting sequence drafts draft_max (as draft_policy "fixed"),
+    its acceptance decides nothing, so the draft reads no evidence; the output is the target's alone. (It crashed in
+    the first read's valuation, which needs costs.)"""
+    target, draft = pair64
+    engine = Engine(target, draft, slots=2, draft_max=3, measure_costs=False, prompt_lookup=False)
+    assert engine.costs is None
+    results = engine.generate(requests(target, PROMPTS[:2], max_tokens=20))
+    assert [r.tokens for r in results] == [alone(target, p, max_tokens=20).tokens for p in PROMPTS[:2]]
+    for r in results:
+        counts = r.stats.draft_len_counts  # fewer than 3 only where max_tokens leaves less room (the last steps)
+        assert counts.get(3, 0) >= sum(counts.values()) - 2, counts
+        assert r.stats.sources["draft-model"].get("evidence_positions", 0) == 0, r.stats.sources
+    assert_speculated(*[r.stats for r in results])
+
+
 def test_mixed_sources_per_sequence_equal_alone(pair64):
     """The default mode of a draft model under the adaptive policy: each sequence drafts by prompt lookup where its
     text repeats and by the draft model elsewhere, step by step; greedy output still equals the target alone, and
