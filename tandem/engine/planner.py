@@ -159,16 +159,17 @@ class BatchCosts:
 
     def observe_yield(self, batch: int, expected: float, yielded: float) -> None:
         """A drafting step of `batch` sequences: the extra tokens (accepted drafts) its plan expected of the adaptive
-        drafters (sum of E(a, k) - 1 at their estimates) and what they yielded."""
+        draft-model drafters (sum of E(a, k) - 1 at their estimates) and what they yielded."""
         done, hoped = self._yield.get(batch, (0.0, 0.0))
         self._yield[batch] = (YIELD_DECAY * done + yielded, YIELD_DECAY * hoped + expected)
 
     def yield_factor(self, batch: int) -> float:
-        """The share of the extra tokens its plans expect that drafting in a batch of `batch` has yielded lately (at
-        most 1). A plan drafts where the estimates are high, and noise makes some of them high: in a batch the
-        highest of several noisy estimates set the draft length, and the drafting steps they started yielded 3-7%
-        fewer tokens than planned at 2 and 4 requests (acceptance 0.8, H100 costs, emulated), enough to turn a
-        predicted 1.07x into a loss. One sequence's estimate showed no such bias (1.01-1.03)."""
+        """The share of the extra tokens its plans expect that the draft model's drafting in a batch of `batch` has
+        yielded lately. A plan drafts where the estimates are high, and noise makes some of them high: in a batch the
+        highest of several noisy estimates set the draft length, and the drafting steps they started yielded 3-10%
+        fewer tokens than planned at 2 and 4 requests (acceptance 0.8, H100 costs, emulated; 5-7% on real text at 3,
+        H200 costs), enough to turn a predicted 1.07x into a loss. One sequence's estimate showed no such bias
+        (1.00-1.03). Prompt lookup's plans are not scaled: scaled, 5 requests of real text lost 1% more."""
         if batch < 2:
             return 1.0
         done, hoped = self._yield.get(batch, (0.0, 0.0))
@@ -246,7 +247,9 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     Ks = np.arange(1, max(candidates[i].k_max for i in adaptive) + 1)[:, None]  # [K, 1]
     lookup_gain, lookup_rows, _, m = _prefixes([candidates[i] for i in lookups], Ks)  # [K, m] each, m: [m]
     model_gain, model_rows, model_none, n = _prefixes([candidates[i] for i in models], Ks)  # [K, n] each, n: [n]
-    gain = lookup_gain[:, :, None] + model_gain[:, None, :]  # [K, m, n]
+    # the draft model's expected gain as far as its drafts have lately yielded it (lookup's, at its hindsight-scored
+    # estimates, as planned)
+    gain = lookup_gain[:, :, None] + costs.yield_factor(batch) * model_gain[:, None, :]  # [K, m, n]
     rows = fixed_rows + lookup_rows[:, :, None] + model_rows[:, None, :]
     lags = np.concatenate([[0], np.cumsum([candidates[i].lag for i in models])])[n]  # [n]
     stepping = len(fixed_stepping) + n  # draft-model sequences stepping together
@@ -262,7 +265,7 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
         price = np.where(drafts & (not drafting), 2 * costs.switch_ms / costs.drafting_run, costs.switch_share_ms())
         time_ms = time_ms + np.where(rows != previous_rows, price, 0.0)
     time_ms = time_ms + np.where(drafts, costs.drafting_overrun(batch), 0.0)
-    rate = (fixed_tokens + gain * costs.yield_factor(batch)) / time_ms
+    rate = (fixed_tokens + gain) / time_ms
     K_best, m_best, n_best = np.unravel_index(np.argmax(rate), rate.shape)  # the first best: shortest K, fewest
     best = float(rate[K_best, m_best, n_best])
     if best > best_rate:
