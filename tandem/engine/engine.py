@@ -57,10 +57,10 @@ DEFAULT_DRAFT_MAX = 8
 PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
 REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
 IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
-# The draft takes in a prompt beside the target's prefill only where drafting is this likely at most to gain nothing
-# (over the Beta of the request's acceptance, Engine._draft_may_pay); elsewhere its first read takes the prompt in,
-# once EVIDENCE_TOKENS are generated, where that read is judged worth it. Prompts taken in on expected value alone
-# cost 2-4% at 2 and 4 requests where drafting barely paid (H100 costs, emulated: bench/regime_emulation.py).
+# The draft takes in a prompt beside the target's prefill only where the chance that drafting gains nothing is at
+# most this (over the Beta of the request's acceptance, Engine._draft_may_pay); elsewhere its first read takes the
+# prompt in, once EVIDENCE_TOKENS are generated, where that read is judged worth it. Prompts taken in on expected
+# value alone cost 2-4% at 2 and 4 requests where drafting barely paid (H100 costs, emulated).
 PREFILL_MAX_RISK = 0.2
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 

@@ -8,8 +8,9 @@ each K the best S of a given size is the sequences of highest acceptance, so the
 such prefix and keeps the most tokens per ms; K = 0 (everyone plain) is always a candidate, so by the measured costs
 the batch is never slower than plain decoding. As the batch grows V(B, R) turns compute-bound, extra rows stop being
 free, and drafting turns itself off; it turns back on as the batch drains. Costs are measured per batch size at
-start-up (`measure`); the loop refines the draft's step, and prices drafting up by what its steps take beyond
-their costs (BatchCosts.drafting_overrun).
+start-up (`measure`); the loop refines the draft's step, prices drafting up by what its steps take beyond their
+costs (BatchCosts.drafting_overrun), and counts the draft's gain as far as its drafts lately yielded what their
+plans expected (BatchCosts.yield_factor).
 """
 
 from __future__ import annotations
