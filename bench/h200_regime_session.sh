@@ -47,14 +47,14 @@ vkenv() { export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PA
     local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd; }
 case $1 in
 1) CUDA_LIBS=1 bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4
-   [ "${G:-1}" = 1 ] && bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 && (vkenv; graph vulkan)
+   if [ "${G:-1}" = 1 ]; then bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 && (vkenv; graph vulkan); fi
    vulkan ${T1:-220} ${S1:-100}; tail -2 /root/build-libs.log ;;
 2) bash bench/h200.sh wheels
    while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
    ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-280} bash bench/h200.sh regime > /dev/null 2>&1
    tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-120} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json
-   [ "${G:-1}" = 1 ] && (export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs \
-       LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs; graph cuda) ;;
+   if [ "${G:-1}" = 1 ]; then (export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs \
+       LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs; graph cuda); fi ;;  # G=0: not, and exit 0
 3) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 REGIME=vulkan \
        bash bench/h200.sh regimellama > /dev/null 2>&1
    ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 bash bench/h200.sh regimellama \
