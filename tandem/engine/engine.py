@@ -386,10 +386,8 @@ class Engine:
             return False
         if gen.request.draft_policy == "fixed" or self.costs is None:  # no costs: every draft drafts its k_max
             return True
-        gain_ms, p_no_gain = self._value_of_drafting(gen, batch)
-        tokens = min(self.prior.reply_tokens, gen.request.max_tokens)
-        catch_up_ms = self.costs.catch_up_ms(self.drafter.lag(gen))
-        return p_no_gain <= PREFILL_MAX_RISK and gain_ms * tokens >= PROBE_VALUE_MARGIN * catch_up_ms
+        _, p_no_gain = self._value_of_drafting(gen, batch)
+        return p_no_gain <= PREFILL_MAX_RISK and self._first_read_pays(gen, batch)
 
     def _drafts_at(self, acceptance: float, k_max: int, batch: int) -> bool:
         """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs."""
