@@ -13,6 +13,8 @@
 #   run(same carry as v, "bash bench/h200_regime_session.sh t")  Vulkan, bench/regime_trace.py: the engine's plans
 #   run("bash bench/h200_regime_session.sh tc")  CUDA, the same, right after step 2 (its build): plans, what the loop
 #       learned, and each step's target forward apart from its host work
+#   run(carry=[".whl", ".whs", ".old"], "bash bench/h200_regime_session.sh o")  torch, one request (tandem bench,
+#       synthetic 32B/1.5B bf16, acceptance 0.8): this tree and an earlier one (.old) in one call
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
@@ -82,5 +84,14 @@ tc) export PYTHONPATH=$PYTHONPATH:$PWD/bench LLAMA_CPP_LIB_PATH=/root/llama/cuda
    timeout ${T1:-240} python3 bench/regime_trace.py --model /root/m/big/T32_Q4_0.gguf --draft /root/m/big/D1.5b_Q4_0.gguf \
        --device cuda --acceptance ${ACC:-0.8} --concurrency ${CONC:-2} --repeats 1 --prompts 1 --fixed '' \
        2>$OUT/trace.err | tee $OUT/trace_cuda.txt ;;
-*) echo "step 1-3, v, e, t, tc or g"; exit 2 ;;
+o) bash bench/h200.sh wheels  # one request on torch (bf16, synthetic 32B/1.5B): this tree, and with TREES="new old"
+   # an earlier tree's tandem/ carried in .old (git archive REV tandem | tar x -C .old), each in a process of its own
+   for tree in ${TREES:-new old}; do dir=$PWD; [ $tree = old ] && dir=$PWD/.old
+       (cd $dir && PYTHONPATH=/tmp/site TANDEM_COMPILE=${COMPILE:-0} timeout ${TO:-280} python3 -m tandem.cli bench \
+           --synthetic-shape ${SHAPES:-qwen2.5-32b,qwen2.5-1.5b} --synthetic-acceptance ${ACC:-0.8} \
+           --device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16} --max-tokens ${MAXTOK:-192} --configs plain,adaptive \
+           --prompts ${PROMPTS:-code,json} --repeats ${REPEATS:-1} --json $OUT/one_request_$tree.json \
+           > $OUT/one_request_$tree.txt 2> $OUT/one_request_$tree.err); echo "$tree: exit $?"
+       tail -8 $OUT/one_request_$tree.txt; done ;;
+*) echo "step 1-3, v, e, t, tc, g or o"; exit 2 ;;
 esac

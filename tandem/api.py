@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from tandem.backends.base import Model
-from tandem.engine.sequence import GenerationChunk, GenerationResult, TextStream
+from tandem.engine import Engine, Request
+from tandem.engine.sequence import GenerationChunk, GenerationResult
 from tandem.logits.options import logits_settings
-from tandem.logits.processor import LogitsSettings
 from tandem.sampling import SamplingParams
-from tandem.speculative.compat import check_compatible
-from tandem.speculative.decoder import SpeculativeDecoder
-from tandem.speculative.policy import DraftPolicy, FixedPolicy
-from tandem.speculative.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposer
 
 BACKENDS = ("torch", "llama.cpp", "auto")
 DEFAULT_DRAFT_MAX = 8
@@ -115,35 +114,6 @@ def _as_model(model: Model | str, **load_options) -> Model:
     return model if isinstance(model, Model) else load(model, **load_options)
 
 
-def make_proposer(
-    target: Model, draft: Model | str | None, sampling: SamplingParams, n_ctx: int | None, prompt_lookup: bool = True
-) -> Proposer | None:
-    """None (plain), prompt lookup ("ngram"), or a draft model: mixed with prompt lookup unless prompt_lookup=False."""
-    if draft is None:
-        return None
-    device = getattr(target, "torch_device", "cpu")
-    if isinstance(draft, str) and draft == "ngram":
-        return NgramProposer(device)
-    draft = _as_model(draft, device=target.device, backend=target.backend)
-    check_compatible(target, draft)
-    model = DraftModelProposer(draft, sampling, target.vocab_size, device, n_ctx)
-    return MixedProposer(model, NgramProposer(device)) if prompt_lookup else model
-
-
-def make_policy(name: str, draft_max: int, target: Model, proposer: Proposer | None,
-                evidence: bool = True) -> DraftPolicy:
-    """evidence=False: the draft's teacher-forced predictions are not evidence of its acceptance (synthetic runs)."""
-    if name not in DRAFT_POLICIES:
-        raise ValueError(f"unknown draft policy {name!r}; choose one of {', '.join(DRAFT_POLICIES)}")
-    if draft_max < 0:
-        raise ValueError(f"draft_max must be >= 0, got {draft_max}")
-    if name == "fixed" or proposer is None:
-        return FixedPolicy(draft_max)
-    from tandem.speculative.calibrate import policy_for
-
-    return policy_for(target, proposer, draft_max, evidence)
-
-
 def prompt_ids(target: Model, prompt: str | Seq[int] | None, messages: list[dict] | None) -> list[int]:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt= (text or token ids) and messages= (a chat)")
@@ -154,24 +124,58 @@ def prompt_ids(target: Model, prompt: str | Seq[int] | None, messages: list[dict
     return [int(t) for t in prompt]
 
 
-def _stream_engine(target: Model, ids: list[int], draft: Model | str | None, sampling: SamplingParams,
-                   logits: LogitsSettings, max_tokens: int, draft_max: int, draft_policy: str, stops: list[str],
-                   n_ctx: int | None, synthetic_acceptance: float | None,
-                   ignore_eos: bool) -> Iterator[GenerationChunk]:
-    """One request on the batched engine: the path every request with logits processing takes, since the engine
-    applies it in drafting, verification and sampling alike (the batch-1 decoder does not)."""
-    from tandem.engine import Engine, Request
+@dataclass(frozen=True)
+class _EngineKey:
+    """What a one-request engine is built with: a call asking for other settings gets another engine."""
 
+    draft: object  # the draft Model, "ngram", a path or registry name, or None
+    n_ctx: int | None
+    draft_max: int
+    synthetic_acceptance: float | None
+    prompt_lookup: bool
+
+
+class _OneRequestEngine:
+    """The engine `generate` and `stream_generate` run their request on, kept on the target between calls: its
+    costs are measured once (then read from disk at later starts), its acceptance prior learns across calls, and a
+    conversation's next turn reuses the KV of the last one's prompt and reply. One call at a time uses it; a call
+    that finds it busy (another thread) gets an engine of its own for that call."""
+
+    def __init__(self, key: _EngineKey, engine: Engine) -> None:
+        self.key, self.engine = key, engine
+        self.lock = threading.Lock()
+
+
+_engines_lock = threading.Lock()
+
+
+def _make_engine(target: Model, key: _EngineKey, measure_costs: bool) -> Engine:
+    draft = key.draft
     if draft is not None and not isinstance(draft, Model) and draft != "ngram":
         draft = _as_model(draft, device=target.device, backend=target.backend)
-    engine = Engine(target, draft, slots=1, n_ctx=n_ctx, draft_max=draft_max,
-                    synthetic_acceptance=synthetic_acceptance,
-                    measure_costs=draft is not None and draft_policy == "adaptive")
-    gen = engine.add(Request(ids, sampling, max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
-                             draft_policy=draft_policy, logits=logits))
-    while gen.finish_reason is None:
-        for _, chunk in engine.step():
-            yield chunk
+    return Engine(target, draft, slots=1, n_ctx=key.n_ctx, draft_max=key.draft_max,
+                  synthetic_acceptance=key.synthetic_acceptance, measure_costs=measure_costs,
+                  prompt_lookup=key.prompt_lookup)
+
+
+@contextmanager
+def _one_request_engine(target: Model, key: _EngineKey, measure_costs: bool) -> Iterator[Engine]:
+    """The target's kept engine for `key` (built, or rebuilt for other settings, as needed), held for one call."""
+    with _engines_lock:
+        kept = target.__dict__.get("_tandem_engine")
+        if kept is None or kept.key != key:
+            kept = _OneRequestEngine(key, _make_engine(target, key, measure_costs))
+            target.__dict__["_tandem_engine"] = kept
+        if not kept.lock.acquire(blocking=False):
+            kept = None  # another thread is generating on it
+    engine = kept.engine if kept is not None else _make_engine(target, key, measure_costs)
+    try:
+        if measure_costs and engine.costs is None and engine.proposer is not None and engine.draft_max > 0:
+            engine.calibrate()  # built for a fixed draft length, now asked to choose one
+        yield engine
+    finally:
+        if kept is not None:
+            kept.lock.release()
 
 
 def stream_generate(
@@ -192,6 +196,7 @@ def stream_generate(
     synthetic_acceptance: float | None = None,
     ignore_eos: bool = False,
     prompt_lookup: bool | None = None,
+    logprobs: int | None = None,
     **logits_options,
 ) -> Iterator[GenerationChunk]:
     """Like `generate`, but yields text as the target accepts it; the last chunk has finish_reason and stats."""
@@ -200,33 +205,22 @@ def stream_generate(
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     ids = prompt_ids(target, prompt, messages)
     logits = logits_settings(**logits_options, vocab=target.vocab_size)
-    if logits is not None:
-        yield from _stream_engine(target, ids, draft, sampling, logits, max_tokens, draft_max, draft_policy, stops,
-                                  n_ctx, synthetic_acceptance, ignore_eos)
-        return
-    if prompt_lookup is None:  # mixed where a policy picks the source; a fixed k means the draft model's
-        prompt_lookup = draft_policy == "adaptive"
-    proposer = make_proposer(target, draft, sampling, n_ctx, prompt_lookup)
-    policy = make_policy(draft_policy, draft_max, target, proposer, evidence=synthetic_acceptance is None)
-    decoder = SpeculativeDecoder(target, sampling, proposer, policy, max_tokens=max_tokens,
-                                 stop_token_ids=() if ignore_eos else target.tokenizer.eos_token_ids, n_ctx=n_ctx,
-                                 synthetic_acceptance=synthetic_acceptance)
-    text = TextStream(target.tokenizer, stops)
-    stopped_tokens = []
-    run = decoder.run(ids)
-    try:
-        for new_tokens in run:
-            piece = text.push(new_tokens)
-            if text.stopped:
-                stopped_tokens = new_tokens
-                break
-            if new_tokens or piece:
-                yield GenerationChunk(piece, new_tokens)
-    finally:
-        run.close()
-    rest = text.finish()
-    finish = "stop" if text.stopped else decoder.finish_reason or "length"
-    yield GenerationChunk(rest, stopped_tokens, finish_reason=finish, stats=decoder.stats)
+    if draft_max < 0:
+        raise ValueError(f"draft_max must be >= 0, got {draft_max}")
+    request = Request(ids, sampling, max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
+                      draft_policy=draft_policy, logprobs=logprobs, logits=logits)
+    key = _EngineKey(draft, n_ctx, draft_max, synthetic_acceptance, prompt_lookup is not False)
+    with _one_request_engine(target, key, measure_costs=draft is not None and draft_policy == "adaptive") as engine:
+        gen = engine.add(request)
+        try:
+            while gen.finish_reason is None:
+                for _, chunk in engine.step():
+                    yield chunk
+        finally:
+            if gen.finish_reason is None:  # the caller stopped reading: free the slot before the next call
+                engine.cancel(gen)
+                while engine.busy:
+                    engine.step()
 
 
 def generate(target: Model | str, prompt: str | Seq[int] | None = None, messages: list[dict] | None = None,
@@ -240,15 +234,16 @@ def generate(target: Model | str, prompt: str | Seq[int] | None = None, messages
         draft: None (plain decoding), a Model of the same tokenizer, a path/name, or "ngram" (prompt lookup).
         max_tokens, temperature (0 = greedy), top_p, top_k, min_p, seed: as in OpenAI's API; top_k = 0 is off.
         draft_max: the most draft tokens per iteration; draft_policy: "adaptive" (cost model) or "fixed".
-        prompt_lookup: with a draft model, also draft by prompt lookup where the text repeats (the policy picks
-            the source per iteration; a fixed policy takes lookup where it matches); False: the draft model alone;
-            None (default): True under the adaptive policy, False under a fixed one.
+        prompt_lookup: with a draft model, the adaptive policy also drafts by prompt lookup where the text repeats
+            (it picks the source per iteration); False: the draft model alone. A fixed policy drafts draft_max by
+            the draft model (or by lookup, for draft="ngram").
         stop: strings that end the generation (not included in the text).
+        logprobs: None, or n >= 0: each token's log-probability under the target and its n likeliest alternatives
+            (GenerationResult.logprobs).
         response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}),
             json_schema (a schema), grammar (GBNF or Lark): the output must match it.
         logit_bias ({token id: -100..100}), frequency_penalty, presence_penalty (-2..2, OpenAI's), repeat_penalty
-            and repeat_last_n (llama.cpp's): logits adjustments before sampling. A request with any of these, or
-            with a grammar, runs on the batched engine (which applies them exactly under speculation).
+            and repeat_last_n (llama.cpp's): logits adjustments before sampling, applied exactly under speculation.
     Returns:
         GenerationResult with .text, .tokens, .finish_reason and .stats (a list of them for prompts=).
     """
@@ -257,13 +252,15 @@ def generate(target: Model | str, prompt: str | Seq[int] | None = None, messages
         if prompt is not None or messages is not None:
             raise ValueError("give prompts= alone, or one of prompt= and messages=")
         return generate_batch(target, prompts, **options)
-    pieces, tokens = [], []
+    pieces, tokens, logprobs = [], [], []
     final = None
     for chunk in stream_generate(target, prompt=prompt, messages=messages, **options):
         pieces.append(chunk.text)
         tokens.extend(chunk.tokens)
+        logprobs.extend(chunk.logprobs or [])
         final = chunk
-    return GenerationResult("".join(pieces), tokens, final.finish_reason, final.stats)
+    return GenerationResult("".join(pieces), tokens, final.finish_reason, final.stats,
+                            logprobs if options.get("logprobs") is not None else None)
 
 
 def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]], draft: Model | str | None = None,
@@ -276,8 +273,6 @@ def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]
     """Run many prompts together on the batched engine (continuous batching, speculation per sequence), like
     vLLM's `LLM.generate(prompts)`. Each prompt is text, token ids, or a chat (a list of messages); each result is
     what `generate` gives for that prompt alone. With a seed, prompt i samples with seed + i."""
-    from tandem.engine import Engine, Request
-
     target = _as_model(target)
     if draft is not None and not isinstance(draft, Model) and draft != "ngram":
         draft = _as_model(draft, device=target.device, backend=target.backend)

@@ -133,7 +133,8 @@ class TorchBatchedCache(BatchedCache):
     way the weights are read once for every sequence in the batch. TANDEM_PACKED=0 turns the packed path off.
     TANDEM_BATCH_INVARIANT=0 runs a batch of one sequence as its TorchSequence's StepGraph (compiled, cuBLAS's
     logits) instead: 1.41 ms a step for a 1.5B model on an H200 against 1.59 packed, but a sequence alone and in a
-    batch may then differ in the last bits of its logits (bench/results/h200-2026-12-04f-batching).
+    batch may then differ in the last bits of its logits (bench/results/h200-2026-12-04f-batching). A cache of one
+    slot (`tandem.generate`'s engine) always runs that way.
     Per-slot static caches rather than paged blocks: positions stay absolute (rewind moves a length, graphs keep
     their shapes), at the price of reserving a whole context a slot (docs/batching.md).
     """
@@ -147,7 +148,9 @@ class TorchBatchedCache(BatchedCache):
         self.pool = model.transformer.new_cache(cache_slots(capacity), sequences=slots)
         self.packed = None
         self.sequences = []
-        if model.transformer.packed and os.environ.get("TANDEM_PACKED", "1") != "0":
+        # One slot has no batch to be invariant to: it runs the batch-1 path (StepGraph, cuBLAS), as
+        # TANDEM_BATCH_INVARIANT=0 does, and captures no packed graphs.
+        if model.transformer.packed and slots > 1 and os.environ.get("TANDEM_PACKED", "1") != "0":
             self.lengths = [0] * slots
             self.packed = PackedGraphs(model, self.pool, slots)
             self.packed.capture_all()

@@ -36,7 +36,7 @@ from tandem.engine.sequence import (
 )
 from tandem.logits.processor import processor_for
 from tandem.sampling import argmax, make_generator, probs_from_logits
-from tandem.speculative.calibrate import shared_prior
+from tandem.speculative.calibrate import costs_path, kept_costs, shared_prior
 from tandem.speculative.compat import check_compatible
 from tandem.speculative.policy import (
     EVIDENCE_TOKENS,
@@ -129,10 +129,16 @@ class Engine:
         self._shape_run = 0  # forwards in a row of that shape
         self._drafting_run = 0  # steps in a row that drafted
 
-    def calibrate(self) -> None:
-        """Measure the planner's costs on these caches (empty: their slots are scratch here)."""
-        self.costs = planner.measure(self.target_kv, self.drafter and self.drafter.kv, self.draft_max,
-                                     self._synchronize)
+    def calibrate(self, refresh: bool = False) -> None:
+        """The planner's costs: as kept on disk for this device, pair and engine shape (calibrate.costs_path), else
+        measured on these caches (empty: their slots are scratch here) and kept. refresh: measure afresh."""
+        def measure() -> planner.BatchCosts:
+            return planner.measure(self.target_kv, self.drafter and self.drafter.kv, self.draft_max,
+                                   self._synchronize)
+
+        path = costs_path(self.target, self.draft_model, self.draft_max, self.slots, self.n_ctx)
+        self.costs = kept_costs(path, measure, planner.BatchCosts.measured, planner.BatchCosts.from_measured,
+                                self.target, self.draft_model, refresh)
         self.costs.steady_draft = self.drafter is not None and self.draft_model.steady_shapes
 
     def _synchronize(self) -> None:

@@ -97,6 +97,23 @@ class BatchCosts:
     _overrun: dict = field(default_factory=dict, repr=False)  # (batch, drafting) -> an iteration's ms - predicted
     _yield: dict = field(default_factory=dict, repr=False)  # batch -> (extra tokens yielded, expected), decayed
 
+    def measured(self) -> dict:
+        """The figures `measure` took, as JSON (what is kept on disk; not what the loop has learned since)."""
+        return {"verify": {str(b): {str(n): ms for n, ms in c.verify_ms.items()} for b, c in self.verify.items()},
+                "draft_step": {str(b): ms for b, ms in self.draft_step.items()},
+                "catch_up_ms_per_token": self.catch_up_ms_per_token, "catch_up_base_ms": self.catch_up_base_ms,
+                "switch_ms": self.switch_ms}
+
+    @classmethod
+    def from_measured(cls, doc: dict) -> BatchCosts:
+        verify = {int(b): CostModel(draft_step_ms=0.0, verify_ms={int(n): float(ms) for n, ms in rows.items()})
+                  for b, rows in doc["verify"].items()}
+        if not verify or any(not c.verify_ms for c in verify.values()):
+            raise ValueError("no verify costs")
+        return cls(verify=verify, draft_step={int(b): float(ms) for b, ms in doc["draft_step"].items()},
+                   catch_up_ms_per_token=float(doc["catch_up_ms_per_token"]),
+                   catch_up_base_ms=float(doc["catch_up_base_ms"]), switch_ms=float(doc["switch_ms"]))
+
     @staticmethod
     def _bucket(table: dict, n: int) -> int:
         above = [b for b in table if b >= n]

@@ -19,8 +19,9 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
+from typing import TypeVar
 
 from tandem.backends.base import Model, Sequence
 from tandem.speculative.policy import AcceptancePrior, AdaptivePolicy, CostModel
@@ -39,6 +40,7 @@ STABLE_TOLERANCE = 0.05  # ... until two in a row agree within this on every fig
 COSTS_VERSION = 1  # of the on-disk format; a file of another version is measured afresh
 RECALIBRATE_ENV = "TANDEM_RECALIBRATE"
 COSTS_DIR_ENV = "TANDEM_COSTS"  # where measured costs are kept [$TANDEM_HOME/costs]
+T = TypeVar("T")
 _lock = threading.Lock()  # one measurement at a time: two requests must not time forwards against each other
 
 
@@ -146,20 +148,23 @@ def device_id(model: Model) -> str:
     return f"{model.backend}:{device}:{getattr(model, 'dtype', '')}:{name}:{os.cpu_count()}"
 
 
-def costs_path(target: Model, draft: Model | None, k_max: int) -> str | None:
-    """Where the pair's measured costs are kept, or None where a model is not a file (random weights, tests)."""
+def costs_path(target: Model, draft: Model | None, k_max: int, slots: int | None = None,
+               n_ctx: int | None = None) -> str | None:
+    """Where the pair's measured costs are kept (`slots`: the batched engine's, for that many sequences of n_ctx
+    tokens), or None where a model is not a file (random weights, tests)."""
     from tandem.loading.registry import tandem_home
 
     target_id = _file_id(getattr(target, "path", None))
     draft_id = "ngram" if draft is None else _file_id(getattr(draft, "path", None))
     if target_id is None or draft_id is None:
         return None
-    key = json.dumps([COSTS_VERSION, device_id(target), target_id, draft_id, target.n_ctx, k_max])
+    fields = [COSTS_VERSION, device_id(target), target_id, draft_id, n_ctx or target.n_ctx, k_max]
+    key = json.dumps(fields if slots is None else fields + [slots])
     folder = os.environ.get(COSTS_DIR_ENV) or os.path.join(tandem_home(), "costs")
     return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
-def _read(path: str | None) -> CostModel | None:
+def _read(path: str | None, decode: Callable[[dict], T]) -> T | None:
     if path is None or os.environ.get(RECALIBRATE_ENV, "") not in ("", "0"):
         return None
     try:
@@ -167,18 +172,16 @@ def _read(path: str | None) -> CostModel | None:
             doc = json.load(f)
         if doc.get("version") != COSTS_VERSION:
             return None
-        c = doc["costs"]
-        return CostModel(float(c["draft_step_ms"]), {int(n): float(v) for n, v in c["verify_ms"].items()},
-                         None if c["catch_up_ms_per_token"] is None else float(c["catch_up_ms_per_token"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        return decode(doc["costs"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def _write(path: str | None, costs: CostModel, target: Model, draft: Model | None) -> None:
+def _write(path: str | None, costs: dict, target: Model, draft: Model | None) -> None:
     if path is None:
         return
     doc = {"version": COSTS_VERSION, "device": device_id(target), "target": target.path,
-           "draft": "ngram" if draft is None else draft.path, "costs": asdict(costs),
+           "draft": "ngram" if draft is None else draft.path, "costs": costs,
            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -198,6 +201,26 @@ def machine_busy() -> bool:
         return False
 
 
+def kept_costs(path: str | None, measure: Callable[[], T], encode: Callable[[T], dict], decode: Callable[[dict], T],
+               target: Model, draft: Model | None, refresh: bool = False) -> T:
+    """Costs read from `path` (see costs_path), else measured and kept there for the next start. refresh: measure
+    again, and replace what is there."""
+    costs = None if refresh else _read(path, decode)
+    if costs is None:
+        costs = measure()
+        if machine_busy():  # ratios read under contention (V(2) at 2.4 steps, not 1.3) would outlive it
+            log.warning("costs measured while the machine was busy (load average %.1f on %d cores) are used by "
+                        "this process only; the next start measures again", os.getloadavg()[0], os.cpu_count() or 1)
+        else:
+            _write(path, encode(costs), target, draft)
+    return costs
+
+
+def _decode_cost_model(c: dict) -> CostModel:
+    return CostModel(float(c["draft_step_ms"]), {int(n): float(v) for n, v in c["verify_ms"].items()},
+                     None if c["catch_up_ms_per_token"] is None else float(c["catch_up_ms_per_token"]))
+
+
 def cached_costs(target: Model, draft: Model | None, k_max: int, refresh: bool = False) -> CostModel:
     """Costs measured once per pair and k_max (kept on the target, and on disk for the next start); each request
     gets its own copy to refine. refresh: measure again, and replace what is on disk."""
@@ -205,17 +228,8 @@ def cached_costs(target: Model, draft: Model | None, k_max: int, refresh: bool =
     key = (id(draft), k_max)
     with _lock:
         if key not in cache or refresh:
-            path = costs_path(target, draft, k_max)
-            costs = None if refresh else _read(path)
-            if costs is None:
-                costs = measure_costs(target, draft, k_max)
-                if machine_busy():  # ratios read under contention (V(2) at 2.4 steps, not 1.3) would outlive it
-                    log.warning("costs measured while the machine was busy (load average %.1f on %d cores) are "
-                                "used by this process only; the next start measures again", os.getloadavg()[0],
-                                os.cpu_count() or 1)
-                else:
-                    _write(path, costs, target, draft)
-            cache[key] = costs
+            cache[key] = kept_costs(costs_path(target, draft, k_max), lambda: measure_costs(target, draft, k_max),
+                                    asdict, _decode_cost_model, target, draft, refresh)
         return copy.deepcopy(cache[key])
 
 

@@ -1,0 +1,106 @@
+"""`tandem.generate` and `stream_generate`: one request on an engine kept on the target between calls. A conversation's
+next turn reuses the KV of the turn before (reused prefix == recomputed), a stream the caller leaves frees its slot,
+a call that finds the engine busy gets one of its own, and the engine's measured costs are kept on disk for the
+next start."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import tandem
+from tandem.engine import planner
+from tandem.speculative import calibrate
+
+
+def fresh(target, **options):
+    """What the call gives on an engine built for it (none kept from earlier calls)."""
+    target.__dict__.pop("_tandem_engine", None)
+    return tandem.generate(target, **options)
+
+
+def test_a_conversations_next_turn_reuses_the_kv_and_matches_recomputing(pair64):
+    target, draft = pair64
+    first = fresh(target, prompt="The quick brown fox", draft=draft, max_tokens=12, ignore_eos=True)
+    turn = target.tokenizer.encode("The quick brown fox") + first.tokens + target.tokenizer.encode(" and then")
+    second = tandem.generate(target, prompt=turn, draft=draft, max_tokens=12, ignore_eos=True)
+    assert second.stats.cached_tokens > len(turn) // 2
+    recomputed = fresh(target, prompt=turn, draft=draft, max_tokens=12, ignore_eos=True)
+    assert recomputed.stats.cached_tokens == 0
+    assert second.tokens == recomputed.tokens
+
+
+def test_other_settings_get_another_engine_and_the_same_output(pair64):
+    target, draft = pair64
+    plain = fresh(target, prompt="abc abc abc abc", max_tokens=16)
+    engine = target.__dict__["_tandem_engine"].engine
+    spec = tandem.generate(target, prompt="abc abc abc abc", draft=draft, draft_max=3, max_tokens=16)
+    assert target.__dict__["_tandem_engine"].engine is not engine
+    assert spec.tokens == plain.tokens and spec.stats.draft_tokens > 0
+
+
+def test_a_stream_left_early_frees_its_slot(pair64):
+    target, draft = pair64
+    expected = fresh(target, prompt="def add(a, b):", draft=draft, max_tokens=20, ignore_eos=True).tokens
+    stream = tandem.stream_generate(target, prompt="The quick brown fox", draft=draft, max_tokens=20,
+                                    ignore_eos=True)
+    next(stream)
+    stream.close()  # the caller stops reading
+    engine = target.__dict__["_tandem_engine"].engine
+    assert not engine.busy
+    again = tandem.generate(target, prompt="def add(a, b):", draft=draft, max_tokens=20, ignore_eos=True)
+    assert target.__dict__["_tandem_engine"].engine is engine and again.tokens == expected
+
+
+def test_a_call_that_finds_the_engine_busy_gets_its_own(pair64):
+    target, draft = pair64
+    expected = fresh(target, prompt="abc abc abc abc", draft=draft, max_tokens=16).tokens
+    kept = target.__dict__["_tandem_engine"]
+    held = tandem.stream_generate(target, prompt="The quick brown fox", draft=draft, max_tokens=16)
+    next(held)  # holds the kept engine, as another thread's call would
+    assert kept.lock.locked()
+    result = tandem.generate(target, prompt="abc abc abc abc", draft=draft, max_tokens=16)
+    assert result.tokens == expected and target.__dict__["_tandem_engine"] is kept
+    held.close()
+    assert not kept.lock.locked()
+
+
+def test_invalid_settings_are_errors_before_anything_runs(pair64):
+    target, _ = pair64
+    with pytest.raises(ValueError, match="draft policy"):
+        tandem.generate(target, prompt="abc", draft="ngram", draft_policy="greedy")
+    with pytest.raises(ValueError, match="draft_max"):
+        tandem.generate(target, prompt="abc", draft="ngram", draft_max=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        tandem.generate(target, prompt="abc", max_tokens=0)
+
+
+def test_logprobs_come_back_one_per_token(pair64):
+    target, draft = pair64
+    result = tandem.generate(target, prompt="abc abc abc", draft=draft, max_tokens=8, logprobs=2, ignore_eos=True)
+    assert len(result.logprobs) == len(result.tokens) == 8
+    assert [lp.token for lp in result.logprobs] == result.tokens and all(len(lp.top) == 2 for lp in result.logprobs)
+    assert tandem.generate(target, prompt="abc abc abc", max_tokens=4).logprobs is None
+
+
+def test_the_engines_costs_are_kept_on_disk_for_the_next_start(tiny_model_path, monkeypatch, tmp_path):
+    """A second process (here: new models of the same files) reads what the first measured; --recalibrate
+    (TANDEM_RECALIBRATE) measures afresh."""
+    monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(calibrate, "machine_busy", lambda: False)  # costs timed under load are not kept
+    measured = []
+    measure = planner.measure
+    monkeypatch.setattr(planner, "measure", lambda *a, **kw: measured.append(1) or measure(*a, **kw))
+
+    def start():
+        target = tandem.load(tiny_model_path(seed=0))
+        draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0))
+        return tandem.generate(target, prompt="abc abc abc", draft=draft, max_tokens=4).tokens
+
+    first = start()
+    assert measured == [1] and len(os.listdir(tmp_path)) == 1
+    assert start() == first and measured == [1]
+    monkeypatch.setenv(calibrate.RECALIBRATE_ENV, "1")
+    start()
+    assert measured == [1, 1]
