@@ -154,6 +154,42 @@ def test_cancel_mid_batch_frees_the_slot(pair64):
     assert out[waiting.id] == alone(target, PROMPTS[2]).tokens  # it took the cancelled request's slot
 
 
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_plain_steps_queued_ahead_of_the_host_equal_a_sync_a_step(pair64, draft, monkeypatch):
+    """A lone sequence's plain steps queued ahead (run_ahead, on by default on CUDA; forced here): the same tokens,
+    finish and iterations as one step a sync, greedy and seeded sampling, cut at a stop token mid-run (the steps
+    queued past it dropped from the slot: the next request's reused prefix still equals a fresh one's). Beside
+    prompt lookup, which is asked every LOOKUP_RUN_AHEAD steps instead of every step, drafting may differ: the
+    greedy tokens may not (a sampled run draws its tokens differently where it drafts differently)."""
+    target, _ = pair64
+    prompt = target.tokenizer.encode(PROMPTS[0])
+    greedy = Engine(target, slots=1, run_ahead=1).generate([Request(prompt, max_tokens=40)])[0].tokens
+    at = next(i for i in range(10, len(greedy)) if greedy[i] not in greedy[:i])
+    stop = greedy[at]  # a token the greedy run first emits mid-stream, made a stop token
+    outputs = {}
+    for run_ahead in (1, 8):
+        engine = Engine(target, draft, slots=1, run_ahead=run_ahead, measure_costs=False)
+        queued = []
+        step = engine.target_kv.step_on_device
+        monkeypatch.setattr(engine.target_kv, "step_on_device",
+                            lambda *a, queued=queued, step=step: queued.append(1) or step(*a))
+        engine.stop_token_ids = frozenset({stop})
+        results = [engine.generate([Request(prompt, max_tokens=40, sampling=sampling)])[0]
+                   for sampling in (SamplingParams(temperature=0.9, seed=3), SamplingParams())]
+        engine.stop_token_ids = frozenset()
+        again = engine.generate([Request(prompt + greedy[: at + 4], max_tokens=12)])[0]
+        assert again.stats.cached_tokens >= len(prompt) + at - 1  # the greedy run's reply, up to its stop
+        outputs[run_ahead] = [(r.tokens, r.finish_reason, r.stats.iterations) for r in results + [again]]
+        assert bool(queued) == (run_ahead > 1)
+    if draft is None:
+        assert outputs[8] == outputs[1]
+    else:
+        assert [tokens for tokens, _, _ in outputs[8][1:]] == [tokens for tokens, _, _ in outputs[1][1:]]
+    assert outputs[1][1][1] == "stop" and len(outputs[1][1][0]) == at
+    fresh = Engine(target, slots=1).generate([Request(prompt + greedy[: at + 4], max_tokens=12)])[0]
+    assert outputs[8][2][0] == fresh.tokens
+
+
 def test_reused_prefix_equals_recomputed(pair64):
     """A second turn that extends the first's prompt and reply feeds only the new tokens, with the same output as
     a fresh engine that recomputes everything; a shared prefix is copied from a busy slot as well."""

@@ -255,6 +255,19 @@ class TorchBatchedCache(BatchedCache):
             self.sequences[slot].cache.length += len(ids)
         return list(logits.split(counts))
 
+    @property
+    def steps_on_device(self) -> bool:
+        return bool(self.sequences)  # a slot's own TorchSequence (not the packed graphs) takes a device token
+
+    def step_on_device(self, slot: int, token: torch.Tensor) -> torch.Tensor:
+        seq = self.sequences[slot]
+        if self.packed is not None:  # TANDEM_BATCH_INVARIANT=0: the slot's length is kept here
+            seq.cache.length = self.lengths[slot]
+        logits = seq.forward(token, logits="last")
+        if self.packed is not None:
+            self.lengths[slot] = seq.cache.length
+        return logits
+
     def rewind(self, slot: int, length: int) -> None:
         if self.packed is None:
             self.sequences[slot].rewind(length)

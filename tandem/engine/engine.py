@@ -25,6 +25,7 @@ from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
 from tandem.engine.drafter import Drafter
 from tandem.engine.kv_pool import SlotTable, fit_slots
+from tandem.engine.run_ahead import LOOKUP_RUN_AHEAD, RUN_AHEAD, RunAhead
 from tandem.engine.scoring import score_rows, token_logprobs
 from tandem.engine.sequence import (
     DRAFT_MODEL,
@@ -80,15 +81,20 @@ class Engine:
         measure_costs: time the batched forwards now, for the adaptive planner (else every drafting request
             drafts draft_max, as draft_policy "fixed").
         prompt_lookup: with a draft model, an adaptive request also drafts by prompt lookup where its text repeats
-            (each iteration, per sequence, whichever source the estimates favour), as the batch-1 policy does.
+            (each iteration, per sequence, whichever source the estimates favour).
+        run_ahead: plain steps a lone sequence queues per host sync (tandem.engine.run_ahead); default RUN_AHEAD
+            where the device runs asynchronously of the host (CUDA) and the target's cache takes device tokens,
+            else 1 (elsewhere steps computed past a stop token would cost their full time).
     """
 
     def __init__(self, target: Model, draft: Model | str | None = None, slots: int = DEFAULT_SLOTS,
                  n_ctx: int | None = None, kv_budget_bytes: int | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
                  prefill_chunk: int = PREFILL_CHUNK, synthetic_acceptance: float | None = None,
-                 measure_costs: bool = True, prompt_lookup: bool = True) -> None:
+                 measure_costs: bool = True, prompt_lookup: bool = True, run_ahead: int | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if run_ahead is not None and run_ahead < 1:
+            raise ValueError(f"run_ahead must be >= 1, got {run_ahead}")
         if draft_max < 0:
             raise ValueError(f"draft_max must be >= 0, got {draft_max}")
         if prefill_chunk < 1:
@@ -109,6 +115,10 @@ class Engine:
         self.drafter = Drafter(self.draft_model, target.vocab_size, self.slots, self.n_ctx, self.device) \
             if self.draft_model else None
         self.table = SlotTable(self.slots)
+        if run_ahead is None:
+            run_ahead = RUN_AHEAD if self.device.type == "cuda" and self.target_kv.steps_on_device else 1
+        self.run_ahead = run_ahead if self.target_kv.steps_on_device else 1
+        self._queued_steps = RunAhead(self.device, self.run_ahead) if self.run_ahead > 1 else None
         self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
@@ -230,6 +240,9 @@ class Engine:
                 budget -= len(rows)
         prefill_rows = sum(len(rows) for _, rows in prefills)
         ks = self._plan(decoding, prefill_rows)
+        if self._queued_steps is not None and len(decoding) == len(self.running) == 1 and not self.waiting and \
+                not any(ks) and decoding[0].processor is None and decoding[0].request.logprobs is None:
+            return self._plain_run(decoding[0], started)
         planned = time.perf_counter()  # planning is no draft step's cost
         self._drafted = None  # (sequences, forwards) of a steady batched draft, set by _propose
         proposals = self._propose(decoding, ks)
@@ -291,6 +304,37 @@ class Engine:
         if expected and self.costs is not None:
             self.costs.observe_yield(len(decoding), expected, yielded)
         self._observe_iteration(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - started))
+        return events
+
+    def _plain_run(self, gen: Generation, started: float) -> list[tuple[Generation, GenerationChunk]]:
+        """A lone sequence's plain steps, queued ahead of the host (RunAhead): as many as its plain plan stands for
+        (fewer where prompt lookup watches its text), its max_tokens and its context allow, each one an iteration
+        of its own to the stats, the costs and the plan."""
+        room = self.target_kv.capacity - self.target_kv.length(gen.slot)
+        standing = self._plain_plan[1] + 1 if self._plain_plan is not None else 1
+        steps = min(self.run_ahead, LOOKUP_RUN_AHEAD if gen.ngram is not None else self.run_ahead, standing,
+                    gen.request.max_tokens - gen.emitted, room)
+        length = len(gen.tokens) - 1  # the slot holds every token but the pending one
+        new_tokens, forwards = self._queued_steps.run(self.target_kv, gen.slot, gen.tokens[-1], steps, gen.sampling,
+                                                      gen.generator, gen.stop_token_ids)
+        self.target_kv.rewind(gen.slot, length + len(new_tokens))  # all but the new pending token
+        gen.tokens += new_tokens
+        if self.drafter is not None:
+            self.drafter.settle(gen)
+        step_ms = 1000.0 * (time.perf_counter() - started) / forwards
+        for _ in new_tokens:
+            gen.stats.record_iteration(0, 0)
+            gen.stats.verify_ms += step_ms
+            gen.stats.decode_ms += step_ms
+            if gen.proposer is not None:
+                gen.observe(None, 0, 0)
+            self._track_shape(1, False)
+        if self._plain_plan is not None:
+            self._plain_plan = (self._plain_plan[0], max(0, self._plain_plan[1] - len(new_tokens) + 1))
+        if self.costs is not None:  # a plain step's cost as the loop runs it: cheaper queued than timed alone
+            self.costs.observe_iteration(1, False, self.costs.target_ms(1, 1), step_ms)
+        events = []
+        self._deliver(gen, new_tokens, events, None)
         return events
 
     def _track_shape(self, rows: int, drafted: bool) -> None:
