@@ -58,20 +58,20 @@ def time_step(model, rows: int, n: int, context: int = 16, repeats: int = 50) ->
 
 
 def decode(model, n_tokens: int, run_ahead: int, ngram: bool = False) -> tuple[float, list[int], float]:
-    """Greedy decoding through the real decode loop: (best tokens a second after the first, tokens, acceptance)."""
-    from tandem.sampling import SamplingParams
-    from tandem.speculative.decoder import SpeculativeDecoder
-    from tandem.speculative.policy import FixedPolicy
-    from tandem.speculative.proposer import NgramProposer
+    """Greedy decoding on the engine, one sequence (what tandem.generate runs): (best tokens a second after the
+    first, tokens, acceptance)."""
+    from tandem.engine import Engine, Request
 
     best, tokens, acceptance = 0.0, [], 0.0
+    engine = Engine(model, "ngram" if ngram else None, slots=1, draft_max=4, measure_costs=False,
+                    run_ahead=run_ahead)
     for _ in range(3):
-        proposer = NgramProposer(model.torch_device) if ngram else None
-        decoder = SpeculativeDecoder(model, SamplingParams(), proposer, FixedPolicy(4 if ngram else 0),
-                                     max_tokens=n_tokens, run_ahead=run_ahead)
-        tokens = [t for chunk in decoder.run([1 + i % 7 for i in range(64)]) for t in chunk]
-        s = decoder.stats
-        best, acceptance = max(best, 1000.0 * (s.generated_tokens - 1) / s.decode_ms), s.acceptance_rate
+        engine.target_kv.rewind(0, 0)  # no prefix reuse between rounds
+        result = engine.generate([Request([1 + i % 7 for i in range(64)], max_tokens=n_tokens, ignore_eos=True,
+                                          draft_policy="fixed")])[0]
+        s = result.stats
+        best, tokens, acceptance = max(best, 1000.0 * (s.generated_tokens - 1) / s.decode_ms), result.tokens, \
+            s.acceptance_rate
     return best, tokens, acceptance
 
 
@@ -118,7 +118,7 @@ def main() -> None:
             print(f"{variant:20s} context={context:4d}  {cells}  | floor {floor_ms:.3f} ms ({nbytes / 1e9:.2f} GB), "
                   f"step/floor {ms[1] / floor_ms:.2f}  [{time.perf_counter() - started:.0f} s]", flush=True)
         if args.decode:
-            from tandem.speculative.decoder import RUN_AHEAD
+            from tandem.engine.run_ahead import RUN_AHEAD
 
             (one, plain, _), (ahead, _, _) = decode(model, args.decode, 1), decode(model, args.decode, RUN_AHEAD)
             ngram, spec, acceptance = decode(model, args.decode, RUN_AHEAD, ngram=True)

@@ -7,11 +7,12 @@ Each round runs every prompt of the default suite through each tandem path and t
 --max-tokens tokens, EOS ignored so every run decodes as many), in turn, so drift of a shared machine hits them
 alike. Decode tokens/s: tandem's GenerationStats (tokens after the first / decode time), llama-server's own
 `timings.predicted_per_second`; with --cpu-time, decoded tokens per CPU second of each process instead. Paths:
-`generate` (tandem.generate, the batch-1 decoder `tandem generate` runs), `engine` (one request through the
-batched Engine, as `tandem serve` runs it), `unrepacked` (generate with repack=False, the backend's previous
-default), `worker` (generate with llama.cpp in tandem's worker process, which has no torch in it), `bare` (a bare
-greedy loop over a context of the generate path's weights and settings: what tandem's per-token work costs). Prints per
-prompt the medians and each path's median ratio, over rounds, to llama-server in the same round.
+`generate` (tandem.generate: one request on its kept one-slot engine, what `tandem generate` runs), `engine` (an
+Engine of one slot the script drives itself: the same loop without the API's per-call work), `unrepacked` (generate
+with repack=False, the backend's previous default), `worker` (generate with llama.cpp in tandem's worker process,
+which has no torch in it), `bare` (a bare greedy loop over a context of the generate path's weights and settings:
+what tandem's per-token work costs). Prints per prompt the medians and each path's median ratio, over rounds, to
+llama-server in the same round.
 """
 
 from __future__ import annotations

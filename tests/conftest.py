@@ -76,6 +76,26 @@ def assert_speculated(*stats, accepted: bool = True, rejected: bool = False) -> 
     return drafted, accepted_n
 
 
+def cheap_drafting(monkeypatch, costs_dir) -> None:
+    """The engine's costs as a GPU's where drafting is all but free, and kept so (nothing learnt from the loop):
+    the adaptive policy then drafts on acceptance alone, so what a test checks does not hang on this machine's
+    timing (a same-size tiny draft never pays on measured costs). Costs are kept in `costs_dir`, apart from the
+    measured ones other tests keep."""
+    from tandem.engine import planner
+    from tandem.speculative import calibrate
+    from tandem.speculative.policy import CostModel
+
+    def measure(target, draft, k_max, synchronize):
+        batches = sorted({2**i for i in range(target.slots.bit_length())} | {target.slots})
+        return planner.BatchCosts(verify={b: CostModel(0.0, {b: 1.0, b * (k_max + 1): 1.0}) for b in batches},
+                                  draft_step={b: 1e-3 for b in batches}, catch_up_ms_per_token=1e-3)
+
+    monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(costs_dir))
+    monkeypatch.setattr(planner, "measure", measure)
+    for name in ("observe_draft", "observe_iteration", "observe_yield"):
+        monkeypatch.setattr(planner.BatchCosts, name, lambda self, *args: None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory):
     """Factory: tiny_model_path(arch="qwen2", qtype="F32", **kw) -> path of a cached random-weight GGUF.

@@ -6,7 +6,7 @@ import importlib.util
 import json
 
 import pytest
-from conftest import K_QUANT_SHAPES, assert_speculated
+from conftest import K_QUANT_SHAPES, assert_speculated, cheap_drafting
 
 from tandem.bench.bench import parse_configs
 from tandem.bench.suite import DEFAULT_SUITE, load_suite
@@ -59,9 +59,9 @@ def test_bench_real_files(tmp_path, tiny_model_path, backend, monkeypatch):
     from tandem.speculative import calibrate
     from tandem.speculative.policy import CostModel
 
-    monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(
+    cheap_drafting(monkeypatch, tmp_path / "costs")
+    monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(  # the predictions'
         draft_step_ms=1e-3, verify_ms={1: 1.0, k_max + 1: 1.0}, catch_up_ms_per_token=1e-3))
-    monkeypatch.setattr(CostModel, "observe", lambda self, k, draft_ms, verify_ms, forwards=None: None)
     # Quantised weights with 64-wide heads: what llama.cpp computes batch-invariantly (F32/F16 weights are not;
     # see test_llamacpp_backend.py), so greedy drafts of any length are exact on both backends.
     target = tiny_model_path(seed=0, qtype="Q8_0", context_length=2048, **K_QUANT_SHAPES)

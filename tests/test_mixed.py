@@ -1,25 +1,23 @@
-"""Prompt lookup mixed with a draft model, the draft's teacher-forced catch-up, and costs kept on disk."""
+"""Prompt lookup mixed with a draft model (the engine picks a source per sequence and iteration), and costs kept on
+disk."""
 
 import json
 import os
 
 import pytest
 from conftest import exact_distribution
-from test_decoder import N_SAMPLES, TARGET_SAMPLING, SkewedDraft, chi_square_pvalue
+from test_lossless import N_SAMPLES, TARGET_SAMPLING, chi_square_pvalue, skewed_draft_probs
 
 import tandem
+from tandem.engine import Engine, Request
+from tandem.engine import drafter as drafter_module
+from tandem.engine import engine as engine_module
 from tandem.sampling import SamplingParams
 from tandem.speculative import calibrate
-from tandem.speculative.decoder import SpeculativeDecoder
-from tandem.speculative.policy import CostModel, FixedPolicy
-from tandem.speculative.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposal
+from tandem.speculative.policy import CostModel
+from tandem.speculative.proposer import NgramProposer
 
 PROMPTS = ["abc abc abc abc xyz def abc", "def add(a, b):\n    return a + b\n\ndef add(", "The quick brown fox"]
-
-
-def decode(target, proposer, policy, ids, max_tokens=32, params=None):
-    decoder = SpeculativeDecoder(target, params or SamplingParams(), proposer, policy, max_tokens=max_tokens)
-    return [t for chunk in decoder.run(ids) for t in chunk], decoder.stats
 
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
@@ -34,73 +32,53 @@ def test_mixed_greedy_equals_plain(pair64, policy):
         assert mixed.stats.proposer == ("mixed" if policy == "adaptive" else "draft-model")
 
 
-def test_fixed_mixed_uses_both_sources(pair64):
+def test_mixed_uses_both_sources(pair64):
+    """An adaptive request beside prompt lookup, drafting whatever the costs (none measured): lookup where the text
+    repeats and its estimate leads, the draft model elsewhere; the output is plain decoding's."""
     target, draft = pair64
     ids = target.tokenizer.encode(PROMPTS[0])
-    proposer = MixedProposer(DraftModelProposer(draft, SamplingParams(), target.vocab_size, "cpu"), NgramProposer())
-    tokens, stats = decode(target, proposer, FixedPolicy(3), ids, max_tokens=48)
-    plain, _ = decode(target, None, None, ids, max_tokens=48)
-    assert tokens == plain
+    engine = Engine(target, draft, slots=1, draft_max=3, measure_costs=False)
+    result = engine.generate([Request(ids, max_tokens=48)])[0]
+    assert result.tokens == tandem.generate(target, prompt=ids, max_tokens=48).tokens
+    stats = result.stats
     lookup = sum(v["iterations"] for s, v in stats.sources.items() if s.startswith("ngram"))
-    assert lookup > 0 and stats.sources["draft-model"]["iterations"] > 0, stats.sources
-
-
-def test_catch_up_reports_what_the_draft_would_have_predicted(pair64):
-    target, _ = pair64
-    ids = target.tokenizer.encode(PROMPTS[1])
-    plain, _ = decode(target, None, None, ids, max_tokens=10)
-    proposer = DraftModelProposer(target, SamplingParams(), target.vocab_size, "cpu")  # the target as its own draft
-    proposer.start(ids)
-    caught = proposer.catch_up(ids + plain)
-    assert caught.tokens == len(ids) + len(plain) and caught.matched == [True] * len(plain)
-    # The row kept from the catch-up drafts the same token a fresh forward would.
-    drafted = proposer.propose(ids + plain, 3).tokens.tolist()
-    fresh = DraftModelProposer(target, SamplingParams(), target.vocab_size, "cpu")
-    fresh.start(ids)
-    assert drafted == fresh.propose(ids + plain, 3).tokens.tolist()
+    assert stats.proposer == "mixed" and lookup > 0 and stats.sources["draft-model"]["iterations"] > 0, stats.sources
 
 
 def test_lookup_hindsight():
     proposer = NgramProposer(max_ngram=2)
     proposer.start([5, 6, 7])
-    proposer.ready([5, 6, 7, 5, 6, 7, 9, 1])
+    proposer.match([5, 6, 7, 5, 6, 7, 9, 1])
     # generated positions 3..6: 5 (1-gram 7 never seen before it: no match), 6 (after (7, 5)? no; 5 -> 6: right),
     # 7 ((5, 6) -> 7: right), 9 ((6, 7) -> 5: wrong)
     assert proposer.hindsight() == {"ngram1": [True], "ngram2": [True, False]}
     assert proposer.hindsight() == {}
 
 
-class OneHotLookup(NgramProposer):
-    """A deterministic proposer that has a guess every other iteration, starting with the first: the target's
-    second choice, so that deterministic proposals are often rejected and the residual decides."""
-
-    def __init__(self, target, first: bool):
-        super().__init__()
-        self.target, self.iteration = target, 0 if first else 1
-
-    def lags(self, tokens):
-        self.iteration += 1
-        return {"ngram3": 0 if self.iteration % 2 else None, "ngram2": None, "ngram1": None}
-
-    def propose(self, tokens, k, source=None):
-        logits = self.target.logits(tokens)[-1]
-        return Proposal(logits.topk(2).indices[1:2].long(), None)
-
-
-def test_mixing_deterministic_and_sampled_drafts_keeps_the_target_distribution(tiny_model_path):
+def test_mixing_deterministic_and_sampled_drafts_keeps_the_target_distribution(tiny_model_path, monkeypatch):
     # Each iteration verifies one source's proposal against that source's own q (one-hot for the lookup, the
     # draft's distribution otherwise), chosen from the past alone: the output must follow p exactly. Four tokens,
-    # so that a request drafts twice (never on its last token), one source after the other, either order.
+    # so that a request drafts twice (never on its last token), one source after the other, either order: the
+    # lookup "matches" at every other length of the text (odd lengths for even seeds' requests, even for odd ones)
+    # and proposes the target's second choice, so that its drafts are often rejected and the residual decides.
     n_generated = 4
     target = tandem.load(tiny_model_path(seed=11), dtype="float32")
     ids = target.tokenizer.encode("Once upon")
     dist = exact_distribution(target, ids, SamplingParams(**TARGET_SAMPLING), n_generated)
+    parity = [0]
+    monkeypatch.setattr(NgramProposer, "match",
+                        lambda self, tokens: ("ngram3", 1) if len(tokens) % 2 == parity[0] else (None, 0))
+    monkeypatch.setattr(NgramProposer, "continuation",
+                        lambda self, tokens, k: target.logits(tokens)[-1].topk(2).indices[1:2].tolist())
+    monkeypatch.setattr(engine_module.Engine, "_lookup_beats_draft", lambda self, *args: True)
+    monkeypatch.setattr(drafter_module, "probs_from_logits", skewed_draft_probs)
+    engine = Engine(target, target, slots=1, draft_max=2, measure_costs=False)  # the target drafts for itself
     counts, by_source, mixed = {}, {}, 0
     for seed in range(N_SAMPLES):
-        params = SamplingParams(seed=seed, **TARGET_SAMPLING)
-        proposer = MixedProposer(SkewedDraft(target, params, target.vocab_size, "cpu"),
-                                 OneHotLookup(target, first=seed % 2 == 0))
-        tokens, stats = decode(target, proposer, FixedPolicy(2), ids, max_tokens=n_generated, params=params)
+        parity[0] = seed % 2
+        stats = engine.generate([Request(ids, SamplingParams(seed=seed, **TARGET_SAMPLING), max_tokens=n_generated,
+                                         ignore_eos=True)])[0]
+        tokens, stats = stats.tokens, stats.stats
         mixed += len(stats.sources) == 2
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
         for source, entry in stats.sources.items():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_speculated
+from conftest import assert_speculated, cheap_drafting
 
 import tandem
 import tandem.api
@@ -59,17 +59,13 @@ def test_real_pair_speculative_equals_plain(real_pair):
     assert "def" in tandem.generate(target, messages=PROMPTS[0], max_tokens=24).text
 
 
-def test_the_readmes_generate_command(real_pair, monkeypatch, capsys):
+def test_the_readmes_generate_command(real_pair, monkeypatch, capsys, tmp_path):
     # `tandem generate --chat ... --json`: the default target, its default draft, the auto backend (llama.cpp when
     # installed), the adaptive policy. The policy runs on a virtual clock where drafting is cheap, so whether it
     # drafts does not hang on this machine's timing; the output must be the target's own.
     from tandem.cli import main
-    from tandem.speculative import calibrate
-    from tandem.speculative.policy import CostModel
 
-    monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(
-        draft_step_ms=1e-3, verify_ms={1: 1.0, k_max + 1: 1.0}, catch_up_ms_per_token=1e-3))
-    monkeypatch.setattr(CostModel, "observe", lambda self, k, draft_ms, verify_ms, forwards=None: None)
+    cheap_drafting(monkeypatch, tmp_path)
     loaded, load = [], tandem.api.load
     monkeypatch.setattr(tandem.api, "load", lambda *a, **kw: loaded.append(load(*a, **kw)) or loaded[-1])
     chat = ["--chat", "Write a Python function that merges two sorted lists.", "--json", "--max-tokens", "48"]

@@ -516,8 +516,8 @@ def test_health_is_503_until_loaded_and_warm(paths):
         assert release_load.wait(60)
         return load(paths[0]), None
 
-    def warm_up(target, draft):
-        assert target.n_ctx > 0 and draft is None
+    def warm_up(engine):
+        assert engine.target.n_ctx > 0 and engine.draft_model is None
         assert release_warm.wait(60)
 
     app = create_app(load=load_models, warm_up=warm_up, model_name="tiny")

@@ -300,7 +300,8 @@ class Bench:
 
 
 def costs_for(target: Model, draft: Model | str | None, configs: list[BenchConfig]) -> dict[str, CostModel]:
-    """Measured costs per proposer kind, the same ones the adaptive policy calibrated (cached on the target)."""
+    """The batch-1 costs per proposer kind the predictions use (calibrate.cached_costs: kept on the target and on
+    disk)."""
     from tandem.speculative.calibrate import cached_costs
 
     out = {}

@@ -130,7 +130,7 @@ class Drafter:
         """Catch each sequence's draft up on the tokens it has not seen but the pending one (which it takes in
         when it drafts), reading its argmax at the rows before the latest generated ones (at most EVIDENCE_ROWS):
         whether it would have predicted each is evidence of its acceptance (a greedy match; under sampling the same
-        figure stands in, as in the batch-1 policy). Under synthetic acceptance (benchmarks) each position matches
+        figure stands in). Under synthetic acceptance (benchmarks) each position matches
         with that probability, drawn as the verify draws: the catch-up is paid, the random draft's argmax unread."""
         started = time.perf_counter()
         heads, tails = [], []

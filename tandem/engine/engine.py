@@ -122,8 +122,9 @@ class Engine:
         self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
-        # What completed requests accepted, per source, shared with the batch-1 policy's requests on this target:
-        # a new sequence's estimates start there, not at constants that may keep it drafting at no acceptance.
+        # What completed requests accepted, per source, shared by every engine on this target (tandem.generate's
+        # and a server's): a new sequence's estimates start there, not at constants that may keep it drafting at
+        # no acceptance.
         self.prior = shared_prior(target)
         self.costs = None
         if self.proposer and draft_max > 0 and measure_costs:
@@ -328,6 +329,7 @@ class Engine:
             gen.stats.decode_ms += step_ms
             if gen.proposer is not None:
                 gen.observe(None, 0, 0)
+            gen.note_prediction(1.0)
             self._track_shape(1, False)
         if self._plain_plan is not None:
             self._plain_plan = (self._plain_plan[0], max(0, self._plain_plan[1] - len(new_tokens) + 1))
@@ -422,7 +424,8 @@ class Engine:
             if gen.finish_reason == "stop":
                 self.prior.record_reply(gen.emitted)  # a natural reply length: what a first catch-up is repaid over
             gen.stats.belief = {"acceptance": {s: gen.acceptance(s) for s in gen.estimates},
-                                "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()}}
+                                "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()},
+                                "predicted_speedup": gen.predicted_speedup}
         self.table.release(gen.slot, self.target_kv.length(gen.slot))
 
     def _draft_may_pay(self, gen: Generation, batch: int) -> bool:
@@ -456,13 +459,16 @@ class Engine:
         if self._plain_plan is not None and self._plain_plan[0] == batch and self._plain_plan[1] > 0 and \
                 not self._lookup_may_pay(decoding):
             self._plain_plan = (batch, self._plain_plan[1] - 1)
+            for gen in decoding:
+                gen.note_prediction(1.0)
             return [0] * len(decoding)
         self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
         candidates = [self._candidate(g) for g in decoding]
-        ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows, self._drafting_run > 0)
+        rates: dict[str, float] = {}
+        ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows, self._drafting_run > 0, rates)
         # Before a draft drafts blind (first time in the request, or back after a plain stretch), it reads the text
         # it missed, teacher-forced: how much of it it would have predicted is its acceptance on this text, known
-        # before a single draft is verified, and the plan is made again with it (the batch-1 policy's rule: a
+        # before a single draft is verified, and the plan is made again with it (a
         # draft that cannot pay then never drafts, instead of drafting at the prior first). It waits for
         # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks; back after
         # a plain stretch, it reads only within the probe budget.
@@ -482,9 +488,12 @@ class Engine:
         if self._evidence:
             self.drafter.read_evidence(self._evidence, self.synthetic_acceptance)
             candidates = [self._candidate(g) for g in decoding]
-            ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows, self._drafting_run > 0)
+            ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows, self._drafting_run > 0,
+                              rates)
         self._planned_acceptance = {g.id: c.acceptance for g, c, k in zip(decoding, candidates, ks, strict=True)
                                     if k and not c.fixed and not c.lookup}
+        for gen in decoding:
+            gen.note_prediction(rates["planned"] / rates["plain"] if rates else 1.0)
         self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
 
@@ -525,7 +534,7 @@ class Engine:
         return candidate.lag > 0 and gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS
 
     def _first_read_pays(self, gen: Generation, batch: int) -> bool:
-        """The batch-1 policy's first switch-on test at this batch size: the draft takes in the prompt only where
+        """The first switch-on test at this batch size: the draft takes in the prompt only where
         the drafting this may buy over the rest of the reply (expected over the estimate's uncertainty, in a batch
         of `batch` sequences drafting alike: planner.value_of_drafting) is worth PROBE_VALUE_MARGIN times that
         catch-up, which stalls the whole batch. A long prompt, a reply near its end, a draft barely ahead of plain
@@ -537,7 +546,7 @@ class Engine:
         return gain_ms * tokens >= PROBE_VALUE_MARGIN * self.costs.catch_up_ms(self.drafter.lag(gen))
 
     def _worth_waiting(self, gen: Generation) -> bool:
-        """The batch-1 policy's rule for a first switch-on: wait for generated tokens to read unless the drafting
+        """The rule for a first switch-on: wait for generated tokens to read unless the drafting
         gain given up meanwhile exceeds what drafting blind risks (the catch-up and a few wasted drafts, weighted
         by the chance that the acceptance, a Beta of the estimate's counts, turns out too low to pay). At one
         sequence's costs whatever the batch: a wait delays every sequence of a batch alike, and valued as one
@@ -553,7 +562,7 @@ class Engine:
         return wait * gain_ms < PROBE_VALUE_MARGIN * p_no_gain * (catch_up_ms + learning_ms)
 
     def _reread_in_budget(self, gen: Generation, batch: int) -> bool:
-        """The batch-1 policy's re-probe rule: a draft back after a plain stretch reads what it missed only where
+        """The re-probe rule: a draft back after a plain stretch reads what it missed only where
         that catch-up, which stalls the batch, costs at most PROBE_BUDGET of this sequence's share of the plain time
         since it last ran. Its estimate fades back to a prior that may look worth drafting while its text is not:
         re-read every few steps, it cost 2-4% at 2 requests and acceptance 0.6 on an H100's costs (emulated,

@@ -301,9 +301,8 @@ def value_of_drafting(accepted: float, drafted: float, k_max: int, batch: int, c
     `batch` such sequences, none with anything to catch up, over the uncertainty in their acceptance: a Beta of the
     pseudo-counts, held as at least `least_strength` positions (AcceptancePrior.spread_strength). Where acceptance
     turns out too low to pay, the plan stays plain and saves 0. A sequence's share of its batch's time is a token's
-    worth of the batch's ms a token, so the figure falls as the batch grows and extra rows stop being free (the
-    batch-1 policy's AdaptivePolicy.value_of_drafting_ms, which at 4 requests on an H100's costs valued reads that
-    never paid)."""
+    worth of the batch's ms a token, so the figure falls as the batch grows and extra rows stop being free (valued as
+    one sequence's alone, at 4 requests on an H100's costs, it valued reads that never paid)."""
     strength = max(drafted, least_strength)
     value = p_no_gain = 0.0
     for a, weight in beta_grid(accepted / drafted * strength, strength, VALUE_GRID):

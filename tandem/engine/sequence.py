@@ -11,14 +11,13 @@ import torch
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.logits.processor import LogitsProcessor, LogitsSettings
 from tandem.sampling import SamplingParams, make_generator
-from tandem.speculative.decoder import cut_tokens
 from tandem.speculative.policy import DRAFT_MODEL_SOURCE, lookup_share
 from tandem.speculative.proposer import NgramProposer
 from tandem.speculative.stats import GenerationStats
 
 # Pseudo-counts (accepted, drafted) a sequence's acceptance estimate starts from, before the process has seen any
 # request (the engine's shared AcceptancePrior then learns from completed ones), and decays back to while it does
-# not draft (the values tandem.speculative.policy uses for one request).
+# not draft.
 DRAFT_MODEL_PRIOR = (1.4, 2.0)
 NGRAM_PRIOR = (0.5, 2.0)
 ACCEPTANCE_DECAY = 0.9  # per drafting iteration
@@ -180,6 +179,20 @@ def _longest_stop_prefix(text: str, stops: list[str]) -> int:
 _ids = itertools.count()
 
 
+def cut_tokens(new_tokens: list[int], stop_token_ids: frozenset[int], emitted: int,
+               max_tokens: int) -> tuple[list[int], str | None]:
+    """New tokens cut at a stop token (not returned) or at max_tokens, and why they were cut ("stop", "length",
+    or None when they were not)."""
+    out = []
+    for token in new_tokens:
+        if token in stop_token_ids:
+            return out, "stop"
+        out.append(token)
+        if emitted + len(out) >= max_tokens:
+            return out, "length"
+    return out, None
+
+
 class Generation:
     """A request inside the engine. Invariant while decoding: the target's slot holds every token of `tokens`
     but the last (the pending token, which the next forward feeds first); the draft's slot holds a prefix of them."""
@@ -205,7 +218,7 @@ class Generation:
                                      policy=request.draft_policy if proposer else "none")
         self.proposer = proposer if request.speculate else None  # "draft-model" | "ngram" | "mixed" | None
         self.draft_max = draft_max if request.draft_max is None else min(request.draft_max, draft_max)
-        self.ngram = NgramProposer(device) if self.proposer in ("ngram", "mixed") else None
+        self.ngram = NgramProposer() if self.proposer in ("ngram", "mixed") else None
         random = not self.sampling.greedy
         self.generator = make_generator(self.sampling.seed, device) if random else None
         seed = None if self.sampling.seed is None else self.sampling.seed + 1
@@ -220,6 +233,18 @@ class Generation:
         self.draft_declined = False  # the draft model's first catch-up was judged not worth it (see Engine._plan)
         self.draft_prefill = False  # the draft takes in the prompt beside the target (see Engine._draft_may_pay)
         self.processor: LogitsProcessor | None = None  # set by the engine when request.logits adjusts anything
+        self._predicted = (0.0, 0)  # (sum, steps) of the speed-ups over plain its batch's plans predicted
+
+    def note_prediction(self, speedup: float) -> None:
+        """A step's plan for this sequence's batch predicted this speed-up over a plain step (1.0: it was plain)."""
+        total, steps = self._predicted
+        self._predicted = (total + speedup, steps + 1)
+
+    @property
+    def predicted_speedup(self) -> float:
+        """The mean speed-up over plain decoding that the plans of its steps predicted (what the policy believed)."""
+        total, steps = self._predicted
+        return total / steps if steps else 1.0
 
     @property
     def prefilling(self) -> bool:

@@ -66,7 +66,7 @@ NOT_READY = {  # status -> what a request gets while the server is not ready
 
 Draft = Model | str | None
 Loader = Callable[[], tuple[Model, Draft]]
-WarmUp = Callable[[Model, Draft], None]
+WarmUp = Callable[[Engine], None]  # runs on the engine that will serve
 
 
 class Server:
@@ -120,7 +120,7 @@ class Server:
                 self.attach(*load())
             self.status = "warming"
             if warm_up is not None:
-                warm_up(self.target, self.draft)
+                warm_up(self.engine)
         except BaseException as e:  # noqa: BLE001  (reported through load_error; serve() exits with it)
             self.status, self.load_error = "failed", e
             if not isinstance(e, ValueError | FileNotFoundError):

@@ -10,20 +10,19 @@ import socket
 
 import uvicorn
 
-from tandem.backends.base import Model
-from tandem.server.app import Draft, Server, create_app
+from tandem.engine import Engine, Request
+from tandem.server.app import Server, create_app
 from tandem.server.safety import allowed_hosts_for, exposure_warning
 
 log = logging.getLogger("tandem.server")
 
 
-def warm_up(target: Model, draft: Draft, draft_max: int, draft_policy: str) -> None:
-    """One short generation: kernels warm up and the adaptive policy measures its costs before any client waits."""
-    import tandem
-
+def warm_up(engine: Engine, draft_policy: str) -> None:
+    """One short generation on the engine that will serve (which measured its costs when it was built): kernels and
+    graphs warm up before any client waits."""
+    target = engine.target
     first = target.tokenizer.bos_token_id or 0
-    tandem.generate(target, prompt=[first], draft=draft, max_tokens=2, draft_max=draft_max, draft_policy=draft_policy,
-                    n_ctx=None)
+    engine.generate([Request([first], max_tokens=2, draft_policy=draft_policy)])
     # The grammar library's view of the vocabulary (~1 s for 152k tokens), or the first structured request would
     # stall every running stream while the engine builds it.
     from tandem.logits.grammar import ll_tokenizer
@@ -77,7 +76,7 @@ def serve(args) -> int:
         load=lambda: load_pair(args.model, args.draft, args.no_draft, args.device, args.dtype, args.backend,
                                args.ctx, args.draft_device, progress=sys.stderr.isatty(),
                                isolation=getattr(args, "llamacpp_isolation", "auto")),
-        warm_up=lambda target, draft: warm_up(target, draft, args.draft_max, args.draft_policy),
+        warm_up=lambda engine: warm_up(engine, args.draft_policy),
         model_name=served_names[0], aliases=[*served_names[1:], args.model],
         draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,
         slots=args.slots, max_body_bytes=args.max_body_bytes,

@@ -1,11 +1,13 @@
-"""Measure a pair's costs on the device it runs on, once per (target, proposer kind), for the adaptive policy.
+"""A pair's costs measured on the device it runs on, and kept.
 
-A few forwards on scratch sequences: the draft's one-token step, and the target's forward over n = 1, 2 and
-k_max + 1 tokens (a forward's cost is affine in n, so the policy interpolates the rest), repeated until two rounds
-agree: near break-even a cost read off a cold or busy device decides differently from one start to the next. The
-result is kept on disk per device and pair (`$TANDEM_HOME/costs/`, or $TANDEM_COSTS), so later starts decide alike;
-TANDEM_RECALIBRATE=1 (or `--recalibrate`) measures afresh. The decode loop then refines every figure from the
-iterations it really runs.
+- `cached_costs`: the batch-1 cost model (the draft's one-token step, the target's forward over n = 1, 2 and
+  k_max + 1 tokens, affine in between), repeated until two rounds agree, for `tandem bench`'s predictions and the
+  doctor; the batched engine measures its own (`engine.planner.measure`) and keeps them through `kept_costs`.
+- Either is kept on disk per device, pair and shape (`$TANDEM_HOME/costs/`, or $TANDEM_COSTS), so later starts
+  decide alike (near break-even a cost read off a cold or busy device decides differently from one start to the
+  next); TANDEM_RECALIBRATE=1 (or `--recalibrate`) measures afresh. The loop then refines every figure from the
+  iterations it really runs.
+- `shared_prior`: the process-wide acceptance prior of a target's requests.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from dataclasses import asdict
 from typing import TypeVar
 
 from tandem.backends.base import Model, Sequence
-from tandem.speculative.policy import AcceptancePrior, AdaptivePolicy, CostModel
-from tandem.speculative.proposer import DraftModelProposer, MixedProposer, NgramProposer, Proposer
+from tandem.speculative.policy import AcceptancePrior, CostModel
+from tandem.speculative.proposer import NgramProposer
 
 log = logging.getLogger("tandem.calibrate")
 
@@ -244,19 +246,3 @@ def shared_prior(target: Model) -> AcceptancePrior:
             defaults[lookup.sources[0]] = LONG_MATCH_PRIOR
             priors["shared"] = AcceptancePrior(defaults)
         return priors["shared"]
-
-
-def policy_for(target: Model, proposer: Proposer, draft_max: int, evidence: bool = True) -> AdaptivePolicy:
-    """The adaptive policy for one request of `proposer`: a source per way it drafts, all from measured costs.
-    evidence: a draft model's catch-up reports its teacher-forced acceptance (not under synthetic acceptance)."""
-    lookup_costs = cached_costs(target, None, draft_max) if not isinstance(proposer, DraftModelProposer) else None
-    costs = {}
-    for source in proposer.sources:
-        if source == DraftModelProposer.name:
-            draft = proposer.draft.draft if isinstance(proposer, MixedProposer) else proposer.draft
-            costs[source] = cached_costs(target, draft, draft_max)
-            costs[source].steady_draft = draft.steady_shapes
-        else:
-            costs[source] = copy.deepcopy(lookup_costs)
-    evidence = evidence and DraftModelProposer.name in costs
-    return AdaptivePolicy(costs, draft_max, shared=shared_prior(target), evidence=evidence)

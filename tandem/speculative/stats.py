@@ -21,7 +21,7 @@ class GenerationStats:
     decode_ms: float = 0.0  # everything after the first token: draft + verify + bookkeeping
     draft_ms: float = 0.0  # total time proposing draft tokens in this generation
     verify_ms: float = 0.0  # total time of the target's verify/plain forwards and acceptance in this generation
-    proposer: str = "none"  # "draft-model", "ngram", "none"
+    proposer: str = "none"  # "draft-model", "ngram", "mixed" (the draft model and prompt lookup), "none"
     policy: str = "none"  # "fixed", "adaptive", "none"
     draft_len_counts: dict[int, int] = field(default_factory=dict)  # k chosen -> iterations that used it
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = iterations that accepted draft token i
@@ -30,7 +30,7 @@ class GenerationStats:
     # predicted among them: `evidence_matches` of `evidence_positions`).
     sources: dict[str, dict[str, float]] = field(default_factory=dict)
     # What the adaptive policy believed at the end: acceptance per source, the prior it started from, and the mean
-    # speed-up over plain it predicted for the iterations it planned (see DraftPolicy.belief).
+    # speed-up over plain its plans predicted, step by step (Engine._retire).
     belief: dict = field(default_factory=dict)
 
     @property

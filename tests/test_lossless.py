@@ -1,4 +1,5 @@
-"""The speculative loop end to end on tiny random GGUF models: lossless greedy and sampled decoding."""
+"""Speculation end to end on tiny random GGUF models (`tandem.generate`, the engine): lossless greedy decoding, and
+sampled decoding with the target's exact distribution."""
 
 import math
 
@@ -9,11 +10,11 @@ from scipy.stats import chisquare
 
 import tandem
 from tandem.backends.base import ContextOverflowError
-from tandem.sampling import SamplingParams, probs_from_logits, sample
-from tandem.speculative import decoder as decoder_module
-from tandem.speculative.decoder import SpeculativeDecoder
-from tandem.speculative.policy import FixedPolicy
-from tandem.speculative.proposer import DraftModelProposer, NgramProposer
+from tandem.engine import Engine, Request
+from tandem.engine import drafter as drafter_module
+from tandem.engine import engine as engine_module
+from tandem.sampling import SamplingParams, probs_from_logits
+from tandem.speculative.proposer import NgramProposer
 from tandem.speculative.verify import verify_sampled
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,"]
@@ -88,10 +89,13 @@ def test_ngram_proposer_is_lossless(pair64):
 def test_ngram_example():
     proposer = NgramProposer(max_ngram=2)
     proposer.start([])
-    assert proposer.propose([5, 6, 7, 8, 5, 6], 3).tokens.tolist() == [7, 8, 5]
-    assert proposer.propose([5, 6, 7, 8, 5, 6, 9], 3).tokens.tolist() == []
-    # ready() says beforehand whether propose() has anything, so the loop can queue plain steps instead
-    assert proposer.ready([5, 6, 7, 8, 5, 6]) and not proposer.ready([5, 6, 7, 8, 5, 6, 9])
+    assert proposer.continuation([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]
+    assert proposer.continuation([5, 6, 7, 8, 5, 6, 9], 3) == []
+    # match() says which source (match length) has a continuation, and how many tokens it holds (the index grows
+    # with the sequence: a proposer follows one request)
+    fresh = NgramProposer(max_ngram=2)
+    fresh.start([])
+    assert fresh.match([5, 6, 7, 8, 5, 6]) == ("ngram2", 4) and fresh.match([5, 6, 7, 8, 5, 6, 9]) == (None, 0)
 
 
 @pytest.mark.parametrize("run_ahead", [1, 8])
@@ -99,12 +103,12 @@ def test_ngram_with_nothing_to_propose_runs_plain_steps_losslessly(pair64, run_a
     # A prompt that repeats only in places: the loop alternates lookups that find a match with runs of plain steps.
     target, _ = pair64
     ids = target.tokenizer.encode("abc abc xyz def abc ghi")
-    plain = [t for chunk in SpeculativeDecoder(target, SamplingParams(), max_tokens=40).run(ids) for t in chunk]
-    dec = SpeculativeDecoder(target, SamplingParams(), NgramProposer(), FixedPolicy(3), max_tokens=40,
-                             run_ahead=run_ahead)
-    assert [t for chunk in dec.run(ids) for t in chunk] == plain
-    assert dec.stats.draft_len_counts.get(0, 0) > 0
-    assert_speculated(dec.stats)
+    plain = run(target, ids, max_tokens=40).tokens
+    engine = Engine(target, "ngram", slots=1, draft_max=3, measure_costs=False, run_ahead=run_ahead)
+    result = engine.generate([Request(ids, max_tokens=40, draft_policy="fixed")])[0]
+    assert result.tokens == plain
+    assert result.stats.draft_len_counts.get(0, 0) > 0
+    assert_speculated(result.stats)
 
 
 @pytest.mark.parametrize("seed", [0, 7])
@@ -128,36 +132,24 @@ N_SAMPLES = 1200
 MIN_EXPECTED = 5  # chi-square cells expecting fewer samples are pooled into one
 
 
-class SkewedDraft(DraftModelProposer):
-    """Drafts from the target's own top 3: mostly its most likely token, partly the least likely ones.
+def skewed_draft_probs(logits, params):
+    """The draft's distribution, skewed: from its own top 3 (the draft is the target here), mostly its most likely
+    token, partly the least likely ones.
 
     q = 0.7 * one-hot(top 1) + 0.3 * (the top 3's probabilities reversed). q overlaps p and is far from it, so every
     outcome of a verify happens often: rejection at row 0 and at rows >= 1 (where the residual norm(max(0, p - q))
     leaves the top token out, unlike p), and all k accepted (the bonus token). Any q must keep the output exact."""
-
-    def _draw(self, logits):
-        logits = logits[-1:, : self.target_vocab]
-        top = logits.topk(3, dim=-1).indices
-        reversed_logits = torch.full_like(logits, -math.inf).scatter(-1, top, -logits.gather(-1, top))
-        probs = 0.3 * probs_from_logits(reversed_logits, self.params)
-        probs[0, top[0, 0]] += 0.7
-        return sample(probs, self.generator), probs
-
-
-class CyclePolicy(FixedPolicy):
-    """Draft lengths in a fixed cycle: plain runs and drafting interleave (what the adaptive policy does)."""
-
-    def __init__(self, cycle):
-        super().__init__(max(cycle))
-        self.cycle, self.i = cycle, 0
-
-    def choose(self, lag=None):
-        self.i += 1
-        return self.cycle[(self.i - 1) % len(self.cycle)]
+    top = logits.topk(3, dim=-1).indices
+    reversed_logits = torch.full_like(logits, -math.inf).scatter(-1, top, -logits.gather(-1, top))
+    probs = 0.3 * probs_from_logits(reversed_logits, params)
+    probs[0, top[0, 0]] += 0.7
+    return probs
 
 
 def sample_sequences(target, prompt_ids, n, monkeypatch, verify=verify_sampled):
-    """n speculative generations under `verify`: ({sequence: count}, {(k, n_accepted): verifies})."""
+    """n speculative generations on the engine under `verify`, the target drafting for itself through
+    skewed_draft_probs, draft lengths cycling through DRAFT_LENGTHS (each capped at the room left, so shorter ones
+    happen too): ({sequence: count}, {(k, n_accepted): verifies})."""
     outcomes = {}
 
     def recording(draft_tokens, draft_probs, target_probs, generator):
@@ -166,13 +158,14 @@ def sample_sequences(target, prompt_ids, n, monkeypatch, verify=verify_sampled):
         outcomes[key] = outcomes.get(key, 0) + 1
         return n_accepted, token
 
-    monkeypatch.setattr(decoder_module, "verify_sampled", recording)
+    monkeypatch.setattr(engine_module, "verify_sampled", recording)
+    monkeypatch.setattr(drafter_module, "probs_from_logits", skewed_draft_probs)
+    engine = Engine(target, target, slots=1, draft_max=max(DRAFT_LENGTHS), measure_costs=False)
     counts = {}
     for seed in range(n):
-        params = SamplingParams(seed=seed, **TARGET_SAMPLING)
-        proposer = SkewedDraft(target, SamplingParams(seed=seed, **TARGET_SAMPLING), target.vocab_size, "cpu")
-        dec = SpeculativeDecoder(target, params, proposer, CyclePolicy(DRAFT_LENGTHS), max_tokens=N_GENERATED)
-        tokens = tuple(t for chunk in dec.run(prompt_ids) for t in chunk)
+        request = Request(prompt_ids, SamplingParams(seed=seed, **TARGET_SAMPLING), max_tokens=N_GENERATED,
+                          ignore_eos=True, draft_max=DRAFT_LENGTHS[seed % len(DRAFT_LENGTHS)], draft_policy="fixed")
+        tokens = tuple(engine.generate([request])[0].tokens)
         counts[tokens] = counts.get(tokens, 0) + 1
     monkeypatch.undo()
     return counts, outcomes
@@ -225,13 +218,14 @@ def test_plain_sampling_matches_target_distribution(distribution_setup):
     assert chi_square_pvalue(counts, dist, N_SAMPLES) > 1e-3
 
 
-def test_run_ahead_plain_sampling_matches_target_distribution(distribution_setup):
+def test_queued_plain_sampling_matches_target_distribution(distribution_setup):
     target, prompt_ids, dist = distribution_setup
     counts = {}
+    engine = Engine(target, slots=1, run_ahead=8)  # plain steps queued ahead of the host, as on a GPU
     for seed in range(N_SAMPLES):
-        dec = SpeculativeDecoder(target, SamplingParams(seed=seed, **TARGET_SAMPLING), max_tokens=N_GENERATED,
-                                 run_ahead=8)
-        tokens = tuple(t for chunk in dec.run(prompt_ids) for t in chunk)
+        request = Request(prompt_ids, SamplingParams(seed=seed, **TARGET_SAMPLING), max_tokens=N_GENERATED,
+                          ignore_eos=True)
+        tokens = tuple(engine.generate([request])[0].tokens)
         counts[tokens] = counts.get(tokens, 0) + 1
     assert chi_square_pvalue(counts, dist, N_SAMPLES) > 1e-3
 
@@ -282,56 +276,41 @@ def test_stop_token_ends_generation(pair64):
     ids = target.tokenizer.encode(PROMPTS[0])
     reference = run(target, ids, max_tokens=12).tokens
     stop_at = next(i for i in range(2, 12) if reference[i] not in reference[:i])
-    for proposer in (None, DraftModelProposer(draft, SamplingParams(), target.vocab_size, "cpu")):
-        dec = SpeculativeDecoder(target, SamplingParams(), proposer, FixedPolicy(4), max_tokens=12,
-                                 stop_token_ids=[reference[stop_at]])
-        got = [t for chunk in dec.run(ids) for t in chunk]
-        assert got == reference[:stop_at] and dec.finish_reason == "stop"
-        if proposer is not None:
-            assert_speculated(dec.stats)
+    for d in (None, draft):
+        engine = Engine(target, d, slots=1, draft_max=4)
+        engine.stop_token_ids = frozenset({reference[stop_at]})
+        result = engine.generate([Request(ids, max_tokens=12, draft_policy="fixed")])[0]
+        assert result.tokens == reference[:stop_at] and result.finish_reason == "stop"
+        if d is not None:
+            assert_speculated(result.stats)
 
 
 @pytest.mark.parametrize("run_ahead", [2, 8])
-def test_run_ahead_plain_steps_change_no_token(pair64, run_ahead):
-    target, draft = pair64
-    ids = target.tokenizer.encode(PROMPTS[0])
-    reference = run(target, ids, max_tokens=30).tokens
-    stop_at = next(i for i in range(3, 30) if reference[i] not in reference[:i])
-    for max_tokens, stop, expect in ((30, [], reference), (5, [], reference[:5]),
-                                     (30, [reference[stop_at]], reference[:stop_at])):
-        for proposer, policy in ((None, None), (DraftModelProposer(draft, SamplingParams(), target.vocab_size, "cpu"),
-                                                CyclePolicy([0, 3, 2, 0, 4]))):
-            dec = SpeculativeDecoder(target, SamplingParams(), proposer, policy, max_tokens=max_tokens,
-                                     stop_token_ids=stop, run_ahead=run_ahead)
-            got = [t for chunk in dec.run(ids) for t in chunk]
-            assert got == expect, (max_tokens, stop, proposer)
-            assert dec.finish_reason == ("stop" if stop else "length")
-            if proposer is not None and (max_tokens, stop) == (30, []):
-                assert_speculated(dec.stats)
+def test_queued_plain_steps_stop_at_the_end_of_the_context(tiny_model_path, run_ahead):
     # Where the context ends mid-run, the run stops at it: the same tokens as one step at a time.
-    small = tandem.load(target.path, dtype="float64", n_ctx=24)
-    long_ids = (ids * 5)[:20]
-    one = [t for chunk in SpeculativeDecoder(small, SamplingParams(), max_tokens=100, run_ahead=1).run(long_ids)
-           for t in chunk]
-    ahead = SpeculativeDecoder(small, SamplingParams(), max_tokens=100, run_ahead=run_ahead)
-    assert [t for chunk in ahead.run(long_ids) for t in chunk] == one and len(one) == 24 - 20 + 1
-    assert ahead.finish_reason == "length" and ahead.stats.iterations == 4
+    small = tandem.load(tiny_model_path(seed=0), dtype="float64", n_ctx=24)
+    ids = (small.tokenizer.encode(PROMPTS[0]) * 5)[:20]
+    one, ahead = (Engine(small, slots=1, run_ahead=r).generate([Request(ids, max_tokens=100)])[0]
+                  for r in (1, run_ahead))
+    assert ahead.tokens == one.tokens and len(one.tokens) == 24 - 20 + 1
+    assert ahead.finish_reason == "length" and ahead.stats.iterations == one.stats.iterations == 4
     with pytest.raises(ValueError, match="run_ahead must be >= 1"):
-        SpeculativeDecoder(target, SamplingParams(), run_ahead=0)
+        Engine(small, slots=1, run_ahead=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's read-back path needs a GPU")
-def test_run_ahead_on_the_gpu_changes_no_token(tiny_model_path):
+def test_queued_plain_steps_on_the_gpu_change_no_token(tiny_model_path):
     # On a GPU, queued plain steps land their tokens in pinned host slots reused from run to run of steps.
     target = tandem.load(tiny_model_path(seed=5), dtype="float32", device="cuda", graphs=True)
     ids = target.tokenizer.encode(PROMPTS[1])
-    reference = [t for chunk in SpeculativeDecoder(target, SamplingParams(), max_tokens=40, run_ahead=1).run(ids)
-                 for t in chunk]
+    reference = Engine(target, slots=1, run_ahead=1).generate([Request(ids, max_tokens=40)])[0].tokens
     stop_at = next(i for i in range(10, 40) if reference[i] not in reference[:i])
-    for max_tokens, stop, expect in ((40, [], reference), (13, [], reference[:13]),
-                                     (40, [reference[stop_at]], reference[:stop_at])):
-        dec = SpeculativeDecoder(target, SamplingParams(), max_tokens=max_tokens, stop_token_ids=stop, run_ahead=8)
-        assert [t for chunk in dec.run(ids) for t in chunk] == expect, (max_tokens, stop)
+    for max_tokens, stop, expect in ((40, (), reference), (13, (), reference[:13]),
+                                     (40, (reference[stop_at],), reference[:stop_at])):
+        engine = Engine(target, slots=1, run_ahead=8)
+        assert engine.run_ahead == 8
+        engine.stop_token_ids = frozenset(stop)
+        assert engine.generate([Request(ids, max_tokens=max_tokens)])[0].tokens == expect, (max_tokens, stop)
 
 
 def test_a_target_id_beyond_the_drafts_vocabulary_is_lossless(tiny_model_path):
