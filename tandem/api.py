@@ -124,20 +124,24 @@ def prompt_ids(target: Model, prompt: str | Seq[int] | None, messages: list[dict
     return [int(t) for t in prompt]
 
 
+MAX_KEPT_ENGINES = 2  # one-slot engines kept on a target for calls of other settings (a context of KV each)
+
+
 @dataclass(frozen=True)
 class _EngineKey:
-    """What a one-request engine is built with: a call asking for other settings gets another engine."""
+    """What a one-request engine is built with: a call asking for other settings gets another engine. A plain call
+    runs on any kept engine of its context (its request does not speculate), a fixed or shorter draft length on one
+    built for more."""
 
     draft: object  # the draft Model, "ngram", a path or registry name, or None
     n_ctx: int | None
-    draft_max: int
     synthetic_acceptance: float | None
     prompt_lookup: bool
 
 
 class _OneRequestEngine:
-    """The engine `generate` and `stream_generate` run their request on, kept on the target between calls: its
-    costs are measured once (then read from disk at later starts), its acceptance prior learns across calls, and a
+    """An engine `generate` and `stream_generate` run their request on, kept on the target between calls: its costs
+    are measured once (then read from disk at later starts), its acceptance prior learns across calls, and a
     conversation's next turn reuses the KV of the last one's prompt and reply. One call at a time uses it; a call
     that finds it busy (another thread) gets an engine of its own for that call."""
 
@@ -149,26 +153,38 @@ class _OneRequestEngine:
 _engines_lock = threading.Lock()
 
 
-def _make_engine(target: Model, key: _EngineKey, measure_costs: bool) -> Engine:
+def _make_engine(target: Model, key: _EngineKey, draft_max: int, measure_costs: bool) -> Engine:
     draft = key.draft
     if draft is not None and not isinstance(draft, Model) and draft != "ngram":
         draft = _as_model(draft, device=target.device, backend=target.backend)
-    return Engine(target, draft, slots=1, n_ctx=key.n_ctx, draft_max=key.draft_max,
+    return Engine(target, draft, slots=1, n_ctx=key.n_ctx, draft_max=draft_max,
                   synthetic_acceptance=key.synthetic_acceptance, measure_costs=measure_costs,
                   prompt_lookup=key.prompt_lookup)
 
 
+def _fits(kept: _OneRequestEngine, key: _EngineKey, draft_max: int) -> bool:
+    if key.draft is None:  # plain: any engine of this context
+        return kept.key.n_ctx == key.n_ctx
+    return kept.key == key and kept.engine.draft_max >= draft_max
+
+
 @contextmanager
-def _one_request_engine(target: Model, key: _EngineKey, measure_costs: bool) -> Iterator[Engine]:
-    """The target's kept engine for `key` (built, or rebuilt for other settings, as needed), held for one call."""
+def _one_request_engine(target: Model, key: _EngineKey, draft_max: int, measure_costs: bool) -> Iterator[Engine]:
+    """A kept engine of the target that serves `key` (the most recently used; built, or built anew for a longer
+    draft, as needed; the least recently used beyond MAX_KEPT_ENGINES dropped), held for one call."""
+    draft_max = max(draft_max, DEFAULT_DRAFT_MAX) if key.draft is not None else 0
     with _engines_lock:
-        kept = target.__dict__.get("_tandem_engine")
-        if kept is None or kept.key != key:
-            kept = _OneRequestEngine(key, _make_engine(target, key, measure_costs))
-            target.__dict__["_tandem_engine"] = kept
+        kept_engines: dict[_EngineKey, _OneRequestEngine] = target.__dict__.setdefault("_tandem_engines", {})
+        kept = next((k for k in reversed(kept_engines.values()) if _fits(k, key, draft_max)), None)
+        if kept is None:
+            kept = _OneRequestEngine(key, _make_engine(target, key, draft_max, measure_costs))
+        kept_engines.pop(kept.key, None)
+        kept_engines[kept.key] = kept  # the most recently used last
+        while len(kept_engines) > MAX_KEPT_ENGINES:
+            kept_engines.pop(next(iter(kept_engines)))
         if not kept.lock.acquire(blocking=False):
             kept = None  # another thread is generating on it
-    engine = kept.engine if kept is not None else _make_engine(target, key, measure_costs)
+    engine = kept.engine if kept is not None else _make_engine(target, key, draft_max, measure_costs)
     try:
         if measure_costs and engine.costs is None and engine.proposer is not None and engine.draft_max > 0:
             engine.calibrate()  # built for a fixed draft length, now asked to choose one
@@ -208,9 +224,11 @@ def stream_generate(
     if draft_max < 0:
         raise ValueError(f"draft_max must be >= 0, got {draft_max}")
     request = Request(ids, sampling, max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
-                      draft_policy=draft_policy, logprobs=logprobs, logits=logits)
-    key = _EngineKey(draft, n_ctx, draft_max, synthetic_acceptance, prompt_lookup is not False)
-    with _one_request_engine(target, key, measure_costs=draft is not None and draft_policy == "adaptive") as engine:
+                      speculate=draft is not None and draft_max > 0, draft_max=draft_max, draft_policy=draft_policy,
+                      logprobs=logprobs, logits=logits)
+    key = _EngineKey(draft, n_ctx, synthetic_acceptance, prompt_lookup is not False)
+    measure_costs = draft is not None and draft_policy == "adaptive"
+    with _one_request_engine(target, key, draft_max, measure_costs) as engine:
         gen = engine.add(request)
         try:
             while gen.finish_reason is None:

@@ -16,8 +16,13 @@ from tandem.speculative import calibrate
 
 def fresh(target, **options):
     """What the call gives on an engine built for it (none kept from earlier calls)."""
-    target.__dict__.pop("_tandem_engine", None)
+    target.__dict__.pop("_tandem_engines", None)
     return tandem.generate(target, **options)
+
+
+def last_used(target):
+    """The kept engine the last call ran on."""
+    return list(target.__dict__["_tandem_engines"].values())[-1]
 
 
 def test_a_conversations_next_turn_reuses_the_kv_and_matches_recomputing(pair64):
@@ -31,13 +36,26 @@ def test_a_conversations_next_turn_reuses_the_kv_and_matches_recomputing(pair64)
     assert second.tokens == recomputed.tokens
 
 
-def test_other_settings_get_another_engine_and_the_same_output(pair64):
+def test_calls_of_other_settings_share_the_kept_engines(pair64):
+    """A plain call runs on the kept engine of a draft (its request does not speculate); a fixed or shorter draft
+    length on the same engine; another draft or context gets an engine of its own, at most MAX_KEPT_ENGINES kept."""
     target, draft = pair64
-    plain = fresh(target, prompt="abc abc abc abc", max_tokens=16)
-    engine = target.__dict__["_tandem_engine"].engine
-    spec = tandem.generate(target, prompt="abc abc abc abc", draft=draft, draft_max=3, max_tokens=16)
-    assert target.__dict__["_tandem_engine"].engine is not engine
-    assert spec.tokens == plain.tokens and spec.stats.draft_tokens > 0
+    spec = fresh(target, prompt="abc abc abc abc", draft=draft, max_tokens=16)
+    engine = last_used(target).engine
+    plain = tandem.generate(target, prompt="abc abc abc abc", max_tokens=16)
+    fixed = tandem.generate(target, prompt="abc abc abc abc", draft=draft, draft_max=3, draft_policy="fixed",
+                            max_tokens=16)
+    assert last_used(target).engine is engine and len(target.__dict__["_tandem_engines"]) == 1
+    assert spec.tokens == plain.tokens == fixed.tokens
+    assert plain.stats.draft_tokens == 0 and plain.stats.proposer == "none"
+    assert fixed.stats.draft_tokens > 0 and max(fixed.stats.draft_len_counts) == 3
+    lookup = tandem.generate(target, prompt="abc abc abc abc", draft="ngram", max_tokens=16)
+    longer = tandem.generate(target, prompt="abc abc abc abc", draft=draft, draft_max=12, draft_policy="fixed",
+                             max_tokens=16)
+    assert lookup.tokens == longer.tokens == plain.tokens
+    kept = target.__dict__["_tandem_engines"]
+    assert len(kept) == tandem.api.MAX_KEPT_ENGINES and last_used(target).engine.draft_max == 12
+    assert all(k.engine is not engine for k in kept.values())  # the draft_max 8 engine made way for the 12 one
 
 
 def test_a_stream_left_early_frees_its_slot(pair64):
@@ -47,21 +65,21 @@ def test_a_stream_left_early_frees_its_slot(pair64):
                                     ignore_eos=True)
     next(stream)
     stream.close()  # the caller stops reading
-    engine = target.__dict__["_tandem_engine"].engine
+    engine = last_used(target).engine
     assert not engine.busy
     again = tandem.generate(target, prompt="def add(a, b):", draft=draft, max_tokens=20, ignore_eos=True)
-    assert target.__dict__["_tandem_engine"].engine is engine and again.tokens == expected
+    assert last_used(target).engine is engine and again.tokens == expected
 
 
 def test_a_call_that_finds_the_engine_busy_gets_its_own(pair64):
     target, draft = pair64
     expected = fresh(target, prompt="abc abc abc abc", draft=draft, max_tokens=16).tokens
-    kept = target.__dict__["_tandem_engine"]
+    kept = last_used(target)
     held = tandem.stream_generate(target, prompt="The quick brown fox", draft=draft, max_tokens=16)
     next(held)  # holds the kept engine, as another thread's call would
     assert kept.lock.locked()
     result = tandem.generate(target, prompt="abc abc abc abc", draft=draft, max_tokens=16)
-    assert result.tokens == expected and target.__dict__["_tandem_engine"] is kept
+    assert result.tokens == expected and last_used(target) is kept
     held.close()
     assert not kept.lock.locked()
 

@@ -214,9 +214,9 @@ class Generation:
         self.cancelled = False
         self.stop_token_ids = frozenset() if request.ignore_eos else stop_token_ids
         self.text = TextStream(tokenizer, request.stop)
-        self.stats = GenerationStats(proposer=proposer or "none",
-                                     policy=request.draft_policy if proposer else "none")
         self.proposer = proposer if request.speculate else None  # "draft-model" | "ngram" | "mixed" | None
+        self.stats = GenerationStats(proposer=self.proposer or "none",
+                                     policy=request.draft_policy if self.proposer else "none")
         self.draft_max = draft_max if request.draft_max is None else min(request.draft_max, draft_max)
         self.ngram = NgramProposer() if self.proposer in ("ngram", "mixed") else None
         random = not self.sampling.greedy
