@@ -66,6 +66,10 @@ class Drafter:
         steady = self.model.steady_shapes and not catching_up
         logits, forwards = self._steady_catch_up(gens, batch) if steady else \
             (self.kv.forward(batch, [True] * len(batch)), 1)
+        if len(gens) == 1 and gens[0].processor is None and self.kv.steps_on_device and not steady:
+            (i, (gen, k)), = drafting.items()
+            drawn_i, dists_i = self._draft_on_device(gen, k, logits[0])
+            return {i: (drawn_i, self._distributions(dists_i))}, None if catching_up else forwards + k - 1
         while True:
             tokens = []
             for i, rows in zip(active, logits, strict=False):  # fed = active + done: its first rows are active's
@@ -94,6 +98,24 @@ class Drafter:
             logits = self.kv.forward([(drafting[i][0].slot, drawn[i][-1:]) for i in fed], [True] * len(fed))
             forwards += 1
         return {i: (drawn[i], self._distributions(dists[i])) for i in drafting}, None if catching_up else forwards
+
+    def _draft_on_device(self, gen: Generation, k: int, logits: torch.Tensor) -> tuple[list[int], list]:
+        """A lone sequence's k drafts, each step's token fed to the next from the device (step_on_device) and
+        read back once at the end: a draft step a host synchronisation cost the 1.5B draft of a 32B target 0.15 ms
+        a token on an H200, 10% of its step. The same draws as the loop's, in the same order."""
+        tokens, dists = [], []
+        rows = logits[-1:, : self.target_vocab]
+        for step in range(k):
+            if gen.sampling.greedy:
+                token = argmax(rows)
+            else:
+                probs = probs_from_logits(rows, gen.sampling)
+                token = sample(probs, gen.draft_generator)
+                dists.append(probs)
+            tokens.append(token)
+            if step + 1 < k:
+                rows = self.kv.step_on_device(gen.slot, token.view(1))[-1:, : self.target_vocab]
+        return torch.cat(tokens).tolist(), dists
 
     def _distributions(self, dists: list[torch.Tensor]) -> torch.Tensor | None:
         if not dists:
