@@ -194,6 +194,16 @@ def _one_request_engine(target: Model, key: _EngineKey, draft_max: int, measure_
             kept.lock.release()
 
 
+def forget_prompts(target: Model) -> None:
+    """Make the next call on `target` read its prompt whole: the engines `generate` keeps on it reuse the KV a
+    prompt that starts alike left (a conversation's next turn), which a benchmark timing a prompt again must not."""
+    with _engines_lock:
+        kept_engines = list(target.__dict__.get("_tandem_engines", {}).values())
+    for kept in kept_engines:
+        with kept.lock:
+            kept.engine.forget_prefixes()
+
+
 def stream_generate(
     target: Model | str,
     prompt: str | Seq[int] | None = None,

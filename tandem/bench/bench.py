@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import tandem
-from tandem.api import default_draft
+from tandem.api import default_draft, forget_prompts
 from tandem.backends.base import Model
 from tandem.bench.suite import BenchPrompt, load_suite
 from tandem.speculative.policy import CostModel, expected_tokens
@@ -268,6 +268,7 @@ class Bench:
                     ignore_eos=self.ignore_eos, prompt_lookup=config.draft == "mixed")
 
     def generate(self, prompt: BenchPrompt, config: BenchConfig, max_tokens: int) -> Run:
+        forget_prompts(self.target)  # every run reads its prompt, as a first request does
         self.target.synchronize()
         started = time.perf_counter()
         result = tandem.generate(self.target, messages=list(prompt.messages), max_tokens=max_tokens,

@@ -198,6 +198,14 @@ class Engine:
         if gen in self.waiting:
             self.waiting.remove(gen)
 
+    def forget_prefixes(self) -> None:
+        """Empty every free slot, so that the next requests reuse no prompt an earlier one left (benchmarks: a
+        prompt timed again must be read again)."""
+        for slot in self.table.free:
+            self.target_kv.rewind(slot, 0)
+            if self.drafter is not None:
+                self.drafter.kv.rewind(slot, 0)
+
     def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
         """Run requests batched to the end; results in the order given."""
         gens = [self.add(r) for r in requests]
