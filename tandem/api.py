@@ -200,8 +200,19 @@ def forget_prompts(target: Model) -> None:
     with _engines_lock:
         kept_engines = list(target.__dict__.get("_tandem_engines", {}).values())
     for kept in kept_engines:
-        with kept.lock:
-            kept.engine.forget_prefixes()
+        if kept.lock.acquire(blocking=False):  # a busy one (a stream still open) keeps what it holds
+            try:
+                kept.engine.forget_prefixes()
+            finally:
+                kept.lock.release()
+
+
+def _discard(target: Model, engine: Engine) -> None:
+    """Keep an engine no longer: one whose step raised may hold a half-done step's state."""
+    with _engines_lock:
+        kept_engines = target.__dict__.get("_tandem_engines", {})
+        for key in [k for k, kept in kept_engines.items() if kept.engine is engine]:
+            del kept_engines[key]
 
 
 def stream_generate(
@@ -239,13 +250,17 @@ def stream_generate(
     key = _EngineKey(draft, n_ctx, synthetic_acceptance, prompt_lookup is not False)
     measure_costs = draft is not None and draft_policy == "adaptive"
     with _one_request_engine(target, key, draft_max, measure_costs) as engine:
-        gen = engine.add(request)
+        gen, failed = engine.add(request), False
         try:
             while gen.finish_reason is None:
                 for _, chunk in engine.step():
                     yield chunk
+        except Exception:
+            failed = True
+            _discard(target, engine)
+            raise
         finally:
-            if gen.finish_reason is None:  # the caller stopped reading: free the slot before the next call
+            if not failed and gen.finish_reason is None:  # the caller stopped reading: free the slot
                 engine.cancel(gen)
                 while engine.busy:
                     engine.step()

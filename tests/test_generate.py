@@ -87,6 +87,24 @@ def test_a_call_that_finds_the_engine_busy_gets_its_own(pair64):
     assert not kept.lock.locked()
 
 
+def test_an_engine_whose_step_failed_is_kept_no_longer(pair64, monkeypatch):
+    target, draft = pair64
+    expected = fresh(target, prompt="abc abc abc abc", draft=draft, max_tokens=16).tokens
+    broken = last_used(target).engine
+
+    steps = []
+
+    def failing_step():
+        steps.append(1)
+        raise RuntimeError("a device error")
+    monkeypatch.setattr(broken, "step", failing_step)
+    with pytest.raises(RuntimeError, match="device error"):
+        tandem.generate(target, prompt="abc abc abc abc", draft=draft, max_tokens=16)
+    assert steps == [1]  # not stepped again to clean up
+    assert all(k.engine is not broken for k in target.__dict__["_tandem_engines"].values())
+    assert tandem.generate(target, prompt="abc abc abc abc", draft=draft, max_tokens=16).tokens == expected
+
+
 def test_invalid_settings_are_errors_before_anything_runs(pair64):
     target, _ = pair64
     with pytest.raises(ValueError, match="draft policy"):
