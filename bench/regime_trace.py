@@ -29,8 +29,8 @@ SPLIT: dict[tuple, list[tuple[float, float]]] = {}  # (engine, sequences, rows) 
 
 
 def instrument(engine: Engine) -> None:
-    """Time each decoding step's target forward apart from the host's reading of its rows (Engine._outcomes): what
-    a verify in the loop costs beyond the forward the calibration timed."""
+    """Time each decoding step's target forward apart from the host's reading of its rows
+    (verification.read_outcomes): what a verify in the loop costs beyond the forward the calibration timed."""
     forward, outcomes, last = engine.target_kv.forward, engine._outcomes, {}
     kind = "adaptive" if engine.drafter is not None else "plain"
 

@@ -12,7 +12,7 @@ import tandem
 from tandem.backends.base import ContextOverflowError
 from tandem.engine import Engine, Request
 from tandem.engine import drafter as drafter_module
-from tandem.engine import engine as engine_module
+from tandem.engine import verification as verification_module
 from tandem.sampling import SamplingParams, probs_from_logits
 from tandem.speculative.proposer import NgramProposer
 from tandem.speculative.verify import verify_sampled
@@ -158,7 +158,7 @@ def sample_sequences(target, prompt_ids, n, monkeypatch, verify=verify_sampled):
         outcomes[key] = outcomes.get(key, 0) + 1
         return n_accepted, token
 
-    monkeypatch.setattr(engine_module, "verify_sampled", recording)
+    monkeypatch.setattr(verification_module, "verify_sampled", recording)
     monkeypatch.setattr(drafter_module, "probs_from_logits", skewed_draft_probs)
     engine = Engine(target, target, slots=1, draft_max=max(DRAFT_LENGTHS), measure_costs=False)
     counts = {}

@@ -1,9 +1,14 @@
 """The batched engine: many requests decoded together, each speculating on its own.
 
-    engine.py     Engine: admission, one batched step (draft, verify, accept) for every running sequence
-    planner.py    what each sequence does next: draft lengths from measured batched costs (pure functions)
-    kv_pool.py    which KV slot a request gets, and the prompt prefix it can reuse there
-    sequence.py   one request's state (Generation), its text stream, the chunks the engine yields
+    engine.py          Engine: admission, one batched step (draft, verify, accept) for every running sequence
+    drafting_rules.py  when each sequence drafts, from which source, and when its draft reads first
+    planner.py         draft lengths from measured batched costs (pure functions), and the costs
+    drafter.py         the draft model's side: its slots, catch-ups, drafts, evidence reads
+    verification.py    a step's outcome per sequence, read back in one transfer
+    run_ahead.py       a lone sequence's plain steps queued ahead of the host
+    kv_pool.py         which KV slot a request gets, and the prompt prefix it can reuse there
+    scoring.py         log-probabilities of prompts and emitted tokens
+    sequence.py        one request's state (Generation), its text stream, the chunks the engine yields
 """
 
 from tandem.engine.engine import Engine

@@ -24,9 +24,10 @@ import torch
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
 from tandem.engine.drafter import Drafter
+from tandem.engine.drafting_rules import DraftingRules
 from tandem.engine.kv_pool import SlotTable, fit_slots
 from tandem.engine.run_ahead import LOOKUP_RUN_AHEAD, RUN_AHEAD, RunAhead
-from tandem.engine.scoring import score_rows, token_logprobs
+from tandem.engine.scoring import token_logprobs
 from tandem.engine.sequence import (
     DRAFT_MODEL,
     Generation,
@@ -35,21 +36,16 @@ from tandem.engine.sequence import (
     Request,
     TokenLogprob,
 )
+from tandem.engine.verification import read_outcomes
 from tandem.logits.processor import processor_for
-from tandem.sampling import argmax, make_generator, probs_from_logits
+from tandem.sampling import make_generator
 from tandem.speculative.calibrate import costs_path, kept_costs, shared_prior
 from tandem.speculative.compat import check_compatible
 from tandem.speculative.policy import (
     EVIDENCE_TOKENS,
-    LEARNING_ITERATIONS,
-    PROBE_BUDGET,
-    PROBE_VALUE_MARGIN,
-    STEADY_CATCH_UP,
-    copied_risk,
     expected_tokens,
 )
 from tandem.speculative.proposer import NgramProposer
-from tandem.speculative.verify import verify_sampled, verify_synthetic
 
 log = logging.getLogger("tandem.engine")
 
@@ -58,15 +54,10 @@ DEFAULT_DRAFT_MAX = 8
 PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
 REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
 IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
-# The draft takes in a prompt beside the target's prefill only where the chance that drafting gains nothing is at
-# most this (over the Beta of the request's acceptance, Engine._draft_may_pay); elsewhere its first read takes the
-# prompt in, once EVIDENCE_TOKENS are generated, where that read is judged worth it. Prompts taken in on expected
-# value alone cost 2-4% at 2 and 4 requests where drafting barely paid (H100 costs, emulated).
-PREFILL_MAX_RISK = 0.2
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 
 
-class Engine:
+class Engine(DraftingRules):
     """Continuous batching with speculation per sequence. `add` requests, call `step` until `busy` is False, or
     call `generate` for a list of prompts.
 
@@ -436,24 +427,6 @@ class Engine:
                                 "predicted_speedup": gen.predicted_speedup}
         self.table.release(gen.slot, self.target_kv.length(gen.slot))
 
-    def _draft_may_pay(self, gen: Generation, batch: int) -> bool:
-        """Whether the draft takes in the prompt beside the target's prefill: where `batch` sequences drafting alike
-        would likely gain (PREFILL_MAX_RISK) and the expected gain over the reply is worth PROBE_VALUE_MARGIN times
-        that prefill (the first read's test, `_first_read_pays`, over the Beta of the request's prior). A draft that
-        took in nothing must catch up on the whole prompt at its first read, a cost that kept it off for good where
-        it would have paid (H200/H100, 32B target: the engine never drafted at 1 and 2 requests); a draft that
-        cannot pay on this machine (a CPU's 1.5B/0.5B pair), at this load, or likely enough leaves it to that read."""
-        if DRAFT_MODEL not in gen.estimates or gen.draft_max == 0:
-            return False
-        if gen.request.draft_policy == "fixed" or self.costs is None:  # no costs: every draft drafts its k_max
-            return True
-        _, p_no_gain = self._value_of_drafting(gen, batch)
-        return p_no_gain <= PREFILL_MAX_RISK and self._first_read_pays(gen, batch)
-
-    def _drafts_at(self, acceptance: float, k_max: int, batch: int) -> bool:
-        """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs."""
-        return planner.plan([planner.Candidate(acceptance, k_max)] * batch, self.costs)[0] > 0
-
     # --- drafting and verification -----------------------------------------------------------------------
 
     def _plan(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
@@ -505,137 +478,6 @@ class Engine:
         self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
 
-    def _reading_may_pay(self, candidate: planner.Candidate, prior: tuple[float, float], batch: int) -> bool:
-        """Whether reading could switch on a draft that the plan keeps off at its prior: would `batch` sequences
-        draft (nothing to catch up) at the acceptance that EVIDENCE_TOKENS matches in a row would give? Without
-        this, a prior learned from requests that accepted little would keep every later request off unread, and so
-        never learn otherwise."""
-        return self._drafts_at((prior[0] + EVIDENCE_TOKENS) / (prior[1] + EVIDENCE_TOKENS), candidate.k_max, batch)
-
-    def _lookup_may_pay(self, decoding: list[Generation]) -> bool:
-        """Whether some sequence's text now repeats where its lookup estimate beats the least acceptance at which
-        one more row pays in this batch (a plain batch's tokens per ms times a row's cost): then a plain plan is
-        not kept. A cheap check, so that a batch of plain text is not replanned every step for 1-token matches."""
-        lookups = [g for g in decoding if g.ngram is not None]
-        if not lookups:
-            return False
-        if self.costs is None:
-            return True
-        b = len(decoding)
-        least = b / self.costs.target_ms(b, b) * max(0.0, self.costs.target_ms(b, b + 1) - self.costs.target_ms(b, b))
-        for gen in lookups:
-            source, _ = gen.ngram.match(gen.tokens)
-            if source is not None and gen.acceptance(source) > least:
-                return True
-        return False
-
-    def _wants_evidence(self, gen: Generation, candidate: planner.Candidate) -> bool:
-        """Whether the draft should read the text it missed before drafting: never read (nor verified) yet in
-        this request, or stale (more than EVIDENCE_TOKENS plain iterations since) with more than a steady
-        catch-up to read. A draft that took in the prompt waits for generated tokens to read as one that did not.
-        Without costs every draft drafts its k_max, and its acceptance decides nothing."""
-        if candidate.fixed or self.costs is None:
-            return False
-        estimate = gen.estimates[DRAFT_MODEL]
-        if estimate.request_reached == 0:
-            return True
-        return candidate.lag > 0 and gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS
-
-    def _first_read_pays(self, gen: Generation, batch: int) -> bool:
-        """The first switch-on test at this batch size: the draft takes in the prompt only where
-        the drafting this may buy over the rest of the reply (expected over the estimate's uncertainty, in a batch
-        of `batch` sequences drafting alike: planner.value_of_drafting) is worth PROBE_VALUE_MARGIN times that
-        catch-up, which stalls the whole batch. A long prompt, a reply near its end, a draft barely ahead of plain
-        decoding or a batch that drafting hardly speeds decline. Of the rest, the draft serves only what prompt
-        lookup leaves (as it has so far): beside a lookup that copies most of the reply, reading a long prompt
-        would buy a few tokens."""
-        gain_ms, _ = self._value_of_drafting(gen, batch)
-        tokens = min(self.prior.reply_tokens, gen.request.max_tokens - gen.emitted) * (1.0 - gen.lookup_share())
-        return gain_ms * tokens >= PROBE_VALUE_MARGIN * self.costs.catch_up_ms(self.drafter.lag(gen))
-
-    def _worth_waiting(self, gen: Generation) -> bool:
-        """The rule for a first switch-on: wait for generated tokens to read unless the drafting
-        gain given up meanwhile exceeds what drafting blind risks (the catch-up and a few wasted drafts, weighted
-        by the chance that the acceptance, a Beta of the estimate's counts, turns out too low to pay). At one
-        sequence's costs whatever the batch: a wait delays every sequence of a batch alike, and valued as one
-        sequence's share of its batch it waited 8 steps where reading at once drafted 5% more (3 requests, real
-        text, H200 costs, emulated: bench/engine_emulation.py)."""
-        gain_ms, p_no_gain = self._value_of_drafting(gen, 1)
-        if gen.ngram is not None:  # or the reply copies its prompt, which lookup's hindsight would show
-            p_no_gain = copied_risk(p_no_gain, self.prior)
-        catch_up_ms = self.costs.catch_up_ms(self.drafter.lag(gen))
-        extra_row_ms = max(0.0, self.costs.target_ms(1, 2) - self.costs.target_ms(1, 1))
-        learning_ms = LEARNING_ITERATIONS * (self.costs.draft_ms(1) + extra_row_ms)
-        wait = EVIDENCE_TOKENS - (len(gen.tokens) - gen.prompt_len)
-        return wait * gain_ms < PROBE_VALUE_MARGIN * p_no_gain * (catch_up_ms + learning_ms)
-
-    def _reread_in_budget(self, gen: Generation, batch: int) -> bool:
-        """The re-probe rule: a draft back after a plain stretch reads what it missed only where
-        that catch-up, which stalls the batch, costs at most PROBE_BUDGET of this sequence's share of the plain time
-        since it last ran. Its estimate fades back to a prior that may look worth drafting while its text is not:
-        re-read every few steps, it cost 2-4% at 2 requests and acceptance 0.6 on an H100's costs (emulated,
-        bench/regime_emulation.py), for reads that never switched it on."""
-        idle = gen.plain_iterations - gen.estimates[DRAFT_MODEL].settled_at
-        plain_share_ms = idle * self.costs.target_ms(batch, batch) / batch
-        return self.costs.catch_up_ms(self.drafter.lag(gen)) <= PROBE_BUDGET * plain_share_ms
-
-    def _value_of_drafting(self, gen: Generation, batch: int) -> tuple[float, float]:
-        """planner.value_of_drafting for this sequence, once a step for a given estimate (sixteen plans: new
-        requests share their prior's counts, and a burst of them would plan it each)."""
-        estimate = gen.estimates[DRAFT_MODEL]
-        key = (estimate.accepted, estimate.drafted, gen.draft_max, batch)
-        if (id(self.costs), key) not in self._values:
-            self._values[id(self.costs), key] = planner.value_of_drafting(
-                *key, self.costs, self.prior.spread_strength(DRAFT_MODEL))
-        return self._values[id(self.costs), key]
-
-    def _candidate(self, gen: Generation) -> planner.Candidate | None:
-        """What the planner may have this sequence draft: prompt lookup where its text repeats and lookup promises
-        at least what the draft model does (by the batch-1 costs), else the draft model (gen.draft_source says
-        which); None where it cannot draft."""
-        gen.draft_source = None
-        if gen.proposer is None:
-            return None
-        room = self.target_kv.capacity - self.target_kv.length(gen.slot)
-        k_max = min(gen.draft_max, gen.request.max_tokens - gen.emitted - 1, room - 1)
-        if k_max <= 0:
-            return None
-        fixed = gen.request.draft_policy == "fixed"
-        model = DRAFT_MODEL in gen.estimates and not gen.draft_declined
-        if gen.ngram is not None:
-            source, available = gen.ngram.match(gen.tokens)
-            for name, matched in gen.ngram.hindsight().items():
-                gen.observe_evidence(name, matched)
-            lag = self.drafter.lag(gen) if model else 0
-            if source is not None and (not model or self._lookup_beats_draft(gen, source, min(k_max, available),
-                                                                             k_max, lag)):
-                gen.draft_source = source
-                return planner.Candidate(gen.acceptance(source), min(k_max, available), fixed=fixed, lookup=True)
-        if not model:
-            return None
-        gen.draft_source = DRAFT_MODEL
-        lag = self.drafter.lag(gen)
-        # Beside prompt lookup, a draft's accepted token is worth only what lookup would not have copied for free
-        # in the iterations after (its share of the reply so far): planned as that much less acceptance.
-        acceptance = gen.acceptance(DRAFT_MODEL) * (1.0 - gen.lookup_share()) if gen.ngram is not None else \
-            gen.acceptance(DRAFT_MODEL)
-        return planner.Candidate(acceptance, k_max, max(0, lag - STEADY_CATCH_UP), fixed=fixed)
-
-    def _lookup_beats_draft(self, gen: Generation, source: str, k_lookup: int, k_draft: int, lag: int) -> bool:
-        """Whether one sequence drafting by lookup yields at least the tokens per ms of drafting by the draft model,
-        each at its best draft length, at batch 1 (lookup drafts for free, so it wins at equal acceptance). The
-        draft's catch-up on `lag` unseen tokens is charged as the planner charges it (spread over
-        the iterations runs of drafting last): a long prompt the draft has not read makes lookup the better start."""
-        lookup_a, draft_a = gen.acceptance(source), gen.acceptance(DRAFT_MODEL)
-        if self.costs is None or lookup_a >= draft_a:
-            return lookup_a >= draft_a
-        if self._rates is None:  # ms of a lookup draft of k tokens and of a draft-model one, k = 0..draft_max
-            verify = [self.costs.target_ms(1, k + 1) for k in range(self.draft_max + 1)]
-            self._rates = (verify, [v + k * self.costs.draft_ms(1) for k, v in enumerate(verify)])
-        lookup_ms, draft_ms = self._rates
-        catch_up_ms = self.costs.catch_up_ms(max(0, lag - STEADY_CATCH_UP)) / self.costs.drafting_run
-        return best_rate(lookup_a, lookup_ms, k_lookup) >= best_rate(draft_a, draft_ms, k_draft, catch_up_ms)
-
     def _propose(self, decoding: list[Generation], ks: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens per sequence (and, sampling, the distributions they were drawn from): prompt lookup on the
         host; a draft model batched, one forward a draft position over every sequence still drafting."""
@@ -657,60 +499,4 @@ class Engine:
 
     def _outcomes(self, decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],
                   proposals: dict) -> tuple[dict[int, tuple[int, list[int]]], dict[int, list]]:
-        """Each sequence's (accepted drafts, new tokens) from its rows (a prompt just read in: its first token),
-        read back in one transfer: greedy sequences by one argmax over all their rows, compared with their drafts
-        on the host; the others by rejection sampling each on its own generator. Also the log-probabilities of
-        the rows of requests that asked for them (score_rows), read back after it."""
-        greedy, sampled, scored = [], [], {}  # greedy: (gen, drafts, rows); sampled: (gen, drafts, [n, token])
-        for gen, rows in decoding + firsts:
-            drafts, draft_probs = proposals.get(gen.id, ([], None))  # a prompt just read in has none
-            # What the choice reads: rows adjusted for the request (bias, penalties, grammar) at each draft offset.
-            chosen = rows if gen.processor is None else gen.processor.rows(rows, drafts)
-            greedy_step = gen.sampling.greedy and (self.synthetic_acceptance is None or not drafts)
-            # On the device only where a verifier or the logprobs need them: a greedy step compares on the host.
-            draft_tokens = None if greedy_step and gen.request.logprobs is None else \
-                torch.tensor(drafts, dtype=torch.long, device=self.device)
-            own = None
-            if greedy_step:
-                greedy.append((gen, drafts, chosen))
-                if chosen is not rows and gen.request.logprobs is not None:  # the adjusted argmax, not the raw
-                    own = argmax(chosen)
-            else:
-                n_accepted, own = self._verify(gen, draft_tokens, draft_probs, chosen)
-                sampled.append((gen, drafts, torch.stack([n_accepted, own])))
-            if gen.request.logprobs is not None:
-                scored[gen.id] = score_rows(rows, draft_tokens, own, gen.request.logprobs)
-        # An argmax per sequence, its tokens joined: joining the 152k-float rows first cost more than the argmax.
-        parts = ([_cat([argmax(rows) for _, _, rows in greedy])] if greedy else []) + [pair for _, _, pair in sampled]
-        values = _cat(parts).tolist() if parts else []  # the step's one host synchronisation
-        outcomes, at = {}, 0
-        for gen, drafts, _ in greedy:
-            targets = values[at : at + len(drafts) + 1]  # the target's argmax at each row
-            at += len(drafts) + 1
-            n = 0
-            while n < len(drafts) and drafts[n] == targets[n]:
-                n += 1
-            outcomes[gen.id] = (n, drafts[:n] + [targets[n]])
-        for gen, drafts, _ in sampled:
-            n, token = values[at], values[at + 1]
-            at += 2
-            outcomes[gen.id] = (n, drafts[:n] + [token])
-        return outcomes, {i: [t.tolist() for t in tensors] for i, tensors in scored.items()}
-
-    def _verify(self, gen: Generation, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sampled sequence's (accepted drafts, next token), or a greedy one's at synthetic acceptance (greedy
-        sequences are otherwise verified together, in _outcomes)."""
-        if self.synthetic_acceptance is not None and draft_tokens.shape[0]:
-            return verify_synthetic(draft_tokens, logits, self.synthetic_acceptance, gen.generator)
-        return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, gen.sampling), gen.generator)
-
-
-def best_rate(acceptance: float, ms: list[float], k_max: int, extra_ms: float = 0.0) -> float:
-    """max over k = 1..k_max of E(acceptance, k) / (ms[k] + extra_ms): one sequence's best draft length's tokens
-    per ms."""
-    return max(expected_tokens(acceptance, k) / (ms[k] + extra_ms) for k in range(1, k_max + 1))
-
-
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        return read_outcomes(decoding, firsts, proposals, self.device, self.synthetic_acceptance)

@@ -1,0 +1,68 @@
+"""A step's outcome per sequence: how many of its drafts the target's rows accept, and the token after them (the
+verifier's rules: tandem.speculative.verify), read back to the host in one transfer for the whole batch."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.scoring import score_rows
+from tandem.engine.sequence import Generation
+from tandem.sampling import argmax, probs_from_logits
+from tandem.speculative.verify import verify_sampled, verify_synthetic
+
+
+def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],
+                  proposals: dict, device: torch.device, synthetic_acceptance: float | None = None
+                  ) -> tuple[dict[int, tuple[int, list[int]]], dict[int, list]]:
+    """Each sequence's (accepted drafts, new tokens) from its rows (a prompt just read in: its first token),
+    read back in one transfer: greedy sequences by one argmax over all their rows, compared with their drafts
+    on the host; the others by rejection sampling each on its own generator. Also the log-probabilities of
+    the rows of requests that asked for them (score_rows), read back after it."""
+    greedy, sampled, scored = [], [], {}  # greedy: (gen, drafts, rows); sampled: (gen, drafts, [n, token])
+    for gen, rows in decoding + firsts:
+        drafts, draft_probs = proposals.get(gen.id, ([], None))  # a prompt just read in has none
+        # What the choice reads: rows adjusted for the request (bias, penalties, grammar) at each draft offset.
+        chosen = rows if gen.processor is None else gen.processor.rows(rows, drafts)
+        greedy_step = gen.sampling.greedy and (synthetic_acceptance is None or not drafts)
+        # On the device only where a verifier or the logprobs need them: a greedy step compares on the host.
+        draft_tokens = None if greedy_step and gen.request.logprobs is None else \
+            torch.tensor(drafts, dtype=torch.long, device=device)
+        own = None
+        if greedy_step:
+            greedy.append((gen, drafts, chosen))
+            if chosen is not rows and gen.request.logprobs is not None:  # the adjusted argmax, not the raw
+                own = argmax(chosen)
+        else:
+            n_accepted, own = verify(gen, draft_tokens, draft_probs, chosen, synthetic_acceptance)
+            sampled.append((gen, drafts, torch.stack([n_accepted, own])))
+        if gen.request.logprobs is not None:
+            scored[gen.id] = score_rows(rows, draft_tokens, own, gen.request.logprobs)
+    # An argmax per sequence, its tokens joined: joining the 152k-float rows first cost more than the argmax.
+    parts = ([_cat([argmax(rows) for _, _, rows in greedy])] if greedy else []) + [pair for _, _, pair in sampled]
+    values = _cat(parts).tolist() if parts else []  # the step's one host synchronisation
+    outcomes, at = {}, 0
+    for gen, drafts, _ in greedy:
+        targets = values[at : at + len(drafts) + 1]  # the target's argmax at each row
+        at += len(drafts) + 1
+        n = 0
+        while n < len(drafts) and drafts[n] == targets[n]:
+            n += 1
+        outcomes[gen.id] = (n, drafts[:n] + [targets[n]])
+    for gen, drafts, _ in sampled:
+        n, token = values[at], values[at + 1]
+        at += 2
+        outcomes[gen.id] = (n, drafts[:n] + [token])
+    return outcomes, {i: [t.tolist() for t in tensors] for i, tensors in scored.items()}
+
+
+def verify(gen: Generation, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
+           synthetic_acceptance: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled sequence's (accepted drafts, next token), or a greedy one's at synthetic acceptance (greedy
+    sequences are otherwise verified together, in read_outcomes)."""
+    if synthetic_acceptance is not None and draft_tokens.shape[0]:
+        return verify_synthetic(draft_tokens, logits, synthetic_acceptance, gen.generator)
+    return verify_sampled(draft_tokens, draft_probs, probs_from_logits(logits, gen.sampling), gen.generator)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
