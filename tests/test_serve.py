@@ -129,3 +129,18 @@ def test_a_malformed_model_exits_2_with_one_error_line(tmp_path, tiny_model_path
         errors = [line for line in serve.stderr().splitlines() if "error" in line.lower()]
         assert len(errors) == 1 and errors[0].startswith(f"tandem: error: {bad}: "), errors
         assert "the count is short" in errors[0]
+
+
+def test_the_announced_socket_already_listens():
+    """`tandem serve` prints its address once the socket listens: a client that connects before uvicorn has started
+    (the models still loading) is queued, not refused."""
+    import socket
+
+    from tandem.server.serve import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname()[:2], timeout=5):
+            pass  # accepted by the kernel's backlog, with no accept() yet
+    finally:
+        sock.close()

@@ -46,14 +46,20 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's default
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready socket on (host, port); port 0 picks a free one."""
+    """A listening socket on (host, port); port 0 picks a free one. It listens before the address is announced:
+    bound only, it refused the connections a client made between "listening on" and uvicorn's own listen (seen
+    in CI while the models loaded on another thread)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only then; without it, uvicorn's separate
     # header and body writes meet the client's delayed ACK and every request after a connection's first waits ~40 ms.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(LISTEN_BACKLOG)
     return sock
 
 
