@@ -81,13 +81,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(logits.numpy().argmax(axis=-1), dtype=np.int64))
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row of logits [N, V] -> [N]: argmax when greedy, else a draw from the transformed probs."""
-    if params.greedy:
-        return argmax(logits)
-    return sample(probs_from_logits(logits, params), generator)
-
-
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
     generator = torch.Generator(device=device)
     if seed is None:

@@ -8,7 +8,7 @@ import torch
 from tandem.engine.scoring import score_rows
 from tandem.engine.sequence import Generation
 from tandem.sampling import argmax, probs_from_logits
-from tandem.speculative.verify import verify_sampled, verify_synthetic
+from tandem.speculative.verify import verify_greedy, verify_sampled, verify_synthetic
 
 
 def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],
@@ -42,12 +42,8 @@ def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[
     values = _cat(parts).tolist() if parts else []  # the step's one host synchronisation
     outcomes, at = {}, 0
     for gen, drafts, _ in greedy:
-        targets = values[at : at + len(drafts) + 1]  # the target's argmax at each row
+        outcomes[gen.id] = verify_greedy(drafts, values[at : at + len(drafts) + 1])  # the argmax at each row
         at += len(drafts) + 1
-        n = 0
-        while n < len(drafts) and drafts[n] == targets[n]:
-            n += 1
-        outcomes[gen.id] = (n, drafts[:n] + [targets[n]])
     for gen, drafts, _ in sampled:
         n, token = values[at], values[at + 1]
         at += 2

@@ -1,4 +1,4 @@
-"""Verification: which draft tokens the target keeps. Pure functions of tensors; they never touch a model.
+"""Verification: which draft tokens the target keeps. Pure functions; they never touch a model.
 
 Terms (as vLLM defines them): of k draft tokens the first n are *accepted*; then the target emits one more token,
 a *recovered* token drawn from the residual distribution when draft token n+1 was rejected, or a *bonus* token
@@ -8,7 +8,8 @@ Sampled verification is the rule of Leviathan et al. 2023 and Chen et al. 2023: 
 probability min(1, p(x) / q(x)); on rejection draw from norm(max(0, p - q)). The emitted tokens then follow the
 target's distribution p exactly, whatever the draft's q.
 
-Both functions return device tensors and never synchronise: the caller reads (n, token) in one transfer.
+The sampled and synthetic rules return device tensors and never synchronise: the caller reads (n, token) in one
+transfer. The greedy rule compares on the host, after that transfer has brought back the target's argmaxes.
 """
 
 from __future__ import annotations
@@ -18,19 +19,20 @@ import torch
 from tandem.sampling import argmax
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest prefix of draft_tokens [k] that matches the target's argmax, plus the target's own next token.
+def verify_greedy(draft_tokens: list[int], target_tokens: list[int]) -> tuple[int, list[int]]:
+    """The longest prefix of the drafts that the target's argmax at each row agrees with, then the target's own
+    token after it (on the host: the engine reads every greedy row's argmax back in one transfer).
 
     Args:
-        draft_tokens: [k] int64 proposed tokens.
-        target_logits: [k+1, V] the target's logits at the pending token and at each draft token.
+        draft_tokens: the k proposed tokens.
+        target_tokens: the target's argmax at the pending token and at each draft: k + 1 of them.
     Returns:
-        (n_accepted [] int64, next_token [] int64).
+        (n_accepted, the tokens this iteration emits: the accepted drafts and the target's token after them).
     """
-    target_tokens = argmax(target_logits)  # [k+1]
-    k = draft_tokens.shape[0]
-    n_accepted = torch.cumprod((target_tokens[:k] == draft_tokens).long(), dim=0).sum()
-    return n_accepted, target_tokens[n_accepted]
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == target_tokens[n]:
+        n += 1
+    return n, draft_tokens[:n] + [target_tokens[n]]
 
 
 def verify_sampled(
