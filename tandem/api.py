@@ -17,7 +17,6 @@ from tandem.sampling import SamplingParams
 
 BACKENDS = ("torch", "llama.cpp", "auto")
 DEFAULT_DRAFT_MAX = 8
-DRAFT_POLICIES = ("adaptive", "fixed")
 
 
 def load(
@@ -153,11 +152,15 @@ class _OneRequestEngine:
 _engines_lock = threading.Lock()
 
 
-def _make_engine(target: Model, key: _EngineKey, draft_max: int, measure_costs: bool) -> Engine:
-    draft = key.draft
+def _loaded_draft(target: Model, draft: Model | str | None) -> Model | str | None:
+    """The draft as the engine takes it: a path or registry name loaded on the target's device and backend."""
     if draft is not None and not isinstance(draft, Model) and draft != "ngram":
-        draft = _as_model(draft, device=target.device, backend=target.backend)
-    return Engine(target, draft, slots=1, n_ctx=key.n_ctx, draft_max=draft_max,
+        return _as_model(draft, device=target.device, backend=target.backend)
+    return draft
+
+
+def _make_engine(target: Model, key: _EngineKey, draft_max: int, measure_costs: bool) -> Engine:
+    return Engine(target, _loaded_draft(target, key.draft), slots=1, n_ctx=key.n_ctx, draft_max=draft_max,
                   synthetic_acceptance=key.synthetic_acceptance, measure_costs=measure_costs,
                   prompt_lookup=key.prompt_lookup)
 
@@ -242,8 +245,6 @@ def stream_generate(
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     ids = prompt_ids(target, prompt, messages)
     logits = logits_settings(**logits_options, vocab=target.vocab_size)
-    if draft_max < 0:
-        raise ValueError(f"draft_max must be >= 0, got {draft_max}")
     request = Request(ids, sampling, max_tokens=max_tokens, stop=stops, ignore_eos=ignore_eos,
                       speculate=draft is not None and draft_max > 0, draft_max=draft_max, draft_policy=draft_policy,
                       logprobs=logprobs, logits=logits)
@@ -317,8 +318,7 @@ def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]
     vLLM's `LLM.generate(prompts)`. Each prompt is text, token ids, or a chat (a list of messages); each result is
     what `generate` gives for that prompt alone. With a seed, prompt i samples with seed + i."""
     target = _as_model(target)
-    if draft is not None and not isinstance(draft, Model) and draft != "ngram":
-        draft = _as_model(draft, device=target.device, backend=target.backend)
+    draft = _loaded_draft(target, draft)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     logits = logits_settings(**logits_options, vocab=target.vocab_size)
     requests = []

@@ -77,12 +77,7 @@ class Drafter:
                 rows = rows[-1:, : self.target_vocab]  # a wider draft vocabulary must not propose unknown ids
                 if gen.processor is not None:  # the draft proposes under the request's bias, penalties, grammar
                     rows = gen.processor.rows(rows, drawn[i], len(drawn[i]))
-                if gen.sampling.greedy:
-                    tokens.append(argmax(rows))
-                else:
-                    probs = probs_from_logits(rows, gen.sampling)
-                    tokens.append(sample(probs, gen.draft_generator))
-                    dists[i].append(probs)
+                tokens.append(self._draw(gen, rows, dists[i]))
             for i, token in zip(active, torch.cat(tokens).tolist(), strict=True):
                 drawn[i].append(token)
             ended = {i for i in active if drafting[i][0].processor is not None and
@@ -106,16 +101,20 @@ class Drafter:
         tokens, dists = [], []
         rows = logits[-1:, : self.target_vocab]
         for step in range(k):
-            if gen.sampling.greedy:
-                token = argmax(rows)
-            else:
-                probs = probs_from_logits(rows, gen.sampling)
-                token = sample(probs, gen.draft_generator)
-                dists.append(probs)
+            token = self._draw(gen, rows, dists)
             tokens.append(token)
             if step + 1 < k:
                 rows = self.kv.step_on_device(gen.slot, token.view(1))[-1:, : self.target_vocab]
         return torch.cat(tokens).tolist(), dists
+
+    @staticmethod
+    def _draw(gen: Generation, rows: torch.Tensor, dists: list[torch.Tensor]) -> torch.Tensor:
+        """A draft token [1] from one row [1, V]: the argmax, or sampling a draw whose distribution joins dists."""
+        if gen.sampling.greedy:
+            return argmax(rows)
+        probs = probs_from_logits(rows, gen.sampling)
+        dists.append(probs)
+        return sample(probs, gen.draft_generator)
 
     def _distributions(self, dists: list[torch.Tensor]) -> torch.Tensor | None:
         if not dists:

@@ -106,9 +106,11 @@ class Engine(DraftingRules):
         self.drafter = Drafter(self.draft_model, target.vocab_size, self.slots, self.n_ctx, self.device) \
             if self.draft_model else None
         self.table = SlotTable(self.slots)
-        if run_ahead is None:
-            run_ahead = RUN_AHEAD if self.device.type == "cuda" and self.target_kv.steps_on_device else 1
-        self.run_ahead = run_ahead if self.target_kv.steps_on_device else 1
+        if not self.target_kv.steps_on_device:
+            run_ahead = 1
+        elif run_ahead is None:
+            run_ahead = RUN_AHEAD if self.device.type == "cuda" else 1
+        self.run_ahead = run_ahead
         self._queued_steps = RunAhead(self.device, self.run_ahead) if self.run_ahead > 1 else None
         self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
         self.synthetic_acceptance = synthetic_acceptance
@@ -315,8 +317,7 @@ class Engine(DraftingRules):
         steps = min(self.run_ahead, LOOKUP_RUN_AHEAD if gen.ngram is not None else self.run_ahead, standing,
                     gen.request.max_tokens - gen.emitted, room)
         length = len(gen.tokens) - 1  # the slot holds every token but the pending one
-        new_tokens, forwards = self._queued_steps.run(self.target_kv, gen.slot, gen.tokens[-1], steps, gen.sampling,
-                                                      gen.generator, gen.stop_token_ids)
+        new_tokens, forwards = self._queued_steps.run(self.target_kv, gen, steps)
         self.target_kv.rewind(gen.slot, length + len(new_tokens))  # all but the new pending token
         gen.tokens += new_tokens
         if self.drafter is not None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from tandem.backends.base import BatchedCache
-from tandem.sampling import SamplingParams, argmax, probs_from_logits
-from tandem.speculative.verify import verify_sampled
+from tandem.engine.sequence import Generation
+from tandem.engine.verification import verify
+from tandem.sampling import argmax
 
 RUN_AHEAD = 8  # plain steps a run queues at most (where the device runs asynchronously of the host)
 LOOKUP_RUN_AHEAD = 4  # ... for a sequence whose text prompt lookup watches: a copy that starts is found soon
@@ -29,22 +30,21 @@ class RunAhead:
             self._landing = torch.empty(depth, dtype=torch.long, pin_memory=True)
             self._events = [torch.cuda.Event() for _ in range(depth)]
 
-    def run(self, cache: BatchedCache, slot: int, pending: int, steps: int, sampling: SamplingParams,
-            generator: torch.Generator | None, stop_token_ids: frozenset[int]) -> tuple[list[int], int]:
-        """Feed `pending` and the tokens it leads to, up to `steps` forwards; returns (new tokens, forwards run).
-        The tokens end at the first stop token; the slot then holds forwards' worth of tokens past its length
-        before (the caller rewinds what it does not keep). A sampled step draws from `generator` as a plain step
-        of the engine does (rejection sampling with no drafts), so a seed gives the same tokens either way."""
+    def run(self, cache: BatchedCache, gen: Generation, steps: int) -> tuple[list[int], int]:
+        """Feed gen's pending token and the tokens it leads to, up to `steps` forwards into its slot; returns (new
+        tokens, forwards run). The tokens end at the first stop token; the slot then holds forwards' worth of
+        tokens past its length before (the caller rewinds what it does not keep). A sampled step is the engine's
+        plain step (verify with no drafts, on gen's generator), so a seed gives the same tokens either way."""
         landed: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        token = torch.tensor([pending], dtype=torch.long, device=self.device)
+        token = torch.tensor(gen.tokens[-1:], dtype=torch.long, device=self.device)
         no_drafts = torch.empty(0, dtype=torch.long, device=self.device)
 
         def queue(token: torch.Tensor) -> torch.Tensor:
-            logits = cache.step_on_device(slot, token)  # [1, V]
-            if sampling.greedy:
+            logits = cache.step_on_device(gen.slot, token)  # [1, V]
+            if gen.sampling.greedy:
                 token = argmax(logits).view(1)
             else:
-                token = verify_sampled(no_drafts, None, probs_from_logits(logits, sampling), generator)[1].view(1)
+                token = verify(gen, no_drafts, None, logits)[1].view(1)
             if self.device.type == "cuda":
                 at = len(landed)
                 host, event = self._landing[at : at + 1], self._events[at]
@@ -63,7 +63,7 @@ class RunAhead:
             if event is not None:
                 event.synchronize()
             new_tokens.append(int(host))
-            if new_tokens[-1] in stop_token_ids:
+            if new_tokens[-1] in gen.stop_token_ids:
                 break
             if len(landed) < steps:
                 token = queue(token)
