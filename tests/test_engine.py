@@ -12,7 +12,7 @@ from tandem.backends.base import ContextOverflowError
 from tandem.engine import Engine, Request, planner
 from tandem.engine.kv_pool import SlotTable
 from tandem.sampling import SamplingParams
-from tandem.speculative.policy import LOOKUP_SHARE_PRIOR_TOKENS, CostModel
+from tandem.speculative.policy import EVIDENCE_TOKENS, LOOKUP_SHARE_PRIOR_TOKENS, CostModel
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,", "hi",
            "Once upon a time there was a long prompt that takes several prefill chunks to read in full"]
@@ -915,3 +915,33 @@ def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves(pair
     tokens = min(engine.prior.reply_tokens, 200 - gen.emitted)
     engine.costs.catch_up_ms_per_token = gain_ms * tokens / (2 * 2.0 * lag)  # pays twice over, were it all drafted
     assert not engine._first_read_pays(gen, 1)
+
+
+def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt(pair64):
+    """Beside prompt lookup, a draft's first read of a long prompt it did not take in buys little on a reply that
+    copies its prompt, which lookup's hindsight on the first generated tokens shows: where completed replies copied
+    most of theirs (the shared prior's copied share), the engine waits for EVIDENCE_TOKENS generated tokens before
+    that read; where they copied nothing, it reads at its first decoding step. Exact either way."""
+    target, draft = pair64
+    text = " ".join(f"item{i} is {i * i}" for i in range(40))  # ~460 tokens the draft must catch up on
+    reference = alone(target, text, max_tokens=40).tokens
+    first_reads = {}
+    for share in (0.0, 0.9):
+        engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False)
+        engine.costs = cheap_rows(1, draft_ms=0.5)
+        engine.costs.catch_up_ms_per_token = 0.2  # the whole prompt: ~9 target steps
+        engine._draft_may_pay = lambda gen, batch: False  # the prompt is left to the first read
+        for _ in range(40):
+            engine.prior.record_copied(share)
+        assert engine.prior.copied_share == pytest.approx(share, abs=0.01)
+        gen = engine.add(requests(target, [text], max_tokens=40)[0])
+        tokens, first_read = [], None
+        while gen.finish_reason is None:
+            for _, chunk in engine.step():
+                tokens += chunk.tokens
+            if first_read is None and gen.estimates["draft-model"].request_reached:
+                first_read = len(gen.tokens) - gen.prompt_len
+        assert tokens == reference
+        first_reads[share] = first_read
+    assert first_reads[0.0] is not None and first_reads[0.0] <= 2, first_reads
+    assert first_reads[0.9] is None or first_reads[0.9] > EVIDENCE_TOKENS, first_reads
