@@ -85,8 +85,9 @@ tc) export PYTHONPATH=$PYTHONPATH:$PWD/bench LLAMA_CPP_LIB_PATH=/root/llama/cuda
        --device cuda --acceptance ${ACC:-0.8} --concurrency ${CONC:-2} --repeats 1 --prompts 1 --fixed '' \
        2>$OUT/trace.err | tee $OUT/trace_cuda.txt ;;
 o) bash bench/h200.sh wheels  # one request on torch (bf16, synthetic 32B/1.5B): this tree, and with TREES="new old"
-   # an earlier tree's tandem/ carried in .old (git archive REV tandem | tar x -C .old), each in a process of its own
-   for tree in ${TREES:-new old}; do dir=$PWD; [ $tree = old ] && dir=$PWD/.old
+   # an earlier tree's tandem/ carried in .old (git archive REV tandem | tar x -C .old; any other name X: .X), each in
+   # a process of its own
+   for tree in ${TREES:-new old}; do dir=$PWD; [ $tree != new ] && dir=$PWD/.$tree
        (cd $dir && PYTHONPATH=/tmp/site TANDEM_COMPILE=${COMPILE:-0} timeout ${TO:-280} python3 -m tandem.cli bench \
            --synthetic-shape ${SHAPES:-qwen2.5-32b,qwen2.5-1.5b} --synthetic-acceptance ${ACC:-0.8} \
            --device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16} --max-tokens ${MAXTOK:-192} --configs plain,adaptive \

@@ -12,7 +12,7 @@ from tandem.backends.base import ContextOverflowError
 from tandem.engine import Engine, Request, planner
 from tandem.engine.kv_pool import SlotTable
 from tandem.sampling import SamplingParams
-from tandem.speculative.policy import EVIDENCE_TOKENS, LOOKUP_SHARE_PRIOR_TOKENS, CostModel
+from tandem.speculative.policy import EVIDENCE_TOKENS, LOOKUP_SHARE_PRIOR_TOKENS, AcceptancePrior, CostModel
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,", "hi",
            "Once upon a time there was a long prompt that takes several prefill chunks to read in full"]
@@ -931,6 +931,7 @@ def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt(pair6
         engine.costs = cheap_rows(1, draft_ms=0.5)
         engine.costs.catch_up_ms_per_token = 0.2  # the whole prompt: ~9 target steps
         engine._draft_may_pay = lambda gen, batch: False  # the prompt is left to the first read
+        engine.prior = AcceptancePrior()  # not what earlier tests' requests on this target taught theirs
         for _ in range(40):
             engine.prior.record_copied(share)
         assert engine.prior.copied_share == pytest.approx(share, abs=0.01)
@@ -945,3 +946,40 @@ def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt(pair6
         first_reads[share] = first_read
     assert first_reads[0.0] is not None and first_reads[0.0] <= 2, first_reads
     assert first_reads[0.9] is None or first_reads[0.9] > EVIDENCE_TOKENS, first_reads
+
+
+def test_a_lone_sequences_verify_takes_its_drafts_from_the_device(pair64, monkeypatch):
+    """A lone sequence drafting with a model feeds its verify from its drafts still on the device (no host read
+    between drafting and verifying: step_on_device over k + 1 rows), and reads them back with its outcome: the same
+    tokens, logprobs, finishes and iterations as drafts read back first, greedy, seeded sampling and synthetic
+    acceptance alike, and greedy the target's own."""
+    target, draft = pair64
+    prompt = target.tokenizer.encode(PROMPTS[0])
+    runs = {}
+    for from_device in (True, False):
+        outputs = []
+        for synthetic in (None, 0.6):
+            engine = Engine(target, draft, slots=1, draft_max=3, measure_costs=False, prompt_lookup=False,
+                            synthetic_acceptance=synthetic)
+            verifies = []
+            step, draft_ = engine.target_kv.step_on_device, engine.drafter.draft
+
+            def spied(slot, tokens, last_only=True, verifies=verifies, step=step):
+                if not last_only:
+                    verifies.append(len(tokens))
+                return step(slot, tokens, last_only)
+
+            monkeypatch.setattr(engine.target_kv, "step_on_device", spied)
+            monkeypatch.setattr(engine.drafter, "draft", lambda drafting, keep=False, draft_=draft_, on=from_device:
+                                draft_(drafting, keep and on))
+            # (a seed for the greedy request's synthetic acceptance draws)
+            reqs = [Request(prompt, SamplingParams(seed=11), max_tokens=30, draft_policy="fixed", logprobs=2),
+                    Request(prompt, SamplingParams(temperature=0.9, seed=7), max_tokens=30, draft_policy="fixed")]
+            results = [engine.generate([r])[0] for r in reqs]
+            assert bool(verifies) == from_device and set(verifies) <= {2, 3, 4}, verifies
+            outputs += [(r.tokens, r.finish_reason, r.stats.iterations, r.stats.accepted_tokens,
+                         [(e.token, e.logprob, e.top) for e in r.logprobs or []]) for r in results]
+        assert_drafted_and_accepted(results)
+        runs[from_device] = outputs
+    assert runs[True] == runs[False]
+    assert runs[True][0][0] == alone(target, PROMPTS[0], max_tokens=30).tokens

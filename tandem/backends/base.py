@@ -104,13 +104,14 @@ class BatchedCache(ABC):
         """KV memory this cache holds, in bytes (0 where unknown)."""
         return 0
 
-    # Whether step_on_device can run a decode step from a token still on the device (the engine then queues a lone
-    # sequence's plain steps ahead of reading them back)
+    # Whether step_on_device can run a forward from tokens still on the device (the engine then queues a lone
+    # sequence's plain steps, and its verify after drafts, ahead of reading them back)
     steps_on_device: bool = False
 
-    def step_on_device(self, slot: int, token: torch.Tensor) -> torch.Tensor:
-        """Feed one token, [1] on the model's device, at that slot's next position; its logits [1, vocab], with no
-        host synchronisation. Only where steps_on_device."""
+    def step_on_device(self, slot: int, tokens: torch.Tensor, last_only: bool = True) -> torch.Tensor:
+        """Feed tokens, [n] on the model's device (n at most a draft's k + 1), at that slot's next positions; the
+        logits after the last [1, vocab] (or after each, [n, vocab]), with no host synchronisation. Only where
+        steps_on_device."""
         raise NotImplementedError(f"{type(self).__name__} takes its tokens from the host")
 
     def close(self) -> None:

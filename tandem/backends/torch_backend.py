@@ -259,11 +259,11 @@ class TorchBatchedCache(BatchedCache):
     def steps_on_device(self) -> bool:
         return bool(self.sequences)  # a slot's own TorchSequence (not the packed graphs) takes a device token
 
-    def step_on_device(self, slot: int, token: torch.Tensor) -> torch.Tensor:
+    def step_on_device(self, slot: int, tokens: torch.Tensor, last_only: bool = True) -> torch.Tensor:
         seq = self.sequences[slot]
         if self.packed is not None:  # TANDEM_BATCH_INVARIANT=0: the slot's length is kept here
             seq.cache.length = self.lengths[slot]
-        logits = seq.forward(token, logits="last")
+        logits = seq.forward(tokens, logits="last" if last_only else "all")
         if self.packed is not None:
             self.lengths[slot] = seq.cache.length
         return logits

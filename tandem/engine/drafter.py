@@ -22,7 +22,9 @@ from tandem.speculative.policy import STEADY_CATCH_UP
 
 EVIDENCE_ROWS = 16  # an evidence catch-up reads the draft's predictions of at most this many latest tokens
 
-Proposal = tuple[list[int], torch.Tensor | None]  # draft tokens, and (sampling) the distributions they came from
+# Draft tokens (a list, or a tensor [k] left on the device: Drafter.draft's keep_on_device), and (sampling) the
+# distributions they came from.
+Proposal = tuple[list[int] | torch.Tensor, torch.Tensor | None]
 
 
 class Drafter:
@@ -54,9 +56,12 @@ class Drafter:
     def _unseen(self, gen: Generation, end: int | None = None) -> list[int]:
         return draft_ids(gen.tokens[self.kv.length(gen.slot) : end], self.model.vocab_size)
 
-    def draft(self, drafting: dict[int, tuple[Generation, int]]) -> tuple[dict[int, Proposal], int | None]:
+    def draft(self, drafting: dict[int, tuple[Generation, int]], keep_on_device: bool = False
+              ) -> tuple[dict[int, Proposal], int | None]:
         """Per sequence id, k drafts (fewer where its grammar ends them), and the draft forwards run: None where a
-        sequence caught up on more than a steady draft's tokens (then the time is no steady draft's cost)."""
+        sequence caught up on more than a steady draft's tokens (then the time is no steady draft's cost).
+        keep_on_device: a lone sequence drafting on the device leaves its drafts there, a tensor [k] not yet read
+        back, for a verify fed from the device (the engine reads them with its outcome)."""
         drawn: dict[int, list] = {i: [] for i in drafting}
         dists: dict[int, list] = {i: [] for i in drafting}
         gens = [gen for gen, _ in drafting.values()]
@@ -69,7 +74,8 @@ class Drafter:
         if len(gens) == 1 and gens[0].processor is None and self.kv.steps_on_device and not steady:
             (i, (gen, k)), = drafting.items()
             drawn_i, dists_i = self._draft_on_device(gen, k, logits[0])
-            return {i: (drawn_i, self._distributions(dists_i))}, None if catching_up else forwards + k - 1
+            drafts = drawn_i if keep_on_device else drawn_i.tolist()
+            return {i: (drafts, self._distributions(dists_i))}, None if catching_up else forwards + k - 1
         while True:
             tokens = []
             for i, rows in zip(active, logits, strict=False):  # fed = active + done: its first rows are active's
@@ -94,10 +100,10 @@ class Drafter:
             forwards += 1
         return {i: (drawn[i], self._distributions(dists[i])) for i in drafting}, None if catching_up else forwards
 
-    def _draft_on_device(self, gen: Generation, k: int, logits: torch.Tensor) -> tuple[list[int], list]:
-        """A lone sequence's k drafts, each step's token fed to the next from the device (step_on_device) and
-        read back once at the end: a draft step a host synchronisation cost the 1.5B draft of a 32B target 0.15 ms
-        a token on an H200, 10% of its step. The same draws as the loop's, in the same order."""
+    def _draft_on_device(self, gen: Generation, k: int, logits: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """A lone sequence's k drafts [k], each step's token fed to the next from the device (step_on_device), none
+        read back: a draft step a host synchronisation cost the 1.5B draft of a 32B target 0.15 ms a token on an
+        H200, 10% of its step. The same draws as the loop's, in the same order."""
         tokens, dists = [], []
         rows = logits[-1:, : self.target_vocab]
         for step in range(k):
@@ -105,7 +111,7 @@ class Drafter:
             tokens.append(token)
             if step + 1 < k:
                 rows = self.kv.step_on_device(gen.slot, token.view(1))[-1:, : self.target_vocab]
-        return torch.cat(tokens).tolist(), dists
+        return torch.cat(tokens), dists
 
     @staticmethod
     def _draw(gen: Generation, rows: torch.Tensor, dists: list[torch.Tensor]) -> torch.Tensor:

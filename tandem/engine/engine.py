@@ -23,10 +23,10 @@ import torch
 
 from tandem.backends.base import ContextOverflowError, Model
 from tandem.engine import planner
-from tandem.engine.drafter import Drafter
+from tandem.engine.drafter import Drafter, Proposal
 from tandem.engine.drafting_rules import DraftingRules
 from tandem.engine.kv_pool import SlotTable, fit_slots
-from tandem.engine.run_ahead import LOOKUP_RUN_AHEAD, RUN_AHEAD, RunAhead
+from tandem.engine.run_ahead import LOOKUP_RUN_AHEAD, RUN_AHEAD, DeviceSpan, RunAhead
 from tandem.engine.scoring import token_logprobs
 from tandem.engine.sequence import (
     DRAFT_MODEL,
@@ -247,22 +247,35 @@ class Engine(DraftingRules):
             return self._plain_run(decoding[0], started)
         planned = time.perf_counter()  # planning is no draft step's cost
         self._drafted = None  # (sequences, forwards) of a steady batched draft, set by _propose
-        proposals = self._propose(decoding, ks)
+        # A lone sequence's verify takes its drafts from the device: the host queues it while they are drawn.
+        from_device = len(decoding) == 1 and not prefills and self.target_kv.steps_on_device
+        span = DeviceSpan() if from_device and self.device.type == "cuda" else None
+        proposals = self._propose(decoding, ks, from_device)
+        if span is not None:
+            span.stop()
         drafted = time.perf_counter()
-        if self.costs is not None and self._drafted is not None:
-            self.costs.observe_draft(*self._drafted, 1000.0 * (drafted - planned))
 
-        batch = [(g.slot, [g.tokens[-1]] + proposals[g.id][0]) for g in decoding]
-        batch += [(g.slot, rows) for g, rows in prefills]
-        # Prompt chunks want no logits but the last row of a prompt's last chunk.
-        last_only = [False] * len(decoding) + [True] * len(prefills)
-        logits = self.target_kv.forward(batch, last_only)
-        target_rows = sum(len(rows) for _, rows in batch)
+        drafts = proposals[decoding[0].id][0] if from_device else None
+        if isinstance(drafts, torch.Tensor):  # still on the device
+            gen = decoding[0]
+            rows = torch.cat([torch.tensor(gen.tokens[-1:]).to(self.device, non_blocking=True), drafts])
+            logits, target_rows = [self.target_kv.step_on_device(gen.slot, rows, last_only=False)], len(rows)
+        else:
+            batch = [(g.slot, [g.tokens[-1]] + proposals[g.id][0]) for g in decoding]
+            batch += [(g.slot, rows) for g, rows in prefills]
+            # Prompt chunks want no logits but the last row of a prompt's last chunk.
+            last_only = [False] * len(decoding) + [True] * len(prefills)
+            logits = self.target_kv.forward(batch, last_only)
+            target_rows = sum(len(rows) for _, rows in batch)
         self._track_shape(target_rows, any(ks))
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
                   if gen.fed + len(chunk) == gen.prompt_len]
         outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
         finished = time.perf_counter()
+        if span is not None:  # the host did not wait for the drafts: the device timed them
+            drafted = min(finished, planned + span.ms() / 1000.0)
+        if self.costs is not None and self._drafted is not None:
+            self.costs.observe_draft(*self._drafted, 1000.0 * (drafted - planned))
         draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
         step_ms = 1000.0 * (finished - started)
         # The draft's share of the prompt chunks, after the timings: it is no draft step's or verify's cost.
@@ -479,9 +492,10 @@ class Engine(DraftingRules):
         self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
 
-    def _propose(self, decoding: list[Generation], ks: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+    def _propose(self, decoding: list[Generation], ks: list[int], keep_on_device: bool = False) -> dict[int, Proposal]:
         """Draft tokens per sequence (and, sampling, the distributions they were drawn from): prompt lookup on the
-        host; a draft model batched, one forward a draft position over every sequence still drafting."""
+        host; a draft model batched, one forward a draft position over every sequence still drafting (a lone
+        sequence's left on the device where keep_on_device: Drafter.draft)."""
         proposals = {g.id: ([], None) for g in decoding}
         drafting = {}
         for gen, k in zip(decoding, ks, strict=True):
@@ -493,7 +507,7 @@ class Engine(DraftingRules):
             elif k:
                 drafting[gen.id] = (gen, k)
         if drafting:
-            drafted, forwards = self.drafter.draft(drafting)
+            drafted, forwards = self.drafter.draft(drafting, keep_on_device)
             proposals.update(drafted)
             self._drafted = None if forwards is None or self._evidence else (len(drafting), forwards)
         return proposals

@@ -68,3 +68,18 @@ class RunAhead:
             if len(landed) < steps:
                 token = queue(token)
         return new_tokens, len(landed)
+
+
+class DeviceSpan:
+    """The device's time between two points of the host's queue (CUDA events, read after a host sync past the
+    second): what work the host queued without waiting for it took, e.g. a lone sequence's drafts."""
+
+    def __init__(self) -> None:
+        self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def stop(self) -> None:
+        self._end.record()
+
+    def ms(self) -> float:
+        return self._start.elapsed_time(self._end)

@@ -16,38 +16,50 @@ def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[
                   ) -> tuple[dict[int, tuple[int, list[int]]], dict[int, list]]:
     """Each sequence's (accepted drafts, new tokens) from its rows (a prompt just read in: its first token),
     read back in one transfer: greedy sequences by one argmax over all their rows, compared with their drafts
-    on the host; the others by rejection sampling each on its own generator. Also the log-probabilities of
-    the rows of requests that asked for them (score_rows), read back after it."""
-    greedy, sampled, scored = [], [], {}  # greedy: (gen, drafts, rows); sampled: (gen, drafts, [n, token])
+    on the host; the others by rejection sampling each on its own generator. Drafts still on the device (a
+    tensor: Drafter.draft's keep_on_device) come back in the same transfer. Also the log-probabilities of the
+    rows of requests that asked for them (score_rows), read back after it."""
+    greedy, sampled, scored = [], [], {}  # greedy: (gen, rows); sampled: (gen, [n, token])
+    on_device: list[tuple[Generation, torch.Tensor]] = []  # drafts to read back with the outcomes
     for gen, rows in decoding + firsts:
         drafts, draft_probs = proposals.get(gen.id, ([], None))  # a prompt just read in has none
+        if isinstance(drafts, torch.Tensor):
+            on_device.append((gen, drafts))
         # What the choice reads: rows adjusted for the request (bias, penalties, grammar) at each draft offset.
         chosen = rows if gen.processor is None else gen.processor.rows(rows, drafts)
-        greedy_step = gen.sampling.greedy and (synthetic_acceptance is None or not drafts)
+        greedy_step = gen.sampling.greedy and (synthetic_acceptance is None or not len(drafts))
         # On the device only where a verifier or the logprobs need them: a greedy step compares on the host.
-        draft_tokens = None if greedy_step and gen.request.logprobs is None else \
+        draft_tokens = drafts if isinstance(drafts, torch.Tensor) else \
+            None if greedy_step and gen.request.logprobs is None else \
             torch.tensor(drafts, dtype=torch.long, device=device)
         own = None
         if greedy_step:
-            greedy.append((gen, drafts, chosen))
+            greedy.append((gen, chosen))
             if chosen is not rows and gen.request.logprobs is not None:  # the adjusted argmax, not the raw
                 own = argmax(chosen)
         else:
             n_accepted, own = verify(gen, draft_tokens, draft_probs, chosen, synthetic_acceptance)
-            sampled.append((gen, drafts, torch.stack([n_accepted, own])))
+            sampled.append((gen, torch.stack([n_accepted, own])))
         if gen.request.logprobs is not None:
             scored[gen.id] = score_rows(rows, draft_tokens, own, gen.request.logprobs)
     # An argmax per sequence, its tokens joined: joining the 152k-float rows first cost more than the argmax.
-    parts = ([_cat([argmax(rows) for _, _, rows in greedy])] if greedy else []) + [pair for _, _, pair in sampled]
+    parts = ([_cat([argmax(rows) for _, rows in greedy])] if greedy else []) + [pair for _, pair in sampled] + \
+        [drafts for _, drafts in on_device]
     values = _cat(parts).tolist() if parts else []  # the step's one host synchronisation
+    host_drafts, at = {}, len(values) - sum(len(drafts) for _, drafts in on_device)
+    for gen, drafts in on_device:
+        host_drafts[gen.id] = values[at : at + len(drafts)]
+        at += len(drafts)
+    drafts_of = lambda gen: host_drafts[gen.id] if gen.id in host_drafts else proposals.get(gen.id, ([], None))[0]
     outcomes, at = {}, 0
-    for gen, drafts, _ in greedy:
+    for gen, _ in greedy:
+        drafts = drafts_of(gen)
         outcomes[gen.id] = verify_greedy(drafts, values[at : at + len(drafts) + 1])  # the argmax at each row
         at += len(drafts) + 1
-    for gen, drafts, _ in sampled:
+    for gen, _ in sampled:
         n, token = values[at], values[at + 1]
         at += 2
-        outcomes[gen.id] = (n, drafts[:n] + [token])
+        outcomes[gen.id] = (n, drafts_of(gen)[:n] + [token])
     return outcomes, {i: [t.tolist() for t in tensors] for i, tensors in scored.items()}
 
 
