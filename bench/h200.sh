@@ -50,6 +50,10 @@ T=${T:-/root/m/T.gguf} D=${D:-/root/m/D.gguf}  # T=, D=: another pair (cudaworke
 # llama-server: setup's CUDA_LIBS=1 build makes it beside the shared libraries (one CUDA compile for both)
 LLAMA_SERVER=/root/llama/llama.cpp.src/build/bin/llama-server
 [ -x $LLAMA_SERVER ] || LLAMA_SERVER=/root/llama-libs/llama.cpp.src/build/bin/llama-server
+if [ ! -x $LLAMA_SERVER ] && [ -x /root/llama/cuda-libs/llama-server ]; then  # a carried build (.cuda, see setup)
+    LLAMA_SERVER=/root/llama/cuda-libs/llama-server
+    export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs
+fi
 [ -f /root/m/unfused ] && export TANDEM_FUSED_PROJECTIONS=0 && echo "fused projections OFF (their GPU test failed)"
 [ -f /root/m/nosplit ] && export TANDEM_SPLIT_K=0 && echo "split-K output projections OFF (slower step)"
 [ -f /root/m/nopdl ] && export TANDEM_PDL=0 && echo "programmatic dependent launch OFF (slower step)"
@@ -69,7 +73,12 @@ setup)
             -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=off -DCMAKE_BUILD_TYPE=Release && \
             cmake --build build --target llama-server -j 10; echo build-exit \$?" >/root/build.log 2>&1 </dev/null &
     fi
-    if [ "${CUDA_LIBS:-0}" = 1 ] && [ -f .xfer/llama-src.tar.xz ]; then  # for the cudaworker phase
+    if [ "${CUDA_LIBS:-0}" = 1 ] && ls .cuda/cuda-libs.tar.xz.* > /dev/null 2>&1; then
+        # a build an earlier session brought back (h200_regime_session.sh P): libllama, libggml-cuda (sm_90) and
+        # llama-server, for this box's CUDA 13 runtime; ~10 device-minutes of compiling saved
+        mkdir -p /root/llama && cat .cuda/cuda-libs.tar.xz.* | xz -d | tar x -C /root/llama \
+            && echo "build-exit 0 (carried in .cuda)" > /root/build-libs.log
+    elif [ "${CUDA_LIBS:-0}" = 1 ] && [ -f .xfer/llama-src.tar.xz ]; then  # for the cudaworker phase
         mkdir -p /root/llama-libs /root/llama/cuda-libs && tar xJf .xfer/llama-src.tar.xz -C /root/llama-libs
         setsid nohup bash -c "cd /root/llama-libs/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
             -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=OFF \

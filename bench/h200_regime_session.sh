@@ -15,6 +15,9 @@
 #       learned, and each step's target forward apart from its host work
 #   run(carry=[".whl", ".whs", ".old"], "bash bench/h200_regime_session.sh o")  torch, one request (tandem bench,
 #       synthetic 32B/1.5B bf16, acceptance 0.8): this tree and an earlier one (.old) in one call
+#   run("bash bench/h200_regime_session.sh P")  after setup with CUDA_LIBS=1: the CUDA build (libraries and
+#       llama-server) back in pieces; kept in .cuda (git-ignored), a later setup with CUDA_LIBS=1 unpacks it instead
+#       of compiling (carry .cuda)
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
@@ -94,5 +97,10 @@ o) bash bench/h200.sh wheels  # one request on torch (bf16, synthetic 32B/1.5B):
            --prompts ${PROMPTS:-code,json} --repeats ${REPEATS:-1} --json $OUT/one_request_$tree.json \
            > $OUT/one_request_$tree.txt 2> $OUT/one_request_$tree.err); echo "$tree: exit $?"
        tail -8 $OUT/one_request_$tree.txt; done ;;
-*) echo "step 1-3, v, e, t, tc, g or o"; exit 2 ;;
+P) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log  # bring the build back
+   # (setup's CUDA_LIBS=1 build, and llama-server): pieces of at most 15 MiB under $OUT, kept here in .cuda
+   cp -a /root/llama-libs/llama.cpp.src/build/bin/llama-server /root/llama/cuda-libs/
+   du -sh /root/llama/cuda-libs; tar -C /root/llama -cf - cuda-libs | xz -T0 -6 | split -b 15M -d -a 1 - \
+       $OUT/cuda-libs.tar.xz.; ls -la $OUT ;;
+*) echo "step 1-3, v, e, t, tc, g, o or P"; exit 2 ;;
 esac
