@@ -69,10 +69,12 @@ class StepGraph:
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.start = torch.zeros(1, dtype=torch.long, device=device)
         self.offsets = torch.arange(rows, device=device)
-        # Host tokens go through pinned memory: a copy that needs no staging and never blocks the host. Reusing it
-        # is safe because the decode loop synchronises once per iteration, after every copy out of it has run.
+        # Host tokens go through pinned memory: a copy that needs no staging and never blocks the host. Before it is
+        # written again, the last copy out of it must have run (`copied`): two forwards can follow each other with
+        # no host sync between (an evidence read's catch-up, then its checked rows).
         self.host = torch.zeros(rows, dtype=torch.long, pin_memory=device.type == "cuda")
         self.host_view = self.host.numpy()
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.slots = cache.k[0].shape[2]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # kv_len -> graph, [rows, V] logits
 
@@ -110,8 +112,12 @@ class StepGraph:
         if isinstance(tokens, torch.Tensor):
             self.tokens[:n].copy_(tokens, non_blocking=True)
         else:
+            if self.copied is not None:
+                self.copied.synchronize()  # at once where the step before was read back
             self.host_view[:n] = tokens
             self.tokens[:n].copy_(self.host[:n], non_blocking=True)
+            if self.copied is not None:
+                self.copied.record()
         self.start.fill_(start)
         kv_len = self.kv_span(start)
         if kv_len not in self.graphs:
