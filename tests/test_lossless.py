@@ -313,6 +313,27 @@ def test_queued_plain_steps_on_the_gpu_change_no_token(tiny_model_path):
         assert engine.generate([Request(ids, max_tokens=max_tokens)])[0].tokens == expect, (max_tokens, stop)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's verify path needs a GPU")
+def test_a_verify_fed_from_drafts_on_the_gpu_changes_no_token(tiny_model_path, monkeypatch):
+    # On a GPU a lone sequence's verify reads its drafts from the device while they are drawn, and its drafts' time
+    # from events: the same tokens as drafts read back first, greedy (the target's own) and seeded sampling.
+    target = tandem.load(tiny_model_path(seed=5), dtype="float32", device="cuda", graphs=True)
+    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=5), dtype="float32", device="cuda", graphs=True)
+    ids = target.tokenizer.encode(PROMPTS[1])
+    plain = Engine(target, slots=1).generate([Request(ids, max_tokens=40)])[0].tokens
+    outputs = {}
+    for from_device in (True, False):
+        engine = Engine(target, draft, slots=1, draft_max=3, prompt_lookup=False)
+        keep = engine.drafter.draft
+        monkeypatch.setattr(engine.drafter, "draft", lambda drafting, on=False, keep=keep, use=from_device:
+                            keep(drafting, on and use))
+        outputs[from_device] = [engine.generate([Request(ids, sampling, max_tokens=40, draft_policy="fixed")])[0]
+                                for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=2))]
+        assert_speculated(outputs[from_device][0].stats)
+    assert [r.tokens for r in outputs[True]] == [r.tokens for r in outputs[False]]
+    assert outputs[True][0].tokens == plain
+
+
 def test_a_target_id_beyond_the_drafts_vocabulary_is_lossless(tiny_model_path):
     # Qwen2.5-32B pads its vocabulary to 152064, its small drafts to 151936: a target's id the draft cannot embed
     # (ids past the draft's rows) once crashed the draft's forward (an H200 run, random weights, 256 tokens).
