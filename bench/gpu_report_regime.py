@@ -39,6 +39,8 @@ import time
 import zlib
 from dataclasses import dataclass
 
+from step_parts import StepParts
+
 import tandem
 from tandem.bench import doctor
 from tandem.bench.bench import Bench, parse_configs
@@ -190,14 +192,27 @@ def run_engine(target, draft, acceptance: float, n: int, args: argparse.Namespac
                                   synthetic_acceptance=acceptance, prompt_lookup=False)}
     rates: dict[str, list[float]] = {name: [] for name in engines}
     seen = AcceptanceSeen()
+    parts = StepParts() if args.step_parts else None
     for engine in engines.values():  # a whole round of warm-up, as for llama-server: first-use allocations, graphs
         engine_round(engine, prompts, args)
+        if parts is not None:  # the measured rounds' steps only
+            parts.instrument(engine)
     for r in range(args.repeats):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             rates[name].append(engine_round(engines[name], prompts, args, seen if name == "adaptive" else None))
     ratios = [a / p for a, p in zip(rates["adaptive"], rates["plain"], strict=True)]
-    return {"plain_tps": statistics.median(rates["plain"]), "adaptive_tps": statistics.median(rates["adaptive"]),
-            "speedup": statistics.median(ratios), **seen.row()}
+    row = {"plain_tps": statistics.median(rates["plain"]), "adaptive_tps": statistics.median(rates["adaptive"]),
+           "speedup": statistics.median(ratios), **seen.row()}
+    if parts is not None:
+        costs = engines["adaptive"].costs  # what the loop learned beyond the calibration
+        row["step_parts"] = parts.table()
+        row["learned"] = {"draft_step_ms": costs.draft_step, "overrun_ms": costs.drafting_overrun(n),
+                          "shape_run": costs.shape_run, "drafting_run": costs.drafting_run,
+                          "switch_ms": costs.switch_ms}
+        for line in parts.lines():
+            log("    " + line)
+        log(f"    learned: {row['learned']}")
+    return row
 
 
 def run_bench(target, draft, costs: dict, args: argparse.Namespace, save=lambda rows: None) -> list[dict]:
@@ -364,6 +379,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # one start to the next (with and without --no-warmup, -np 1 or 2): flags to try where a number looks like that.
     p.add_argument("--server-args", default="", help="more llama-server flags, space-separated (e.g. --no-warmup)")
     p.add_argument("--json", help="results file: read if present, this call's parts added, written back")
+    p.add_argument("--step-parts", action="store_true", help="engine rows: where each step's time goes in the loop "
+                   "(bench/step_parts.py), by the target's rows before and in the step, and what the loop learned")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     unknown = set(args.parts) - {"costs", "bench", "server"}

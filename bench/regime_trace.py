@@ -14,58 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 from gpu_report_regime import load, parse_args, run_engine, run_generate
+from step_parts import StepParts
 
 from tandem.engine import Engine, planner
 from tandem.engine.sequence import DRAFT_MODEL
 from tandem.speculative.calibrate import shared_prior
 
 STEPS_SHOWN = 12  # the first plans of each engine run, and every one that drafted
-SPLIT: dict[tuple, list[tuple]] = {}  # (engine, sequences, rows before, rows) -> per step (ms of each part)
-PARTS = ("step", "plan", "draft", "forward", "outcomes")
-
-
-def instrument(engine: Engine) -> None:
-    """Time each decoding step whole and in its parts: the plan (with any evidence read), the draft (its catch-up
-    and steps), the target forward, the host's reading of its rows (verification.read_outcomes), keyed by the
-    target's rows in the forward before and in this one: what a step in the loop costs beyond the forwards the
-    calibration timed, and whether a change of shape is where it goes."""
-    kind = "adaptive" if engine.drafter is not None else "plain"
-    step, plan, propose, forward, outcomes = (engine.step, engine._plan, engine._propose, engine.target_kv.forward,
-                                             engine._outcomes)
-    now: dict[str, float] = {}
-    shape = {"before": None}
-
-    def timed(name, fn):
-        def run(*a, **k):
-            started = time.perf_counter()
-            out = fn(*a, **k)
-            now[name] = now.get(name, 0.0) + 1000.0 * (time.perf_counter() - started)
-            return out
-        return run
-
-    def timed_forward(batch, last_only):
-        now["rows"], now["sequences"], now["prompts"] = sum(len(r) for _, r in batch), len(batch), any(last_only)
-        return timed("forward", forward)(batch, last_only)
-
-    def timed_step():
-        now.clear()
-        out = timed("step", step)()
-        if "rows" in now:
-            if not now["prompts"] and "outcomes" in now:
-                SPLIT.setdefault((kind, now["sequences"], shape["before"], now["rows"]), []).append(
-                    tuple(now.get(p, 0.0) for p in PARTS))
-            shape["before"] = now["rows"]
-        return out
-
-    engine.step, engine._plan, engine._propose = timed_step, timed("plan", plan), timed("draft", propose)
-    engine.target_kv.forward, engine._outcomes = timed_forward, timed("outcomes", outcomes)
-
-
+PARTS = StepParts()
 def replayed(path: str, switch_ms: float, catch_up: tuple[float, float]) -> planner.BatchCosts:
     """The costs of a regime run's JSON as the engine's BatchCosts (what measure would have found there)."""
     from tandem.speculative.policy import CostModel
@@ -92,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     def traced(self: Engine, decoding, prefill_rows):
         if not engines or engines[-1] is not self:
             if all(e is not self for e in engines):
-                instrument(self)
+                PARTS.instrument(self)
             engines.append(self)
         ks = plan(self, decoding, prefill_rows)
         if self.drafter is not None:
@@ -129,12 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("  learned: draft", {b: round(v, 2) for b, v in c.draft_step.items()}, "overrun",
                       {b: round(c.drafting_overrun(b), 2) for b in c.verify}, "shape run", round(c.shape_run, 1),
                       "drafting run", round(c.drafting_run, 1))
-            print("  steps (engine, sequences, rows before, rows): n, then medians of ms:", ", ".join(PARTS), "rest")
-            for key, times in sorted(SPLIT.items(), key=lambda kv: str(kv[0])):
-                medians = [statistics.median(t[i] for t in times) for i in range(len(PARTS))]
-                rest = statistics.median(t[0] - sum(t[1:]) for t in times)
-                print("   ", key, len(times), *[round(m, 2) for m in medians], round(rest, 2))
-            SPLIT.clear()
+            for line in PARTS.lines():
+                print("   ", line)
+            PARTS.clear()
             engines.clear()
             drafting = [p for p in plans if any(p[0])]
             print(f"  plans {len(plans)}, drafting {len(drafting)}")
