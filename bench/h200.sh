@@ -62,7 +62,7 @@ wheels|setup)
     # .whl: the big wheels (llama_cpp_python's CPU build, llguidance), .whs: the small ones (gguf, diskcache); a call
     # may carry one of them (64 MiB a call), a later call installs the other (phase wheels)
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-        $(ls .whl/*.whl .whs/*.whl 2>/dev/null)
+        $(ls .whl/*.whl .whp/*.whl .whs/*.whl 2>/dev/null)
     ;;&
 setup)
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig

