@@ -21,6 +21,8 @@
 #       libraries come from .cuda through LLAMA_CPP_LIB_PATH) replaces .whl (carry one of the two, never both), and
 #       one call holds everything: run(carry=[".whs", ".whp", ".xfer/qwen-tokenizer.gguf", ".cuda"],
 #       "CUDA_LIBS=1 bash bench/h200.sh setup; bash bench/h200.sh regimewrite; ... h200_regime_session.sh 2")
+#   run("bash bench/h200_regime_session.sh bs")  CUDA, after regimewrite: bench/llamacpp_backend_sampling.py on the
+#       32B target and the 1.5B draft (what picking greedy tokens on the device instead of reading logits saves)
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
@@ -102,10 +104,14 @@ o) bash bench/h200.sh wheels  # one request on torch (bf16, synthetic 32B/1.5B):
            --prompts ${PROMPTS:-code,json} --repeats ${REPEATS:-1} --json $OUT/one_request_$tree.json \
            > $OUT/one_request_$tree.txt 2> $OUT/one_request_$tree.err); echo "$tree: exit $?"
        tail -8 $OUT/one_request_$tree.txt; done ;;
+bs) export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs
+   for m in T32_Q4_0 D1.5b_Q4_0; do  # after regimewrite, CUDA: tokens picked on the device against logits read back
+       timeout 150 python3 bench/llamacpp_backend_sampling.py --model /root/m/big/$m.gguf --gpu-layers 99 \
+           --rows 1,2,4,9,16 2>/dev/null | tee $OUT/backend_sampling_$m.txt; done ;;
 P) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log  # bring the build back
    # (setup's CUDA_LIBS=1 build, and llama-server): pieces of at most 15 MiB under $OUT, kept here in .cuda
    cp -a /root/llama-libs/llama.cpp.src/build/bin/llama-server /root/llama/cuda-libs/
    du -sh /root/llama/cuda-libs; tar -C /root/llama -cf - cuda-libs | xz -T0 -6 | split -b 15M -d -a 1 - \
        $OUT/cuda-libs.tar.xz.; ls -la $OUT ;;
-*) echo "step 1-3, v, e, t, tc, g, o or P"; exit 2 ;;
+*) echo "step 1-3, v, e, t, tc, g, o, bs or P"; exit 2 ;;
 esac
