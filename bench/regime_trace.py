@@ -25,6 +25,8 @@ from tandem.speculative.calibrate import shared_prior
 
 STEPS_SHOWN = 12  # the first plans of each engine run, and every one that drafted
 PARTS = StepParts()
+
+
 def replayed(path: str, switch_ms: float, catch_up: tuple[float, float]) -> planner.BatchCosts:
     """The costs of a regime run's JSON as the engine's BatchCosts (what measure would have found there)."""
     from tandem.speculative.policy import CostModel

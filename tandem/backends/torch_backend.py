@@ -88,9 +88,9 @@ class TorchSequence(Sequence):
                 # A draft catching up after plain steps, a short prompt: a few replays beat an eager forward's
                 # thousands of launches. Earlier chunks' rows are copied out before the next replay overwrites them.
                 if n > self.rows and not isinstance(tokens, torch.Tensor):
-                    # Uploaded whole, and waited for: chunks staged one by one through the pinned buffer would
-                    # overwrite it while an earlier chunk's copy still waits behind a replay (seen on an H200:
-                    # every chunk but the last read its successor's tokens).
+                    # Uploaded whole: chunks staged one by one through the pinned buffer would each wait for the
+                    # copy before them, queued behind a replay (StepGraph.copied); unguarded, every chunk but the
+                    # last read its successor's tokens (seen on an H200).
                     tokens = torch.tensor(tokens, dtype=torch.long, device=self.model.torch_device)
                 rows = []
                 for start in range(0, n, self.rows):

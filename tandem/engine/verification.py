@@ -42,24 +42,24 @@ def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[
             sampled.append((gen, torch.stack([n_accepted, own])))
         if gen.request.logprobs is not None:
             scored[gen.id] = score_rows(rows, draft_tokens, own, gen.request.logprobs)
-    # An argmax per sequence, its tokens joined: joining the 152k-float rows first cost more than the argmax.
-    parts = ([_cat([argmax(rows) for _, rows in greedy])] if greedy else []) + [pair for _, pair in sampled] + \
-        [drafts for _, drafts in on_device]
+    # Drafts read back first, then an argmax per sequence, its tokens joined (joining the 152k-float rows first
+    # cost more than the argmax), then each sampled sequence's (n, token).
+    parts = [drafts for _, drafts in on_device] + \
+        ([_cat([argmax(rows) for _, rows in greedy])] if greedy else []) + [pair for _, pair in sampled]
     values = _cat(parts).tolist() if parts else []  # the step's one host synchronisation
-    host_drafts, at = {}, len(values) - sum(len(drafts) for _, drafts in on_device)
+    host_drafts, at = {gen.id: proposals.get(gen.id, ([], None))[0] for gen, _ in decoding + firsts}, 0
     for gen, drafts in on_device:
         host_drafts[gen.id] = values[at : at + len(drafts)]
         at += len(drafts)
-    drafts_of = lambda gen: host_drafts[gen.id] if gen.id in host_drafts else proposals.get(gen.id, ([], None))[0]
-    outcomes, at = {}, 0
+    outcomes = {}
     for gen, _ in greedy:
-        drafts = drafts_of(gen)
+        drafts = host_drafts[gen.id]
         outcomes[gen.id] = verify_greedy(drafts, values[at : at + len(drafts) + 1])  # the argmax at each row
         at += len(drafts) + 1
     for gen, _ in sampled:
         n, token = values[at], values[at + 1]
         at += 2
-        outcomes[gen.id] = (n, drafts_of(gen)[:n] + [token])
+        outcomes[gen.id] = (n, host_drafts[gen.id][:n] + [token])
     return outcomes, {i: [t.tolist() for t in tensors] for i, tensors in scored.items()}
 
 
