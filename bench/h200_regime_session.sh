@@ -23,6 +23,8 @@
 #       "CUDA_LIBS=1 bash bench/h200.sh setup; bash bench/h200.sh regimewrite; ... h200_regime_session.sh 2")
 #   run("bash bench/h200_regime_session.sh bs")  CUDA, after regimewrite: bench/llamacpp_backend_sampling.py on the
 #       32B target and the 1.5B draft (what picking greedy tokens on the device instead of reading logits saves)
+#   run("bash bench/h200_regime_session.sh ep")  CUDA, after regimewrite: bench/llamacpp_episode.py (a drafting
+#       episode's forwards timed by place: graphs on and off, the draft's forwards between or not; EPISODES B:k ...)
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
@@ -63,7 +65,7 @@ case $1 in
    vulkan ${T1:-220} ${S1:-100}; tail -2 /root/build-libs.log ;;
 2) bash bench/h200.sh wheels
    while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
-   ACCEPTANCE=0.8,0.6 REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-280} bash bench/h200.sh regime > /dev/null 2>&1
+   ACCEPTANCE=${ACCS:-0.8,0.6} REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-280} bash bench/h200.sh regime > /dev/null 2>&1
    tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-120} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json
    if [ "${G:-1}" = 1 ]; then (export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs \
        LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs; graph cuda); fi ;;  # G=0: not, and exit 0
@@ -108,10 +110,15 @@ bs) export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY
    for m in T32_Q4_0 D1.5b_Q4_0; do  # after regimewrite, CUDA: tokens picked on the device against logits read back
        timeout 150 python3 bench/llamacpp_backend_sampling.py --model /root/m/big/$m.gguf --gpu-layers 99 \
            --rows 1,2,4,9,16 2>/dev/null | tee $OUT/backend_sampling_$m.txt; done ;;
+ep) export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs
+   for bk in ${EPISODES:-2:2 2:6 1:3}; do  # after regimewrite, CUDA: a drafting episode's forwards by place
+       timeout 150 python3 bench/llamacpp_episode.py --model /root/m/big/T32_Q4_0.gguf \
+           --draft /root/m/big/D1.5b_Q4_0.gguf --device cuda --sequences ${bk%:*} --draft-len ${bk#*:} \
+           2>&1 | tee $OUT/episode_${bk/:/_}.txt | head -24; done ;;
 P) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log  # bring the build back
    # (setup's CUDA_LIBS=1 build, and llama-server): pieces of at most 15 MiB under $OUT, kept here in .cuda
    cp -a /root/llama-libs/llama.cpp.src/build/bin/llama-server /root/llama/cuda-libs/
    du -sh /root/llama/cuda-libs; tar -C /root/llama -cf - cuda-libs | xz -T0 -6 | split -b 15M -d -a 1 - \
        $OUT/cuda-libs.tar.xz.; ls -la $OUT ;;
-*) echo "step 1-3, v, e, t, tc, g, o, bs or P"; exit 2 ;;
+*) echo "step 1-3, v, e, t, tc, g, o, bs, ep or P"; exit 2 ;;
 esac

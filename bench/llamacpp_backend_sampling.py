@@ -18,6 +18,9 @@ import statistics
 import sys
 import time
 
+# llama.cpp's libraries before numpy: on the H200 box a CUDA libllama loaded after numpy segfaulted at model load
+# (tandem.backends.llamacpp_worker loads them first for the same reason)
+import llama_cpp as llc  # isort: skip
 import numpy as np
 
 PROMPT = 64  # tokens every timed forward follows
@@ -32,8 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     rows = [int(n) for n in args.rows.split(",")]
-
-    import llama_cpp as llc
 
     llc.llama_backend_init()
     params = llc.llama_model_default_params()

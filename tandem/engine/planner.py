@@ -57,6 +57,12 @@ ALL_ACCEPTED_MAX = 1.0 - 1e-9  # a^k capped below 1, for log(1 - a^k)
 #   step 2.2); spread over a fixed 8 it let estimates that jitter change K every few steps, each paying it whole.
 CATCH_UP_ITERATIONS = 16
 SWITCH_ITERATIONS = 8
+# A change of shape is timed between a plain step and a verify of this many drafts (+ 1 rows): a typical one. Between
+# 1 and 2 rows ggml-cuda updates its captured graph in place, but a verify of 4 rows takes other kernels and the
+# capture instantiates a new graph: on an H100 (32B Q4_0 target) 7.2 ms a change timed 1-2 rows (the shape changed
+# from uncaptured), 17.6 ms as the loop pays it (bench/llamacpp_episode.py), 11-16 ms timed so. Priced at 7.2, 2
+# requests drafted in runs too short to repay it (0.96x plain; 1.00x priced right).
+SWITCH_DRAFTS = 3
 RUN_LIMITS = (1.0, 16.0)
 # What drafting yields against what its plans expected (BatchCosts.yield_factor): the extra tokens of recent drafting
 # steps, each step's weighing YIELD_DECAY times the one after, and YIELD_PRIOR expected and yielded alike at first.
@@ -171,7 +177,7 @@ class BatchCosts:
         count's cost from the loop learned that one row count at a time, three steps each, while the counts not yet
         seen still looked cheap; this one figure, for every draft length, is learned in three steps. Added, not
         multiplied: the excess seen there was alike at 4 and 6 rows (+7.9 and +6.5 ms), a cost a step more than
-        a slower kernel."""
+        a slower kernel. Most of it was a change of shape priced too low (see SWITCH_DRAFTS)."""
         drafting = self._overrun.get((batch, True))
         return 0.0 if drafting is None else max(0.0, drafting - self._overrun.get((batch, False), 0.0))
 
@@ -368,9 +374,11 @@ def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchr
     if k_max > 0:  # plain steps after a verify, and verifies after a plain step, against each repeated
         # Two forwards after the change: llama.cpp's CUDA build runs the first uncaptured and captures the second
         # (ggml-cuda's graph warm-up), replaying only from the third; elsewhere the second reuses the graph.
-        same = costs.verify[1].verify_ms
-        plain_after_verify = _time(target, 1, 1, synchronize, after=2, calls=2) - 2 * same[1]
-        verify_after_plain = _time(target, 1, 2, synchronize, after=1, calls=2) - 2 * same[2]
+        rows = min(k_max, SWITCH_DRAFTS) + 1
+        plain_after_verify = _time(target, 1, 1, synchronize, after=rows, calls=2) \
+            - _time(target, 1, 1, synchronize, calls=2)
+        verify_after_plain = _time(target, 1, rows, synchronize, after=1, calls=2) \
+            - _time(target, 1, rows, synchronize, calls=2)
         costs.switch_ms = max(0.0, (plain_after_verify + verify_after_plain) / 2)
     return costs
 
@@ -391,14 +399,16 @@ def _verify_costs(target: BatchedCache, batch: int, k_max: int, synchronize) -> 
 
 def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | None = None, calls: int = 1) -> float:
     """Median ms of `calls` forwards in a row of `rows` tokens in each of `batch` slots, after CONTEXT tokens (the
-    first run is a warm-up), each run right after an untimed forward of `after` rows where given (a change of
-    shape); every slot is rewound to empty after."""
+    first run is a warm-up), each run right after as many untimed forwards of `after` rows where given (a change of
+    shape, from a shape run as long: ggml-cuda has captured it, as it has a verify in the loop, and a capture must
+    then instantiate a new graph where one left captured at `rows` would be updated in place); every slot is rewound
+    to empty after."""
     token = 0
     slots = list(range(batch))
     cache.forward([(s, [token] * CONTEXT) for s in slots], [True] * batch)
     times = []
     for _ in range(REPEATS + 1):
-        if after is not None:
+        for _ in range(calls if after is not None else 0):
             cache.forward([(s, [token] * after) for s in slots], [False] * batch)
             for s in slots:
                 cache.rewind(s, CONTEXT)
