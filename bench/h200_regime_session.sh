@@ -24,7 +24,8 @@
 #   run("bash bench/h200_regime_session.sh bs")  CUDA, after regimewrite: bench/llamacpp_backend_sampling.py on the
 #       32B target and the 1.5B draft (what picking greedy tokens on the device instead of reading logits saves)
 #   run("bash bench/h200_regime_session.sh ep")  CUDA, after regimewrite: bench/llamacpp_episode.py (a drafting
-#       episode's forwards timed by place: graphs on and off, the draft's forwards between or not; EPISODES B:k ...)
+#       episode's forwards timed by place: graphs on and off, the draft's forwards between or not, CPU threads;
+#       EPISODES B:k ..., VARIANTS a comma list)
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
@@ -114,6 +115,7 @@ ep) export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY
    for bk in ${EPISODES:-2:2 2:6 1:3}; do  # after regimewrite, CUDA: a drafting episode's forwards by place
        timeout 150 python3 bench/llamacpp_episode.py --model /root/m/big/T32_Q4_0.gguf \
            --draft /root/m/big/D1.5b_Q4_0.gguf --device cuda --sequences ${bk%:*} --draft-len ${bk#*:} \
+           ${VARIANTS:+--variants "$VARIANTS"} \
            2>&1 | tee $OUT/episode_${bk/:/_}.txt | head -24; done ;;
 P) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log  # bring the build back
    # (setup's CUDA_LIBS=1 build, and llama-server): pieces of at most 15 MiB under $OUT, kept here in .cuda

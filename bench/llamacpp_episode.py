@@ -1,8 +1,10 @@
 """A drafting episode as the batched engine runs it on the llama.cpp backend, each forward timed by its place: B
 sequences take P plain steps (B rows), then V drafting iterations (the draft catches up and drafts k tokens a
-sequence, the target verifies B x (k + 1) rows, one row a sequence is rejected and rewound), then P plain steps again.
+sequence, the target verifies B x (k + 1) rows, one row a sequence is rejected and rewound), then P plain steps
+again, and the draft's k steps once more with no target forward before them ("draft alone").
 Medians by place over the repeats, in child processes: as the engine runs (CUDA graphs on), with ggml's CUDA graphs
-off (GGML_CUDA_DISABLE_GRAPHS=1), and with the draft's forwards left out (the target's alone).
+off (GGML_CUDA_DISABLE_GRAPHS=1), with the draft's forwards left out (the target's alone), with one CPU thread a
+context (llama.cpp's CPU side of a GPU forward: the token embeddings' rows), and with OpenMP's threads not spinning.
 
 The engine's calibration times each target shape repeated; the loop's verifies at 2 sequences ran 7-20 ms above
 those figures on an H100 (CUDA) where a lone sequence's did not. Which place in the episode pays, and whether the
@@ -22,16 +24,20 @@ import sys
 import time
 
 PROMPT = 64
-VARIANTS = {"engine": ({}, True), "no CUDA graphs": ({"GGML_CUDA_DISABLE_GRAPHS": "1"}, True),
-            "target alone": ({}, False)}
+# name: (environment, whether the draft's forwards run between the target's, CPU threads a context: None as tandem)
+VARIANTS = {"engine": ({}, True, None), "no CUDA graphs": ({"GGML_CUDA_DISABLE_GRAPHS": "1"}, True, None),
+            "target alone": ({}, False, None), "1 CPU thread": ({}, True, 1),
+            "OpenMP passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, True, None)}
 
 
-def measure(args: argparse.Namespace, with_draft: bool) -> dict[str, float]:
+def measure(args: argparse.Namespace, with_draft: bool, threads: int | None) -> dict[str, float]:
     import tandem
 
     n_ctx = PROMPT + (args.plain * 2 + args.iterations * (args.draft_len + 1)) + 64
-    target = tandem.load(args.model, backend="llama.cpp", device=args.device, n_ctx=n_ctx)
-    draft = tandem.load(args.draft, backend="llama.cpp", device=args.device, n_ctx=n_ctx) if with_draft else None
+    options = {} if threads is None else {"n_threads": threads}
+    target = tandem.load(args.model, backend="llama.cpp", device=args.device, n_ctx=n_ctx, **options)
+    draft = tandem.load(args.draft, backend="llama.cpp", device=args.device, n_ctx=n_ctx, **options) \
+        if with_draft else None
     b, k = args.sequences, args.draft_len
     t_kv = target.new_batched_cache(b, n_ctx)
     d_kv = draft.new_batched_cache(b, n_ctx, drafting=True) if draft else None
@@ -66,6 +72,11 @@ def measure(args: argparse.Namespace, with_draft: bool) -> dict[str, float]:
                     d_kv.rewind(s, min(d_kv.length(s), t_kv.length(s) - 1))
         for i in range(args.plain):
             timed(f"plain after {i + 1}", t_kv, 1, False)
+        if d_kv is not None:  # the draft's k steady steps again with no target forward before: paired against alone
+            started = time.perf_counter()
+            for _ in range(k):
+                d_kv.forward([(s, [7]) for s in slots], [True] * b)
+            times.setdefault("draft alone", []).append(1000.0 * (time.perf_counter() - started))
     return {label: statistics.median(v) for label, v in times.items()}
 
 
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(measure(args, VARIANTS[args.child][1])))
+        print(json.dumps(measure(args, *VARIANTS[args.child][1:])))
         return 0
     results = {}
     for name in args.variants.split(","):
