@@ -9,17 +9,20 @@ and rows: the target's V(B, rows) and the draft's step, interpolated as the plan
 give the tokens; synthetic acceptance makes them irrelevant). A graph model adds what a change of shape costs:
 llama.cpp rebuilds a context's graph when a forward's rows differ from the one before, and its CUDA build runs that
 forward uncaptured and captures the next (ggml-cuda's warm-up) before it replays:
-  --graph cuda    the first forward after a change +FIRST ms, the second +SECOND
+  --graph cuda    the first forward after a change +FIRST ms, the second +SECOND where its kernels are those of the
+                  graph ggml holds captured (both at most KERNEL_ROWS rows, or both more: the graph is updated in
+                  place), else +CAPTURE (a new graph instantiated)
   --graph vulkan  the first +FIRST (the second reuses the graph)
   --graph none
 --verify-excess-ms X adds X to every target forward of more rows than sequences (a verify) and nothing to the
 calibration's timings (which set the clock's costs aside while the engine measures): an in-loop cost no
 calibration sees, as on the H100 at 2 requests (4- and 6-row verifies 23.0 and 25.9 ms in the loop against 15.2
-and 19.5 timed alone; cause not known).
+and 19.5 timed alone: the captures, priced too low then).
 FIRST defaults to what bench/llamacpp_graph_reuse.py measured on an H100 (h100-2026-12-05f-regime: target +2.9 ms
-CUDA, +4.1 Vulkan; a 1.5B draft +2.3 / +1.7); SECOND (the capture) was not measured: it defaults to FIRST, an
-assumption. The engine measures its costs at start-up through the same clock, so its calibration sees what a GPU's
-would, and refines them from its steps as it would there.
+CUDA, +4.1 Vulkan; a 1.5B draft +2.3 / +1.7). CUDA's SECOND and CAPTURE for the target are from the H100's changes
+(h100-2026-12-06c-switch-price: 1 <-> 2 rows 7.2 ms a change in all, 1 <-> 4 rows 17.6); the draft's are FIRST and
+twice FIRST, an assumption (its steady shapes make them rare). The engine measures its costs at start-up through
+the same clock, so its calibration sees what a GPU's would, and refines them from its steps as it would there.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from tandem.sampling import SamplingParams
 from tandem.speculative.policy import CostModel
 
 GRAPH_MS = {"cuda": {"target": 2.9, "draft": 2.3}, "vulkan": {"target": 4.1, "draft": 1.7}}
+CAPTURE_MS = {"target": (4.3, 14.7), "draft": (2.3, 4.6)}  # CUDA's second forward: (graph updated, instantiated)
+KERNEL_ROWS = 2  # forwards of at most this many rows and of more take other kernels (ggml-cuda's attention)
 PROMPT_TOKENS = 48
 DRAFT_LENS: dict[int, int] = {}  # draft length -> iterations, of the runs since cleared (a sequence each)
 
@@ -52,17 +57,22 @@ class Emulated(Timed):
     a change of shape (rows differing from the forward before)."""
 
     def __init__(self, cache: BatchedCache, clock: VirtualClock, cost, first_ms: float, second_ms: float,
-                 excess_ms: float = 0.0) -> None:
+                 excess_ms: float = 0.0, capture_ms: float | None = None) -> None:
         super().__init__(cache, clock, {})
         self.cost, self.excess_ms, self.calibrating = cost, excess_ms, False
         self.first_ms, self.second_ms = first_ms, second_ms
-        self.rows, self.run = None, 0
+        self.capture_ms = second_ms if capture_ms is None else capture_ms
+        self.rows, self.run, self.captured = None, 0, None
 
     def forward(self, batch, last_only):
         rows = sum(len(tokens) for _, tokens in batch)
         self.run = self.run + 1 if rows == self.rows else 1
         self.rows = rows
-        extra = self.first_ms if self.run == 1 else self.second_ms if self.run == 2 else 0.0
+        extra = self.first_ms if self.run == 1 else 0.0
+        if self.run == 2:
+            kernels = rows <= KERNEL_ROWS
+            extra = self.second_ms if kernels == self.captured else self.capture_ms
+            self.captured = kernels
         if rows > len(batch) and not self.calibrating:
             extra += self.excess_ms
         self.clock.advance(self.cost(len(batch), rows) + extra)
@@ -117,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regime", required=True, help="a regime run's JSON (its costs.batched)")
     p.add_argument("--graph", default="cuda", choices=["cuda", "vulkan", "none"])
     p.add_argument("--first-ms", type=float, help="target's first forward after a change [measured: see above]")
-    p.add_argument("--second-ms", type=float, help="target's second forward after a change [cuda: FIRST]")
+    p.add_argument("--second-ms", type=float, help="target's second forward after a change, the graph updated")
+    p.add_argument("--capture-ms", type=float, help="... a new graph instantiated (other kernels)")
     p.add_argument("--verify-excess-ms", type=float, default=0.0, help="in-loop verifies cost this much more")
     p.add_argument("--acceptance", default="0.8")
     p.add_argument("--concurrency", default="1,2,4")
@@ -130,9 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     target_cost, draft_cost = costs_of(regime)
     graph = GRAPH_MS.get(args.graph, {"target": 0.0, "draft": 0.0})
     first = {"target": args.first_ms if args.first_ms is not None else graph["target"], "draft": graph["draft"]}
-    second = {k: (v if args.graph == "cuda" else 0.0) for k, v in first.items()}
+    second = {k: (CAPTURE_MS[k][0] if args.graph == "cuda" else 0.0) for k in first}
+    capture = {k: (CAPTURE_MS[k][1] if args.graph == "cuda" else 0.0) for k in first}
     if args.second_ms is not None:
         second["target"] = args.second_ms
+    if args.capture_ms is not None:
+        capture["target"] = args.capture_ms
 
     root = tempfile.mkdtemp(prefix="tandem-emulation-")
     target, draft = (tandem.load(write_tiny_gguf(os.path.join(root, f"{name}.gguf"), seed=seed, context_length=2048),
@@ -142,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     real_clock, time.perf_counter = time.perf_counter, clock  # the engine's clock; nothing else times here
     print(f"EMULATED: costs of {args.regime} ({regime['costs'].get('device_name', '?')}), graph model {args.graph}: "
           f"target +{first['target']} / +{second['target']} ms, draft +{first['draft']} / +{second['draft']} ms the "
-          f"first / second forward after a change of shape; host {HOST_MS[0]} + {HOST_MS[1]} ms a sequence a step; "
+          f"first / second forward after a change of shape (a new graph: +{capture['target']} / "
+          f"+{capture['draft']}); host {HOST_MS[0]} + {HOST_MS[1]} ms a sequence a step; "
           f"in-loop verifies +{args.verify_excess_ms} ms")
     print(f"{'a':>4} {'n':>3} {'plain t/s':>10} {'adaptive':>9} {'speedup':>8}  drafted  learned")
     try:
@@ -154,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                                     synthetic_acceptance=a if model else None, prompt_lookup=False,
                                     measure_costs=False)
                     engine.target_kv = Emulated(engine.target_kv, clock, target_cost, first["target"],
-                                                second["target"], args.verify_excess_ms)
+                                                second["target"], args.verify_excess_ms, capture["target"])
                     if engine.drafter is not None:
                         engine.drafter.kv = Emulated(engine.drafter.kv, clock, draft_cost, first["draft"],
-                                                     second["draft"])
+                                                     second["draft"], capture_ms=capture["draft"])
                         engine.target_kv.calibrating = True
                         engine.calibrate()
                         engine.target_kv.calibrating = False
