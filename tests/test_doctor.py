@@ -38,6 +38,7 @@ def check_contract(d: dict) -> None:
     for b, row in d["batched"].items():
         assert {int(n) for n in row["verify_ms"]} >= {int(b), 2 * int(b)}
         assert all(ms > 0 for ms in row["verify_ms"].values()) and row["draft_step_ms"] > 0
+        assert row["switch_ms"] >= 0
         assert set(row["draft_len"]) == set(row["predicted_speedup"]) == {"0.5", "0.7", "0.9"}
         assert all(s > 0 for s in row["predicted_speedup"].values())
 

@@ -231,7 +231,7 @@ def batched_costs(target: Model, draft: Model | None, slots: int, k: int,
     for b, model in costs.verify.items():
         plain = b / costs.target_ms(b, b)
         row = {"verify_ms": dict(sorted(model.verify_ms.items())), "draft_step_ms": costs.draft_step.get(b),
-               "draft_len": {}, "predicted_speedup": {}}
+               "switch_ms": costs.switch_ms, "draft_len": {}, "predicted_speedup": {}}
         for a in acceptances:
             ks = planner.plan([planner.Candidate(a, k) for _ in range(b)], costs)
             tokens = sum(expected_tokens(a, ki) for ki in ks)
@@ -243,6 +243,9 @@ def batched_costs(target: Model, draft: Model | None, slots: int, k: int,
 
 def format_batched(batched: dict[int, dict]) -> list[str]:
     lines = ["  batched (per call; the planner's draft length and predicted speed-up over plain at acceptance a):"]
+    switch = next(iter(batched.values()), {}).get("switch_ms")
+    if switch is not None:  # llama.cpp rebuilds its graph for another shape, and its CUDA build captures it anew
+        lines.append(f"    a change of shape (plain step <-> verify): {switch:.2f} ms, paid as drafting starts, stops")
     for b, row in batched.items():
         verify = ", ".join(f"{n} rows {ms:.2f}" for n, ms in row["verify_ms"].items())
         draft = "" if row["draft_step_ms"] is None else f"; draft step {row['draft_step_ms']:.2f}"
