@@ -1,7 +1,8 @@
 """A drafting episode as the batched engine runs it on the llama.cpp backend, each forward timed by its place: B
 sequences take P plain steps (B rows), then V drafting iterations (the draft catches up and drafts k tokens a
 sequence, the target verifies B x (k + 1) rows, one row a sequence is rejected and rewound), then P plain steps
-again, and the draft's k steps once more with no target forward before them ("draft alone").
+again, and the draft's k steps once more with no target forward before them ("draft alone"); "a rewind" is one
+call's ms, a round trip to tandem's llama.cpp worker process where llama.cpp runs in one.
 Medians by place over the repeats, in child processes: as the engine runs (CUDA graphs on), with ggml's CUDA graphs
 off (GGML_CUDA_DISABLE_GRAPHS=1), with the draft's forwards left out (the target's alone), with one CPU thread a
 context (llama.cpp's CPU side of a GPU forward: the token embeddings' rows), and with OpenMP's threads not spinning.
@@ -67,7 +68,9 @@ def measure(args: argparse.Namespace, with_draft: bool, threads: int | None) -> 
                 times.setdefault(f"draft {i + 1}", []).append(1000.0 * (time.perf_counter() - started))
             timed(f"verify {i + 1}", t_kv, k + 1, False)
             for s in slots:  # one row a sequence rejected: k tokens kept (k - 1 drafts and the correction)
-                t_kv.rewind(s, t_kv.length(s) - 1)
+                started = time.perf_counter()
+                t_kv.rewind(s, t_kv.length(s) - 1)  # a round trip to the worker process, where there is one
+                times.setdefault("a rewind", []).append(1000.0 * (time.perf_counter() - started))
                 if d_kv is not None:
                     d_kv.rewind(s, min(d_kv.length(s), t_kv.length(s) - 1))
         for i in range(args.plain):
