@@ -1,8 +1,10 @@
 """Where an engine step's time goes in the loop: each decoding step timed whole and in its parts (the plan, with
 any evidence read; the draft, its catch-up and steps; the target's forward; the host's reading of its rows,
 verification.read_outcomes; the rest, bookkeeping), keyed by the target's rows in the forward before and in this
-one. What a step costs beyond the forwards the calibration timed alone, and whether a change of shape is where it
-goes. Used by bench/regime_trace.py and bench/gpu_report_regime.py --step-parts.
+one ("N (prompts)": a step that took in prompt rows), with the steps' total. What a step costs beyond the forwards
+the calibration timed alone, whether a change of shape is where it goes, and what a round's prompt steps cost an
+engine that drafts against one that does not. Used by bench/regime_trace.py and bench/gpu_report_regime.py
+--step-parts.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ class StepParts:
             now.clear()
             out = timed("step", step)()
             if "rows" in now:  # a step through the target's forward (not a lone sequence's queued plain steps)
-                if not now["prompts"] and "outcomes" in now:
-                    self.steps.setdefault((kind, now["sequences"], shape["before"], now["rows"]), []).append(
-                        tuple(now.get(p, 0.0) for p in PARTS))
+                rows = f"{now['rows']} (prompts)" if now["prompts"] else now["rows"]
+                self.steps.setdefault((kind, now["sequences"], shape["before"], rows), []).append(
+                    tuple(now.get(p, 0.0) for p in PARTS))
                 shape["before"] = now["rows"]
             return out
 
@@ -65,10 +67,12 @@ class StepParts:
             for i, part in enumerate(PARTS):
                 entry[part] = round(statistics.median(t[i] for t in times), 3)
             entry["rest"] = round(statistics.median(t[0] - sum(t[1:]) for t in times), 3)
+            entry["total"] = round(sum(t[0] for t in times), 1)
             rows.append(entry)
         return rows
 
     def lines(self) -> list[str]:
-        head = "(engine, sequences, rows before, rows): n, then medians of ms: " + ", ".join(PARTS) + ", rest"
+        head = "(engine, sequences, rows before, rows): n, medians of ms: " + ", ".join(PARTS) + ", rest; total ms"
         return [head] + [f"({e['engine']}, {e['sequences']}, {e['rows_before']}, {e['rows']}) {e['n']} " +
-                         " ".join(f"{e[p]:.2f}" for p in (*PARTS, "rest")) for e in self.table()]
+                         " ".join(f"{e[p]:.2f}" for p in (*PARTS, "rest")) + f"; {e['total']:.1f}"
+                         for e in self.table()]
