@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 PROMPT = 64
 # name: (environment, whether the draft's forwards run between the target's, CPU threads a context: None as tandem)
@@ -47,39 +48,42 @@ def measure(args: argparse.Namespace, with_draft: bool, threads: int | None) -> 
         kv.forward([(s, [1 + s] * PROMPT) for s in slots], [True] * b)
     times: dict[str, list[float]] = {}
 
-    def timed(label: str, kv, rows: int, last_only: bool) -> None:
+    @contextmanager
+    def timed(label: str):
         started = time.perf_counter()
-        kv.forward([(s, [7] * rows) for s in slots], [last_only] * b)
+        yield
         times.setdefault(label, []).append(1000.0 * (time.perf_counter() - started))
+
+    def step(kv, rows: int, last_only: bool) -> None:
+        kv.forward([(s, [7] * rows) for s in slots], [last_only] * b)
 
     for _ in range(args.repeats):
         for kv in filter(None, (t_kv, d_kv)):
             for s in slots:
                 kv.rewind(s, PROMPT)
         for i in range(args.plain):
-            timed(f"plain {i + 1}", t_kv, 1, False)
+            with timed(f"plain {i + 1}"):
+                step(t_kv, 1, False)
         for i in range(args.iterations):
             if d_kv is not None:
-                started = time.perf_counter()
-                lag = t_kv.length(0) - d_kv.length(0)  # the draft takes in what the target saw since its last step
-                d_kv.forward([(s, [7] * lag) for s in slots], [True] * b)
-                for _ in range(k - 1):
-                    d_kv.forward([(s, [7]) for s in slots], [True] * b)
-                times.setdefault(f"draft {i + 1}", []).append(1000.0 * (time.perf_counter() - started))
-            timed(f"verify {i + 1}", t_kv, k + 1, False)
+                with timed(f"draft {i + 1}"):
+                    step(d_kv, t_kv.length(0) - d_kv.length(0), True)  # what the target saw since its last step
+                    for _ in range(k - 1):
+                        step(d_kv, 1, True)
+            with timed(f"verify {i + 1}"):
+                step(t_kv, k + 1, False)
             for s in slots:  # one row a sequence rejected: k tokens kept (k - 1 drafts and the correction)
-                started = time.perf_counter()
-                t_kv.rewind(s, t_kv.length(s) - 1)  # a round trip to the worker process, where there is one
-                times.setdefault("a rewind", []).append(1000.0 * (time.perf_counter() - started))
+                with timed("a rewind"):  # a round trip to the worker process, where there is one
+                    t_kv.rewind(s, t_kv.length(s) - 1)
                 if d_kv is not None:
                     d_kv.rewind(s, min(d_kv.length(s), t_kv.length(s) - 1))
         for i in range(args.plain):
-            timed(f"plain after {i + 1}", t_kv, 1, False)
+            with timed(f"plain after {i + 1}"):
+                step(t_kv, 1, False)
         if d_kv is not None:  # the draft's k steady steps again with no target forward before: paired against alone
-            started = time.perf_counter()
-            for _ in range(k):
-                d_kv.forward([(s, [7]) for s in slots], [True] * b)
-            times.setdefault("draft alone", []).append(1000.0 * (time.perf_counter() - started))
+            with timed("draft alone"):
+                for _ in range(k):
+                    step(d_kv, 1, True)
     return {label: statistics.median(v) for label, v in times.items()}
 
 
