@@ -58,6 +58,8 @@ vulkan() { bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1; local rc=$?; tail
 # PYTHONPATH / LLAMA_CPP_LIB_PATH, as the caller sets them)
 graph() { for m in T32_Q4_0 D1.5b_Q4_0; do timeout 120 python3 bench/llamacpp_graph_reuse.py --model /root/m/big/$m.gguf \
     --device $1 --rows 1,2,3 --repeats 20 2>/dev/null | tee $OUT/graph_reuse_$1_$m.txt | head -7; done; }
+# cudaenv: the CUDA build's libraries (setup's, or unpacked from .cuda) for llama-cpp-python
+cudaenv() { local d=/root/llama/cuda-libs; export LLAMA_CPP_LIB_PATH=$d LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:$d; }
 vkenv() { export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
     local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd; }
 case $1 in
@@ -68,8 +70,7 @@ case $1 in
    while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
    ACCEPTANCE=${ACCS:-0.8,0.6} REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-280} bash bench/h200.sh regime > /dev/null 2>&1
    tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-120} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json
-   if [ "${G:-1}" = 1 ]; then (export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs \
-       LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs; graph cuda); fi ;;  # G=0: not, and exit 0
+   if [ "${G:-1}" = 1 ]; then (cudaenv; graph cuda); fi ;;  # G=0: not, and exit 0
 3) ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 REGIME=vulkan \
        bash bench/h200.sh regimellama > /dev/null 2>&1
    ACCEPTANCE=0.8 REGIME_ARGS="--repeats 2 --server-configs draft" REGIME_TIMEOUT=270 bash bench/h200.sh regimellama \
@@ -92,8 +93,7 @@ t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 
 g) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # shape changes, Vulkan
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
    vkenv; graph vulkan ;;
-tc) export PYTHONPATH=$PYTHONPATH:$PWD/bench LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs \
-       LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs  # CUDA: after step 2 on the same box (its build)
+tc) cudaenv; export PYTHONPATH=$PYTHONPATH:$PWD/bench  # CUDA: after step 2 on the same box (its build)
    timeout ${T1:-240} python3 bench/regime_trace.py --model /root/m/big/T32_Q4_0.gguf --draft /root/m/big/D1.5b_Q4_0.gguf \
        --device cuda --acceptance ${ACC:-0.8} --concurrency ${CONC:-2} --repeats 1 --prompts 1 --fixed '' \
        2>$OUT/trace.err | tee $OUT/trace_cuda.txt ;;
@@ -107,11 +107,11 @@ o) bash bench/h200.sh wheels  # one request on torch (bf16, synthetic 32B/1.5B):
            --prompts ${PROMPTS:-code,json} --repeats ${REPEATS:-1} --json $OUT/one_request_$tree.json \
            > $OUT/one_request_$tree.txt 2> $OUT/one_request_$tree.err); echo "$tree: exit $?"
        tail -8 $OUT/one_request_$tree.txt; done ;;
-bs) export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs
+bs) cudaenv
    for m in T32_Q4_0 D1.5b_Q4_0; do  # after regimewrite, CUDA: tokens picked on the device against logits read back
        timeout 150 python3 bench/llamacpp_backend_sampling.py --model /root/m/big/$m.gguf --gpu-layers 99 \
            --rows 1,2,4,9,16 2>/dev/null | tee $OUT/backend_sampling_$m.txt; done ;;
-ep) export LLAMA_CPP_LIB_PATH=/root/llama/cuda-libs LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/llama/cuda-libs
+ep) cudaenv
    for bk in ${EPISODES:-2:2 2:6 1:3}; do  # after regimewrite, CUDA: a drafting episode's forwards by place
        timeout 150 python3 bench/llamacpp_episode.py --model /root/m/big/T32_Q4_0.gguf \
            --draft /root/m/big/D1.5b_Q4_0.gguf --device cuda --sequences ${bk%:*} --draft-len ${bk#*:} \
