@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+import gpu_report_regime
 from gpu_report_regime import load, parse_args, run_engine, run_generate
 from step_parts import StepParts
 
@@ -62,6 +63,25 @@ def main(argv: list[str] | None = None) -> int:
         return ks
 
     Engine._plan = traced
+    # Every step the loop timed against its costs, by round (0: the warm-up), with the overrun it learned after:
+    # which steps taught the overrun that keeps drafting off.
+    observed: list[tuple] = []
+    round_of: dict[int, int] = {}
+    engine_round = gpu_report_regime.engine_round
+
+    def counted_round(engine, *a, **k):
+        round_of[id(engine)] = round_of.get(id(engine), -1) + 1
+        return engine_round(engine, *a, **k)
+
+    gpu_report_regime.engine_round = counted_round
+    observe = planner.BatchCosts.observe_iteration
+
+    def observed_iteration(self, batch, drafting, predicted_ms, ms):
+        observe(self, batch, drafting, predicted_ms, ms)
+        engine = next((e for e in engines if e.costs is self), None)
+        observed.append((round_of.get(id(engine), -1), batch, drafting, engine._previous_rows if engine else None,
+                         engine._shape_run if engine else None, predicted_ms, ms, self.drafting_overrun(batch)))
+
     measure = planner.measure
 
     def measured(*a, **k):
@@ -74,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return costs
 
     planner.measure = measured
+    if known.replay is None:
+        planner.BatchCosts.observe_iteration = observed_iteration
     if known.replay is not None:  # frozen: this machine's timings must not refine the replayed costs
         planner.BatchCosts.observe_draft = lambda *a, **k: None
         planner.BatchCosts.observe_iteration = lambda *a, **k: None
@@ -83,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print("prior after generate", prior.counts(DRAFT_MODEL), flush=True)
         for n in args.concurrency:
             plans.clear()
+            observed.clear()
             row = run_engine(target, draft, a, n, args)
             print(f"engine x{n}", row, "prior", prior.counts(DRAFT_MODEL), flush=True)
             for e in {id(e): e for e in engines if e.costs is not None}.values():  # what the loop learned
@@ -94,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("   ", line)
             PARTS.clear()
             engines.clear()
+            print("  timed steps (round, batch, drafting, rows, shape run, predicted ms, ms, overrun after): every "
+                  "drafting one and its plain neighbours")
+            for i, o in enumerate(observed):
+                if any(observed[j][2] for j in range(max(0, i - 1), min(len(observed), i + 2))):
+                    print("   ", o[:5], *(round(x, 2) for x in o[5:]))
             drafting = [p for p in plans if any(p[0])]
             print(f"  plans {len(plans)}, drafting {len(drafting)}")
             for ks, seqs in plans[:STEPS_SHOWN] + drafting[:STEPS_SHOWN]:
