@@ -131,6 +131,7 @@ class Engine(DraftingRules):
         self._values: dict[tuple, tuple[float, float]] = {}
         self._previous_rows: int | None = None  # rows of the target's last forward (a plan of others pays a switch)
         self._shape_run = 0  # forwards in a row of that shape
+        self._after_change: tuple | None = None  # (batch, drafting, ms over its costs) of a shape's first forward
         self._drafting_run = 0  # steps in a row that drafted
 
     def calibrate(self, refresh: bool = False) -> None:
@@ -369,19 +370,29 @@ class Engine(DraftingRules):
 
     def _observe_iteration(self, decoding: list[Generation], ks: list[int], prefills: list, target_rows: int,
                            ms: float) -> None:
-        """A whole step's time against what its costs predict (BatchCosts.drafting_overrun): its forwards, and half
-        the switch in each of the two forwards after a change of shape (llama.cpp's CUDA build runs the first
-        uncaptured and captures the second). Not a step that took in prompts, read evidence or caught a draft up
-        (no steady step's cost)."""
+        """A whole step's time against what its costs predict (BatchCosts.drafting_overrun): its forwards' costs,
+        and for the two forwards after a change of shape, the change (llama.cpp's CUDA build runs the first
+        uncaptured and captures the second; elsewhere the first rebuilds the graph). Those two are observed as one,
+        their mean excess less the change: each alone read as overrun (H100, CUDA, 2 requests: -4 ms, then +10 and
+        a third step +11, and the median of five turned drafting off for good). Not a step that took in prompts,
+        read evidence or caught a draft up (no steady step's cost)."""
+        first_of_shape, self._after_change = self._after_change, None
         if self.costs is None or prefills or self._evidence:
             return
         model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
         if model_drafting and self._drafted is None:
             return
         draft_ms = self.costs.draft_ms(self._drafted[0]) * self._drafted[1] if model_drafting else 0.0
-        switch_ms = self.costs.switch_ms / 2 if self._shape_run <= 2 else 0.0
-        predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows) + switch_ms
-        self.costs.observe_iteration(len(decoding), any(ks), predicted, ms)
+        predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows)
+        key = (len(decoding), any(ks))
+        if self._shape_run == 1:
+            self._after_change = (*key, ms - predicted)
+            return
+        if self._shape_run == 2:
+            if first_of_shape is None or first_of_shape[:2] != key:
+                return
+            ms = predicted + (first_of_shape[2] + ms - predicted - self.costs.switch_ms) / 2
+        self.costs.observe_iteration(*key, predicted, ms)
 
     def _deliver(self, gen: Generation, new_tokens: list[int], events: list, scored: list | None) -> None:
         """Hand the caller this iteration's tokens (cut at a stop token or max_tokens), with their logprobs."""
