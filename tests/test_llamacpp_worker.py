@@ -91,6 +91,43 @@ def test_greedy_plain_speculative_and_batched_generation_equal_in_process(pair, 
     draft.close()
 
 
+@pytest.mark.parametrize("steady", [False, True])
+def test_greedy_drafts_next_to_the_model_are_the_drafters_own(pair, tiny_model_path, monkeypatch, steady):
+    """Drafter.draft through BatchedCache.greedy_drafts (a step's drafting in one call: in the worker, no round trip
+    and no logits row back a draft token) proposes the drafts its loop through forward does, in as many forwards,
+    in process and in the worker, with steady shapes (llama.cpp's CUDA graphs: catch-ups of two tokens, sequences
+    done drafting on) or not; the output is the target's alone."""
+    from tandem.engine.drafter import Drafter
+
+    local, remote = pair
+    draft_path = tiny_model_path(qtype="Q4_0", seed=5, **K_QUANT_SHAPES)
+    expected = [tandem.generate(local, prompt=p, max_tokens=20).tokens for p in PROMPTS]
+    draft_of = Drafter.draft
+    for target in (local, remote):
+        draft = tandem.load(draft_path, backend="llama.cpp", n_ctx=256,
+                            isolation="process" if isinstance(target, WorkerModel) else "none")
+        draft.steady_shapes = steady
+        runs = []
+        for fused in (True, False):
+            cache_type = type(draft.new_batched_cache(1, 32))
+            monkeypatch.setattr(cache_type, "drafts_greedy", fused)
+            proposed = []
+            def draft_step(self, *args, proposed=proposed, **kwargs):  # drafts by sequence order (ids differ)
+                proposals, forwards = draft_of(self, *args, **kwargs)
+                proposed.append(([drafts for drafts, _ in proposals.values()], forwards))
+                return proposals, forwards
+
+            monkeypatch.setattr(Drafter, "draft", draft_step)
+            engine = Engine(target, draft, slots=3, draft_max=3, prefill_chunk=5)
+            requests = [Request(target.tokenizer.encode(p), max_tokens=20, draft_policy="fixed", draft_max=k)
+                        for p, k in zip(PROMPTS, (3, 1, 2), strict=True)]
+            runs.append(([r.tokens for r in engine.generate(requests)], proposed))
+            engine.drafter.close()
+        assert runs[0] == runs[1] and runs[0][0] == expected
+        assert len(runs[0][1]) >= 6 and any(len(drafts) == 3 for drafts, _ in runs[0][1])
+        draft.close()
+
+
 def test_the_worker_never_imports_torch_and_loads_llamacpp_before_numpy(pair):
     _, remote = pair
     assert remote.worker.call("imports") == ["llama_cpp.llama_cpp", "numpy"]  # numpy first: CUDA load crashed

@@ -114,8 +114,29 @@ class BatchedCache(ABC):
         steps_on_device."""
         raise NotImplementedError(f"{type(self).__name__} takes its tokens from the host")
 
+    # Whether greedy_drafts runs a step's greedy drafting where the model runs, in one call (llama.cpp: no logits
+    # rows copied back and no round trip to a worker process a draft token)
+    drafts_greedy: bool = False
+
+    def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
+                      steady: bool) -> tuple[list[list[int]], int]:
+        """The forwards of `feeds` (each a batch; each entry's last row read), then for each entry of feeds[-1] its
+        argmax over the first vocab_limit ids fed back one row a forward, until it has counts[i] drafts (steady:
+        slots done go on drafting, unread, while each has room). Returns the drafts per entry and the forwards run:
+        what Drafter.draft's loop does for greedy sequences. Only where drafts_greedy."""
+        raise NotImplementedError(f"{type(self).__name__} drafts through forward")
+
     def close(self) -> None:
         """Free the memory."""
+
+    def _check_feeds(self, feeds: Seq[Seq[tuple[int, Seq[int]]]]) -> None:
+        """_check for forwards run one after another: each alone, and the room for every slot's tokens in all."""
+        total: dict[int, list] = {}
+        for feed in feeds:
+            self._check([(slot, tokens) for slot, tokens in feed])
+            for slot, tokens in feed:
+                total.setdefault(slot, []).extend(tokens)
+        self._check(list(total.items()))
 
     def _check(self, batch: Seq[tuple[int, Seq[int]]]) -> None:
         slots = [slot for slot, _ in batch]

@@ -115,6 +115,7 @@ class LlamaCppBatchedCache(BatchedCache):
     sequences with llama_memory_seq_cp."""
 
     can_copy = True
+    drafts_greedy = True
 
     def __init__(self, model: LlamaCppModel, slots: int, capacity: int, n_batch: int, exact: bool = True) -> None:
         self.model, self.slots, self.capacity = model, slots, capacity
@@ -127,6 +128,11 @@ class LlamaCppBatchedCache(BatchedCache):
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         self._check(batch)
         return [torch.from_numpy(rows) for rows in self._rows.forward(batch, last_only)]
+
+    def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
+                      steady: bool) -> tuple[list[list[int]], int]:
+        self._check_feeds(feeds)
+        return self._rows.greedy_drafts(feeds, counts, vocab_limit, steady)
 
     def rewind(self, slot: int, length: int) -> None:
         self._rows.rewind(slot, length)

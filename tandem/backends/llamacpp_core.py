@@ -288,6 +288,37 @@ class BatchedForward:
             self.lengths[slot] += len(tokens)
         return [out[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
 
+    def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
+                      steady: bool) -> tuple[list[list[int]], int]:
+        """A draft step's greedy drafts in one call, next to the model (Drafter.draft's loop, no logits leaving
+        it): the forwards of `feeds` (a catch-up; each entry's last row read), then each slot of feeds[-1] fed its
+        argmax over the first vocab_limit ids, a row a forward, until it has counts[i] drafts. steady: slots done
+        go on drafting, unread, while each has room, so every forward has one row per slot. Returns the drafts per
+        entry of feeds[-1] and the forwards run; the caller checked the room."""
+        scratch: list[np.ndarray] = []
+
+        def reused(rows: int, vocab: int) -> np.ndarray:  # read before the next forward: one buffer serves all
+            if not scratch or scratch[0].shape[0] < rows:
+                scratch[:] = [np.empty((rows, vocab), dtype=np.float32)]
+            return scratch[0][:rows]
+
+        for feed in feeds[:-1]:
+            self.forward(feed, [True] * len(feed), reused)
+        slots = [slot for slot, _ in feeds[-1]]
+        logits = self.forward(feeds[-1], [True] * len(slots), reused)
+        drawn: list[list[int]] = [[] for _ in slots]
+        active, forwards = list(range(len(slots))), len(feeds)
+        while True:
+            for i, rows in zip(active, logits, strict=False):  # fed = active + done: its first rows are active's
+                drawn[i].append(int(np.argmax(rows[-1, :vocab_limit])))
+            active = [i for i in active if len(drawn[i]) < counts[i]]
+            if not active:
+                return drawn, forwards
+            done = [i for i in range(len(slots)) if i not in active]
+            fed = active + done if steady and all(self.lengths[slots[i]] < self.capacity for i in done) else active
+            logits = self.forward([(slots[i], drawn[i][-1:]) for i in fed], [True] * len(fed), reused)
+            forwards += 1
+
     def reusable(self, slot: int, length: int) -> int:
         """How much of the first `length` positions of slot a new prompt may keep: all of them, or with repacked
         weights the aligned part of the prompt rows computed by the GEMM (a fresh prompt would compute them so)."""

@@ -241,6 +241,7 @@ class WorkerSequence(Sequence):
 
 class WorkerBatchedCache(BatchedCache):
     can_copy = True
+    drafts_greedy = True
 
     def __init__(self, model: WorkerModel, slots: int, capacity: int, drafting: bool) -> None:
         self.model, self.slots, self.capacity = model, slots, capacity
@@ -267,6 +268,18 @@ class WorkerBatchedCache(BatchedCache):
             out.append(torch.from_numpy(rows[at : at + count]))
             at += count
         return out
+
+    def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
+                      steady: bool) -> tuple[list[list[int]], int]:
+        """One round trip a draft step, where a forward a draft token cost one each and a logits copy
+        (llamacpp_core.BatchedForward.greedy_drafts)."""
+        self._check_feeds(feeds)
+        feeds = [[(slot, list(tokens)) for slot, tokens in feed] for feed in feeds]
+        drawn, forwards, lengths = self.model.worker.call("batch_greedy_drafts", self.handle, feeds, list(counts),
+                                                           vocab_limit, steady)
+        for slot, length in lengths.items():
+            self._lengths[slot] = length
+        return drawn, forwards
 
     def rewind(self, slot: int, length: int) -> None:
         if not 0 <= length <= self._lengths[slot]:
@@ -425,6 +438,11 @@ class _Worker:
             return None
         if op == "rewind":
             return self.objects[args[0]].rewind(args[1])
+        if op == "batch_greedy_drafts":
+            handle, feeds, counts, vocab_limit, steady = args
+            cache = self.objects[handle]
+            drawn, forwards = cache.greedy_drafts(feeds, counts, vocab_limit, steady)
+            return drawn, forwards, {slot: cache.lengths[slot] for feed in feeds for slot, _ in feed}
         if op == "batch_rewind":
             return self.objects[args[0]].rewind(args[1], args[2])
         if op == "reusable":
