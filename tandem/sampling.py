@@ -81,6 +81,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(logits.numpy().argmax(axis=-1), dtype=np.int64))
 
 
+def picked(rows: torch.Tensor) -> torch.Tensor:
+    """[T] token ids: the argmax of logits rows [T, V], or the rows themselves where the backend picked them already
+    (BatchedCache.forward_picking returns a greedy entry's argmax, [T] int64)."""
+    return rows if rows.dim() == 1 else argmax(rows)
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
     generator = torch.Generator(device=device)
     if seed is None:

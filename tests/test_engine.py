@@ -667,11 +667,13 @@ def test_a_steady_shaped_draft_feeds_one_row_a_sequence_and_keeps_each_iteration
     expected = [alone(target, p, max_tokens=30).tokens for p in prompts]
     engine = Engine(target, draft, slots=3, draft_max=3)
     calls = []  # per draft forward its rows per sequence; None at each target forward
-    for kv, mark in ((engine.drafter.kv, False), (engine.target_kv, True)):
-        def recording(batch, last_only, forward=kv.forward, mark=mark):
-            calls.append(None if mark else [len(rows) for _, rows in batch])
-            return forward(batch, last_only)
-        monkeypatch.setattr(kv, "forward", recording)
+    from tandem.backends.llamacpp_core import BatchedForward
+
+    def recording(rows, batch, last_only, *args, forward=BatchedForward.forward):  # under the step's whole drafting
+        calls.append(None if rows is engine.target_kv._rows else [len(tokens) for _, tokens in batch])
+        return forward(rows, batch, last_only, *args)
+
+    monkeypatch.setattr(BatchedForward, "forward", recording)
     prefill = engine.drafter.prefill  # the draft's prompt prefill after a target forward: an iteration of its own
     monkeypatch.setattr(engine.drafter, "prefill",
                         lambda chunks: calls.append(None) or prefill(chunks) or calls.append(None))

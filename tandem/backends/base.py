@@ -85,6 +85,16 @@ class BatchedCache(ABC):
         and verify rows.
         Raises ContextOverflowError (and changes nothing) when a slot would pass its capacity."""
 
+    def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool]
+                        ) -> list[torch.Tensor]:
+        """forward, but each entry with picks[i] comes back as its rows' argmax, [T] int64 (tandem.sampling.argmax's:
+        all a greedy sequence's verify reads), which a backend may take where its logits are (llama.cpp's worker
+        process: none of those rows copied back)."""
+        from tandem.sampling import argmax
+
+        rows = self.forward(batch, last_only)
+        return [argmax(r) if pick else r for r, pick in zip(rows, picks, strict=True)]
+
     @abstractmethod
     def rewind(self, slot: int, length: int) -> None:
         """Forget every position >= length of that slot."""

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from tandem.backends.base import BatchedCache, Model, Sequence
-from tandem.backends.llamacpp_core import BatchedForward, LlamaCppWeights, SequenceForward
+from tandem.backends.llamacpp_core import BatchedForward, LlamaCppWeights, SequenceForward, argmax_rows
 from tandem.backends.llamacpp_settings import (
     DEFAULT_N_BATCH,
     DEFAULT_N_CTX,
@@ -128,6 +128,12 @@ class LlamaCppBatchedCache(BatchedCache):
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         self._check(batch)
         return [torch.from_numpy(rows) for rows in self._rows.forward(batch, last_only)]
+
+    def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool]
+                        ) -> list[torch.Tensor]:
+        self._check(batch)
+        rows = self._rows.forward(batch, last_only)
+        return [torch.from_numpy(argmax_rows(r) if pick else r) for r, pick in zip(rows, picks, strict=True)]
 
     def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
                       steady: bool) -> tuple[list[list[int]], int]:

@@ -50,6 +50,23 @@ def _new_rows(rows: int, vocab: int) -> np.ndarray:
     return np.empty((rows, vocab), dtype=np.float32)
 
 
+class ReusedRows:
+    """An Allocator of one buffer, grown as needed: for rows read (their argmax) before the next forward."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty((0, 0), dtype=np.float32)
+
+    def __call__(self, rows: int, vocab: int) -> np.ndarray:
+        if self._buffer.shape[0] < rows or self._buffer.shape[1] != vocab:
+            self._buffer = np.empty((rows, vocab), dtype=np.float32)
+        return self._buffer[:rows]
+
+
+def argmax_rows(rows: np.ndarray) -> np.ndarray:
+    """Each row's argmax, int64 (numpy's: the first of equal maxima, as tandem.sampling.argmax)."""
+    return np.asarray(rows.argmax(axis=-1), dtype=np.int64)
+
+
 def physical_cores() -> int:
     """Physical cores this process may run on (hyperthread siblings counted once)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -295,13 +312,7 @@ class BatchedForward:
         argmax over the first vocab_limit ids, a row a forward, until it has counts[i] drafts. steady: slots done
         go on drafting, unread, while each has room, so every forward has one row per slot. Returns the drafts per
         entry of feeds[-1] and the forwards run; the caller checked the room."""
-        scratch: list[np.ndarray] = []
-
-        def reused(rows: int, vocab: int) -> np.ndarray:  # read before the next forward: one buffer serves all
-            if not scratch or scratch[0].shape[0] < rows:
-                scratch[:] = [np.empty((rows, vocab), dtype=np.float32)]
-            return scratch[0][:rows]
-
+        reused = ReusedRows()  # each forward's rows are read before the next
         for feed in feeds[:-1]:
             self.forward(feed, [True] * len(feed), reused)
         slots = [slot for slot, _ in feeds[-1]]
@@ -310,7 +321,7 @@ class BatchedForward:
         active, forwards = list(range(len(slots))), len(feeds)
         while True:
             for i, rows in zip(active, logits, strict=False):  # fed = active + done: its first rows are active's
-                drawn[i].append(int(np.argmax(rows[-1, :vocab_limit])))
+                drawn[i].append(int(argmax_rows(rows[-1, :vocab_limit])))
             active = [i for i in active if len(drawn[i]) < counts[i]]
             if not active:
                 return drawn, forwards

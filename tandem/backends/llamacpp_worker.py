@@ -254,18 +254,27 @@ class WorkerBatchedCache(BatchedCache):
         return self._lengths[slot]
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
+        return self.forward_picking(batch, last_only, [False] * len(batch))
+
+    def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool]
+                        ) -> list[torch.Tensor]:
+        """The picked entries' argmax comes back in the reply; the shared buffer's rows are copied only where some
+        entry is not picked (then all of them: one copy)."""
         import torch
 
         self._check(batch)
         batch = [(slot, list(tokens)) for slot, tokens in batch]
         counts = [1 if last else len(tokens) for (_, tokens), last in zip(batch, last_only, strict=True)]
-        _, rows = self.model.worker.call("batch_forward", self.handle, batch, list(last_only),
-                                         rows=(sum(counts), self.model.vocab_size))
+        every = all(picks)
+        reply = self.model.worker.call("batch_forward", self.handle, batch, list(last_only), list(picks),
+                                       rows=None if every else (sum(counts), self.model.vocab_size))
+        chosen, rows = (reply, None) if every else reply
         for slot, tokens in batch:
             self._lengths[slot] += len(tokens)
         out, at = [], 0
-        for count in counts:
-            out.append(torch.from_numpy(rows[at : at + count]))
+        for i, count in enumerate(counts):
+            out.append(torch.tensor(chosen[i], dtype=torch.long) if picks[i] else
+                       torch.from_numpy(rows[at : at + count]))
             at += count
         return out
 
@@ -397,6 +406,7 @@ class _Worker:
         self.buffer_fd = buffer_fd
         self.buffer: mmap.mmap | None = None
         self.buffer_bytes = 0
+        self.scratch = None  # rows read here and never shared (llamacpp_core.ReusedRows), made on first use
 
     def allocate(self, rows: int, vocab: int) -> np.ndarray:
         return np.ndarray((rows, vocab), dtype=np.float32, buffer=self.buffer)
@@ -432,10 +442,12 @@ class _Worker:
             handle, ids, last = args
             self.objects[handle].forward(ids, last, self.allocate)
             return None
-        if op == "batch_forward":
-            handle, batch, last_only = args
-            self.objects[handle].forward(batch, last_only, self.allocate)
-            return None
+        if op == "batch_forward":  # the picked entries' argmax in the reply; with every one picked, no rows shared
+            handle, batch, last_only, picks = args
+            self.scratch = self.scratch or core.ReusedRows()
+            rows = self.objects[handle].forward(batch, last_only, self.scratch if all(picks) else self.allocate)
+            return {i: core.argmax_rows(r).tolist() for i, (r, pick) in enumerate(zip(rows, picks, strict=True))
+                    if pick}
         if op == "rewind":
             return self.objects[args[0]].rewind(args[1])
         if op == "batch_greedy_drafts":

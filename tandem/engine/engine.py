@@ -264,9 +264,13 @@ class Engine(DraftingRules):
         else:
             batch = [(g.slot, [g.tokens[-1]] + proposals[g.id][0]) for g in decoding]
             batch += [(g.slot, rows) for g, rows in prefills]
-            # Prompt chunks want no logits but the last row of a prompt's last chunk.
+            # Prompt chunks want no logits but the last row of a prompt's last chunk. A greedy sequence's verify
+            # reads only each row's argmax, which the backend may take where the logits are (forward_picking).
             last_only = [False] * len(decoding) + [True] * len(prefills)
-            logits = self.target_kv.forward(batch, last_only)
+            picks = [g.sampling.greedy and g.processor is None and g.request.logprobs is None
+                     for g in decoding + [g for g, _ in prefills]]
+            logits = self.target_kv.forward_picking(batch, last_only, picks) if any(picks) else \
+                self.target_kv.forward(batch, last_only)
             target_rows = sum(len(rows) for _, rows in batch)
         self._track_shape(target_rows, any(ks))
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)

@@ -7,7 +7,7 @@ import torch
 
 from tandem.engine.scoring import score_rows
 from tandem.engine.sequence import Generation
-from tandem.sampling import argmax, probs_from_logits
+from tandem.sampling import argmax, picked, probs_from_logits
 from tandem.speculative.verify import verify_greedy, verify_sampled, verify_synthetic
 
 
@@ -45,7 +45,7 @@ def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[
     # Drafts read back first, then an argmax per sequence, its tokens joined (joining the 152k-float rows first
     # cost more than the argmax), then each sampled sequence's (n, token).
     parts = [drafts for _, drafts in on_device] + \
-        ([_cat([argmax(rows) for _, rows in greedy])] if greedy else []) + [pair for _, pair in sampled]
+        ([_cat([picked(rows) for _, rows in greedy])] if greedy else []) + [pair for _, pair in sampled]
     values = _cat(parts).tolist() if parts else []  # the step's one host synchronisation
     host_drafts, at = {gen.id: proposals.get(gen.id, ([], None))[0] for gen, _ in decoding + firsts}, 0
     for gen, drafts in on_device:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.sampling import argmax
+from tandem.sampling import picked
 
 
 def verify_greedy(draft_tokens: list[int], target_tokens: list[int]) -> tuple[int, list[int]]:
@@ -84,4 +84,4 @@ def verify_synthetic(
     k = draft_tokens.shape[0]
     u = torch.rand(k, generator=generator, device=target_logits.device)
     n_accepted = torch.cumprod((u < rate).long(), dim=0).sum()
-    return n_accepted, argmax(target_logits)[n_accepted]
+    return n_accepted, picked(target_logits)[n_accepted]
