@@ -9,6 +9,7 @@ engine that drafts against one that does not. Used by bench/regime_trace.py and 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -26,7 +27,7 @@ class StepParts:
     def instrument(self, engine: Engine) -> None:
         kind = "adaptive" if engine.drafter is not None else "plain"
         step, plan, propose = engine.step, engine._plan, engine._propose
-        forward, outcomes = engine.target_kv.forward, engine._outcomes
+        forward, picking, outcomes = engine.target_kv.forward, engine.target_kv.forward_picking, engine._outcomes
         now: dict[str, float] = {}
         shape = {"before": None}
 
@@ -38,9 +39,9 @@ class StepParts:
                 return out
             return run
 
-        def timed_forward(batch, last_only):
+        def timed_forward(batch, last_only, *picks, forward=forward):
             now["rows"], now["sequences"], now["prompts"] = sum(len(r) for _, r in batch), len(batch), any(last_only)
-            return timed("forward", forward)(batch, last_only)
+            return timed("forward", forward)(batch, last_only, *picks)
 
         def timed_step():
             now.clear()
@@ -54,6 +55,7 @@ class StepParts:
 
         engine.step, engine._plan, engine._propose = timed_step, timed("plan", plan), timed("draft", propose)
         engine.target_kv.forward, engine._outcomes = timed_forward, timed("outcomes", outcomes)
+        engine.target_kv.forward_picking = functools.partial(timed_forward, forward=picking)
 
     def clear(self) -> None:
         self.steps.clear()
