@@ -67,19 +67,26 @@ def test_batched_caches_give_the_in_process_logits_bit_for_bit(pair):
         assert torch.equal(a, b)
 
 
-def test_a_forward_picking_greedy_rows_gives_their_argmax(pair):
+def test_a_forward_picking_greedy_rows_gives_their_argmax(pair, monkeypatch):
     """BatchedCache.forward_picking: a picked entry comes back as its rows' argmax (taken in the worker, no rows
-    copied back), the others as their logits, in process and in the worker alike."""
+    copied back), the others as their logits, in process and in the worker alike. The worker's rewinds ride on the
+    next request: one round trip for three rewinds and a forward."""
+    from tandem.backends.llamacpp_worker import WorkerProcess
     from tandem.sampling import argmax
 
+    requests = []
+    call = WorkerProcess.call
+    monkeypatch.setattr(WorkerProcess, "call", lambda self, *a, **k: requests.append(a[0]) or call(self, *a, **k))
     batch, last_only = [(0, IDS[:5]), (1, IDS[5:9]), (2, IDS[9:16])], [False, False, True]
     for model in pair:
         cache = model.new_batched_cache(3, 64)
         logits = cache.forward(batch, last_only)
         for picks in ([True, False, True], [True, True, True]):
+            requests.clear()
             for slot in range(3):
                 cache.rewind(slot, 0)
             rows = cache.forward_picking(batch, last_only, picks)
+            assert requests == ([] if model is pair[0] else ["batch_forward"])
             assert [cache.length(s) for s in range(3)] == [5, 4, 7]
             for got, want, pick in zip(rows, logits, picks, strict=True):
                 assert torch.equal(got, argmax(want) if pick else want) and (got.dtype == torch.long) == pick

@@ -8,7 +8,9 @@ which imports only llamacpp_core, numpy and llama_cpp), and the engine cannot te
 Transport. Requests are small tuples pickled over a Unix socket pair (token ids, positions, slot numbers); logits
 come back through one shared buffer (an unlinked file, mapped by both processes, grown with ftruncate when a
 forward needs more rows) that the worker writes straight from llama.cpp's output and the parent copies once into
-the tensor it returns: no logits are pickled. One worker serves every model of the process (target and draft: one
+the tensor it returns: no logits are pickled. Greedy sequences need no logits at all: a step's drafting runs here
+in one request (greedy_drafts) and a verify's rows come back as their argmax (forward_picking); a batched cache's
+rewinds ride on its next request. One worker serves every model of the process (target and draft: one
 CUDA context, and on a CPU no second OpenMP team spinning beside the first); requests are serialised by a lock.
 
 A dead worker (a crash in llama.cpp, a kill) fails the request in flight and every later one with WorkerDiedError,
@@ -57,6 +59,7 @@ WORKER_ENV = "TANDEM_LLAMACPP_WORKER"  # 1: always a worker process; 0: never; u
 ISOLATIONS = ("auto", "process", "none")
 CUDA_BACKEND_LIBS = ("libggml-cuda.so", "ggml-cuda.dll", "libggml-cuda.dylib")  # a CUDA build of llama.cpp ships one
 FLOAT32 = 4  # bytes
+BATCHED_REQUESTS = ("batch_forward", "batch_greedy_drafts", "reusable", "copy_prefix")  # name a batched cache
 
 
 # --- when ---------------------------------------------------------------------------------------------------------
@@ -248,10 +251,18 @@ class WorkerBatchedCache(BatchedCache):
         self.handle, self.prefill_align = model.worker.call("batched", model.handle, slots, capacity, model.n_batch,
                                                             not drafting)
         self._lengths = [0] * slots
+        # Rewinds not yet sent: they go with the next request on the cache (after a verify each sequence's target
+        # and draft slots rewind, 2-4 round trips of their own a drafting step that the next forward carries)
+        self._rewinds: dict[int, int] = {}
         self._open = True
 
     def length(self, slot: int) -> int:
         return self._lengths[slot]
+
+    def _call(self, op: str, *args, rows: tuple[int, int] | None = None):
+        """A request on this cache, the rewinds since the last one applied first in the worker."""
+        rewinds, self._rewinds = self._rewinds, {}
+        return self.model.worker.call(op, self.handle, rewinds, *args, rows=rows)
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         return self.forward_picking(batch, last_only, [False] * len(batch))
@@ -266,8 +277,8 @@ class WorkerBatchedCache(BatchedCache):
         batch = [(slot, list(tokens)) for slot, tokens in batch]
         counts = [1 if last else len(tokens) for (_, tokens), last in zip(batch, last_only, strict=True)]
         every = all(picks)
-        reply = self.model.worker.call("batch_forward", self.handle, batch, list(last_only), list(picks),
-                                       rows=None if every else (sum(counts), self.model.vocab_size))
+        reply = self._call("batch_forward", batch, list(last_only), list(picks),
+                           rows=None if every else (sum(counts), self.model.vocab_size))
         chosen, rows = (reply, None) if every else reply
         for slot, tokens in batch:
             self._lengths[slot] += len(tokens)
@@ -284,8 +295,7 @@ class WorkerBatchedCache(BatchedCache):
         (llamacpp_core.BatchedForward.greedy_drafts)."""
         self._check_feeds(feeds)
         feeds = [[(slot, list(tokens)) for slot, tokens in feed] for feed in feeds]
-        drawn, forwards, lengths = self.model.worker.call("batch_greedy_drafts", self.handle, feeds, list(counts),
-                                                           vocab_limit, steady)
+        drawn, forwards, lengths = self._call("batch_greedy_drafts", feeds, list(counts), vocab_limit, steady)
         for slot, length in lengths.items():
             self._lengths[slot] = length
         return drawn, forwards
@@ -294,14 +304,13 @@ class WorkerBatchedCache(BatchedCache):
         if not 0 <= length <= self._lengths[slot]:
             raise ValueError(f"cannot rewind slot {slot} to {length}: it holds {self._lengths[slot]} tokens")
         if length < self._lengths[slot]:
-            self.model.worker.call("batch_rewind", self.handle, slot, length)
-            self._lengths[slot] = length
+            self._rewinds[slot] = self._lengths[slot] = length
 
     def reusable(self, slot: int, length: int) -> int:
-        return self.model.worker.call("reusable", self.handle, slot, length) if self.prefill_align > 1 else length
+        return self._call("reusable", slot, length) if self.prefill_align > 1 else length
 
     def copy_prefix(self, src: int, dst: int, length: int) -> bool:
-        self.model.worker.call("copy_prefix", self.handle, src, dst, length)
+        self._call("copy_prefix", src, dst, length)
         self._lengths[dst] = length
         return True
 
@@ -442,25 +451,27 @@ class _Worker:
             handle, ids, last = args
             self.objects[handle].forward(ids, last, self.allocate)
             return None
+        if op in BATCHED_REQUESTS:  # on a batched cache: the rewinds the parent kept for it first
+            handle, rewinds, *args = args
+            cache = self.objects[handle]
+            for slot, length in rewinds.items():
+                cache.rewind(slot, length)
         if op == "batch_forward":  # the picked entries' argmax in the reply; with every one picked, no rows shared
-            handle, batch, last_only, picks = args
+            batch, last_only, picks = args
             self.scratch = self.scratch or core.ReusedRows()
-            rows = self.objects[handle].forward(batch, last_only, self.scratch if all(picks) else self.allocate)
+            rows = cache.forward(batch, last_only, self.scratch if all(picks) else self.allocate)
             return {i: core.argmax_rows(r).tolist() for i, (r, pick) in enumerate(zip(rows, picks, strict=True))
                     if pick}
         if op == "rewind":
             return self.objects[args[0]].rewind(args[1])
         if op == "batch_greedy_drafts":
-            handle, feeds, counts, vocab_limit, steady = args
-            cache = self.objects[handle]
+            feeds, counts, vocab_limit, steady = args
             drawn, forwards = cache.greedy_drafts(feeds, counts, vocab_limit, steady)
             return drawn, forwards, {slot: cache.lengths[slot] for feed in feeds for slot, _ in feed}
-        if op == "batch_rewind":
-            return self.objects[args[0]].rewind(args[1], args[2])
         if op == "reusable":
-            return self.objects[args[0]].reusable(args[1], args[2])
+            return cache.reusable(*args)
         if op == "copy_prefix":
-            return self.objects[args[0]].copy_prefix(*args[1:])
+            return cache.copy_prefix(*args)
         if op == "close":
             obj = self.objects.pop(args[0])
             if isinstance(obj, core.SequenceForward):
