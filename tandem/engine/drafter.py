@@ -6,6 +6,9 @@ Steady shapes. Where the backend replays a step only while its shape stays (Mode
 graphs), every draft forward of a step takes one row per drafting sequence: a catch-up of two tokens goes in two
 forwards, and a sequence done drafting goes on drafting what nobody reads until the longest draft is done. The
 draft's positions past a sequence's accepted tokens are rewound after the verify (`settle`).
+
+Greedy sequences, where the backend drafts next to the model (BatchedCache.drafts_greedy: llama.cpp), run the same
+loop there in one call (`greedy_drafts`): in llama.cpp's worker process, one request a step, no logits copied back.
 """
 
 from __future__ import annotations
