@@ -143,7 +143,7 @@ class BatchedCache(ABC):
         """_check for forwards run one after another: each alone, and the room for every slot's tokens in all."""
         total: dict[int, list] = {}
         for feed in feeds:
-            self._check([(slot, tokens) for slot, tokens in feed])
+            self._check(feed)
             for slot, tokens in feed:
                 total.setdefault(slot, []).extend(tokens)
         self._check(list(total.items()))

@@ -126,8 +126,7 @@ class LlamaCppBatchedCache(BatchedCache):
         return self._rows.lengths[slot]
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
-        self._check(batch)
-        return [torch.from_numpy(rows) for rows in self._rows.forward(batch, last_only)]
+        return self.forward_picking(batch, last_only, [False] * len(batch))
 
     def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool]
                         ) -> list[torch.Tensor]:

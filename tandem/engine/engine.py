@@ -269,8 +269,7 @@ class Engine(DraftingRules):
             last_only = [False] * len(decoding) + [True] * len(prefills)
             picks = [g.sampling.greedy and g.processor is None and g.request.logprobs is None
                      for g in decoding + [g for g, _ in prefills]]
-            logits = self.target_kv.forward_picking(batch, last_only, picks) if any(picks) else \
-                self.target_kv.forward(batch, last_only)
+            logits = self.target_kv.forward_picking(batch, last_only, picks)
             target_rows = sum(len(rows) for _, rows in batch)
         self._track_shape(target_rows, any(ks))
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
