@@ -154,6 +154,24 @@ def test_greedy_drafts_next_to_the_model_are_the_drafters_own(pair, tiny_model_p
         draft.close()
 
 
+def test_greedy_drafts_past_the_context_fail_clearly_and_change_nothing(pair):
+    """A step's drafting whose feeds would pass a slot's capacity, each feed fitting alone but not together, or a
+    slot named twice in one feed, is refused before anything runs, in process and in the worker alike."""
+    from tandem.backends.base import ContextOverflowError
+
+    for model in pair:
+        cache = model.new_batched_cache(2, 16)
+        cache.forward([(0, IDS[:14])], [True])
+        with pytest.raises(ContextOverflowError, match="slot 0"):
+            cache.greedy_drafts([[(0, IDS[:2])], [(0, IDS[2:3])]], [1], model.vocab_size, steady=True)
+        with pytest.raises(ValueError, match="at most once"):
+            cache.greedy_drafts([[(1, IDS[:1]), (1, IDS[1:2])]], [1, 1], model.vocab_size, steady=False)
+        assert [cache.length(s) for s in range(2)] == [14, 0]
+        drafts, forwards = cache.greedy_drafts([[(0, IDS[14:15])]], [2], model.vocab_size, steady=False)
+        assert len(drafts[0]) == 2 and forwards == 2 and cache.length(0) == 16
+        cache.close()
+
+
 def test_the_worker_never_imports_torch_and_loads_llamacpp_before_numpy(pair):
     _, remote = pair
     assert remote.worker.call("imports") == ["llama_cpp.llama_cpp", "numpy"]  # numpy first: CUDA load crashed
