@@ -223,3 +223,22 @@ def test_when_llamacpp_runs_in_a_worker(monkeypatch):
         wants_worker("cpu")
     with pytest.raises(ValueError, match="isolation"):
         wants_worker("cpu", "thread")
+
+
+def test_the_doctor_times_the_draft_as_the_engine_drafts(pair, monkeypatch):
+    """doctor.time_draft_steps times a drafting step as the engine runs a lone greedy sequence's: in the worker one
+    request for its k drafts and one for the verify after them, the rewinds riding on the next request."""
+    from tandem.backends.llamacpp_worker import WorkerProcess
+    from tandem.bench.doctor import time_draft_steps
+
+    requests = []
+    call = WorkerProcess.call
+    monkeypatch.setattr(WorkerProcess, "call", lambda self, *a, **k: requests.append(a[0]) or call(self, *a, **k))
+    _, remote = pair
+    assert time_draft_steps(remote, remote, k=3, repeats=2, context=8) > 0
+    steps = [r for r in requests if r in ("batch_forward", "batch_greedy_drafts")]
+    assert steps == ["batch_forward"] * 2 + ["batch_greedy_drafts", "batch_forward"] * 3
+    requests.clear()
+    assert time_draft_steps(remote, None, k=3, repeats=2, context=8) > 0
+    assert [r for r in requests if r in ("batch_forward", "batch_greedy_drafts")] == (
+        ["batch_forward"] + ["batch_greedy_drafts"] * 3)

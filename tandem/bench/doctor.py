@@ -1,10 +1,11 @@
 """`tandem doctor`: measure what speculation costs on this device for this pair, and say whether it can pay.
 
 Measured, each the median over repeats, every figure in milliseconds and per call:
-- the draft's one-token step with only the draft loaded (`draft_step_ms_standalone`), then with the target loaded
-  and its verifies interleaved as the real loop does (`draft_step_ms_paired`: k draft steps, one target forward
-  of k + 1 tokens, repeat; only the draft steps are timed; k = the length the cost model picks at 90% acceptance,
-  at least 1 and at most --draft-max: `draft_len_paired`). In the report we start from, the draft slowed down
+- the draft's step, a token's share of a drafting step of k tokens timed whole as the engine drafts, with only
+  the draft loaded (`draft_step_ms_standalone`), then with the target loaded and its verifies interleaved as the
+  real loop does (`draft_step_ms_paired`: k drafts, one target forward of k + 1 tokens, repeat; only the drafting
+  is timed; k = the length the cost model picks at 90% acceptance, at least 1 and at most --draft-max:
+  `draft_len_paired`). In the report we start from, the draft slowed down
   ~1000x next to the target; a ratio far above 1 is that failure. Between the two, the same steps with the target
   loaded but idle (`draft_step_ms_target_idle`) tell sharing memory (a slower idle step) from sharing the queue
   (only the interleaved one slower);
@@ -26,7 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from tandem.backends.base import Model
-from tandem.speculative.calibrate import NGRAM_STEP_MS, time_forwards_ms, warm_up
+from tandem.sampling import argmax
+from tandem.speculative.calibrate import NGRAM_STEP_MS, time_forwards_ms
 from tandem.speculative.policy import CostModel, expected_tokens
 
 DEFAULT_REPEATS = 5
@@ -76,38 +78,48 @@ class DoctorReport:
 
 def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, context: int = CONTEXT_TOKENS,
                      warmup_s: float = 0.0) -> float:
-    """Median ms of one draft step over `repeats` runs of k steps; with a target, each run is followed by one
-    target forward over k + 1 tokens, as the decode loop interleaves them. The first run is a warm-up, and so are
-    `warmup_s` of draft steps before it (tandem.speculative.calibrate.warm_up)."""
+    """Median ms a draft token over `repeats` drafting steps of k tokens, each step timed whole as the batched
+    engine drafts a lone greedy sequence (tandem.engine.drafter): one greedy_drafts call where the draft's cache
+    drafts next to the model (llama.cpp: one worker request a step), else k one-row forwards, each read before the
+    next is fed. With a target, each step is followed by its verify of k + 1 rows, read as their argmax, as the
+    loop interleaves them. The first step is a warm-up, and so are `warmup_s` of steps before it."""
     token = draft.tokenizer.bos_token_id or 0
+    vocab = draft.vocab_size if target is None else min(draft.vocab_size, target.vocab_size)
     capacity = context + k + 2
-    draft_seq = draft.new_sequence(capacity, drafting=True)
-    target_seq = target.new_sequence(capacity) if target is not None else None
+    draft_kv = draft.new_batched_cache(1, capacity, drafting=True)
+    target_kv = target.new_batched_cache(1, capacity) if target is not None else None
+
+    def drafting_step() -> int:
+        if draft_kv.drafts_greedy:
+            return draft_kv.greedy_drafts([[(0, [token])]], [k], vocab, steady=False)[1]
+        fed = token
+        for _ in range(k):
+            fed = int(argmax(draft_kv.forward([(0, [fed])], [False])[0][-1, :vocab]))
+        return k
+
     try:
-        draft_seq.forward([token] * context, logits="last")
-        if warmup_s > 0:
-            warm_up(draft, draft_seq, context, warmup_s)
-        if target_seq is not None:
-            target_seq.forward([token] * context, logits="last")
-        steps = []
-        for run in range(repeats + 1):
-            for _ in range(k):
-                draft.synchronize()
-                started = time.perf_counter()
-                draft_seq.forward([token], logits="last")
-                draft.synchronize()
-                if run > 0:
-                    steps.append(1000.0 * (time.perf_counter() - started))
-            if target_seq is not None:
-                target_seq.forward([token] * (k + 1), logits="all")
+        draft_kv.forward([(0, [token] * context)], [True])
+        if target_kv is not None:
+            target_kv.forward([(0, [token] * context)], [True])
+        deadline, first, steps = time.perf_counter() + warmup_s, True, []
+        while len(steps) < repeats:
+            draft.synchronize()
+            started = time.perf_counter()
+            forwards = drafting_step()
+            draft.synchronize()
+            if not first and started >= deadline:
+                steps.append(1000.0 * (time.perf_counter() - started) / forwards)
+            if target_kv is not None:
+                target_kv.forward_picking([(0, [token] * (k + 1))], [False], [True])
                 target.synchronize()
-                target_seq.rewind(context)
-            draft_seq.rewind(context)
+                target_kv.rewind(0, context)
+            draft_kv.rewind(0, context)
+            first = False
         return statistics.median(steps)
     finally:
-        draft_seq.close()
-        if target_seq is not None:
-            target_seq.close()
+        draft_kv.close()
+        if target_kv is not None:
+            target_kv.close()
 
 
 def break_even_acceptance(costs: CostModel, k_max: int = K_MAX) -> float | None:
