@@ -84,8 +84,7 @@ def measure_costs(args: argparse.Namespace):
     log(f"loading the draft {args.draft}")
     draft = load(args.draft, args)
     k = args.paired_k
-    standalone = min(doctor.time_draft_steps(draft, None, k, args.cost_repeats, warmup_s=doctor.WARMUP_S),
-                     doctor.time_draft_steps(draft, None, k, args.cost_repeats))
+    standalone = doctor.time_draft_steps(draft, None, k, args.cost_repeats, warmup_s=doctor.WARMUP_S)
     log(f"loading the target {args.model}")
     target = load(args.model, args)
     report = doctor.measure(target, draft, standalone, k, args.cost_repeats, log=log)

@@ -26,6 +26,8 @@
 #   run("bash bench/h200_regime_session.sh ep")  CUDA, after regimewrite: bench/llamacpp_episode.py (a drafting
 #       episode's forwards timed by place: graphs on and off, the draft's forwards between or not, CPU threads;
 #       EPISODES B:k ..., VARIANTS a comma list)
+#   run("bash bench/h200_regime_session.sh dp")  CUDA, after regimewrite: bench/draft_pairing.py (the draft step alone,
+#       beside the idle target, between verifies, alone again; CUDA graphs on and off: DP_VARIANTS)
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
@@ -117,10 +119,16 @@ ep) cudaenv
            --draft /root/m/big/D1.5b_Q4_0.gguf --device cuda --sequences ${bk%:*} --draft-len ${bk#*:} \
            ${VARIANTS:+--variants "$VARIANTS"} \
            2>&1 | tee $OUT/episode_${bk/:/_}.txt | head -24; done ;;
+dp) cudaenv  # after regimewrite, CUDA: the draft's step alone, beside the idle target, between verifies, by phase
+   for v in ${DP_VARIANTS:-graphs nographs}; do
+       [ $v = nographs ] && export GGML_CUDA_DISABLE_GRAPHS=1
+       timeout 150 python3 bench/draft_pairing.py --model /root/m/big/T32_Q4_0.gguf --draft /root/m/big/D1.5b_Q4_0.gguf \
+           --device cuda --k ${K:-3} --json $OUT/draft_pairing_$v.json 2>$OUT/draft_pairing_$v.err \
+           | tee $OUT/draft_pairing_$v.txt; done; unset GGML_CUDA_DISABLE_GRAPHS ;;
 P) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log  # bring the build back
    # (setup's CUDA_LIBS=1 build, and llama-server): pieces of at most 15 MiB under $OUT, kept here in .cuda
    cp -a /root/llama-libs/llama.cpp.src/build/bin/llama-server /root/llama/cuda-libs/
    du -sh /root/llama/cuda-libs; tar -C /root/llama -cf - cuda-libs | xz -T0 -6 | split -b 15M -d -a 1 - \
        $OUT/cuda-libs.tar.xz.; ls -la $OUT ;;
-*) echo "step 1-3, v, e, t, tc, g, o, bs, ep or P"; exit 2 ;;
+*) echo "step 1-3, v, e, t, tc, g, o, bs, ep, dp or P"; exit 2 ;;
 esac

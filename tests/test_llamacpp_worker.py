@@ -229,7 +229,7 @@ def test_the_doctor_times_the_draft_as_the_engine_drafts(pair, monkeypatch):
     """doctor.time_draft_steps times a drafting step as the engine runs a lone greedy sequence's: in the worker one
     request for its k drafts and one for the verify after them, the rewinds riding on the next request."""
     from tandem.backends.llamacpp_worker import WorkerProcess
-    from tandem.bench.doctor import time_draft_steps
+    from tandem.bench.doctor import STEPS_PER_REPEAT, WARMUP_STEPS, time_draft_steps
 
     requests = []
     call = WorkerProcess.call
@@ -237,8 +237,9 @@ def test_the_doctor_times_the_draft_as_the_engine_drafts(pair, monkeypatch):
     _, remote = pair
     assert time_draft_steps(remote, remote, k=3, repeats=2, context=8) > 0
     steps = [r for r in requests if r in ("batch_forward", "batch_greedy_drafts")]
-    assert steps == ["batch_forward"] * 2 + ["batch_greedy_drafts", "batch_forward"] * 3
+    runs = WARMUP_STEPS + 2 * STEPS_PER_REPEAT
+    assert steps == ["batch_forward"] * 2 + ["batch_greedy_drafts", "batch_forward"] * runs
     requests.clear()
     assert time_draft_steps(remote, None, k=3, repeats=2, context=8) > 0
     assert [r for r in requests if r in ("batch_forward", "batch_greedy_drafts")] == (
-        ["batch_forward"] + ["batch_greedy_drafts"] * 3)
+        ["batch_forward"] + ["batch_greedy_drafts"] * runs)

@@ -10,9 +10,10 @@ Measured, each the median over repeats, every figure in milliseconds and per cal
   loaded but idle (`draft_step_ms_target_idle`) tell sharing memory (a slower idle step) from sharing the queue
   (only the interleaved one slower);
 - the target's forward over n = 1..16 tokens (`verify_ms`; n = 1 is a plain decoding step, `target_step_ms`).
-Each model first runs a second of one-token steps (idle clocks; Vulkan drivers build pipelines on first use), and
-the standalone draft step and the target's forwards are timed in two passes, each figure the faster pass's, with a
-flag where the passes disagree: a number the device was not steady for is not reported as its cost.
+Each model first runs a second of one-token steps (idle clocks; Vulkan drivers build pipelines on first use). The
+target's forwards are timed in two passes, each figure the faster pass's, with a flag where the passes disagree: a
+number the device was not steady for is not reported as its cost. The draft's three figures are each one pass of
+many drafting steps after a second of untimed ones, timed alike so that their ratios compare like with like.
 From those the cost model (tandem.speculative.policy) predicts the best draft length and the speed-up at a few
 acceptance rates: E(k) / (k c_d + V(k+1)) tokens per ms against 1 / V(1) for plain decoding.
 """
@@ -35,6 +36,11 @@ DEFAULT_REPEATS = 5
 WARMUP_S = 1.0  # one-token forwards before the first timing of each model (see tandem.speculative.calibrate.warm_up)
 CONTEXT_TOKENS = 32  # tokens already in the caches when a step is timed: a short chat's worth
 VERIFY_SIZES = tuple(range(1, 17))
+# Drafting steps are cheap (an H100: k = 3 drafts and a verify, ~20 ms), and few of them read the pairing wrong: 5
+# steps a phase, each on a fresh context's first steps, read paired/alone 1.06-1.24 where 40 steps after 2 untimed
+# ones read 1.015 (bench/results/h100-2026-12-06e-draft-pairing)
+STEPS_PER_REPEAT = 8
+WARMUP_STEPS = 3
 ACCEPTANCES = (0.5, 0.7, 0.9)
 K_MAX = 15  # V is measured up to 16 tokens, so drafts up to 15 are predicted from measurements alone
 PAIRED_SLOWDOWN_FLAG = 1.2  # paired / standalone draft step above this: the two models interfere
@@ -82,7 +88,8 @@ def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, c
     engine drafts a lone greedy sequence (tandem.engine.drafter): one greedy_drafts call where the draft's cache
     drafts next to the model (llama.cpp: one worker request a step), else k one-row forwards, each read before the
     next is fed. With a target, each step is followed by its verify of k + 1 rows, read as their argmax, as the
-    loop interleaves them. The first step is a warm-up, and so are `warmup_s` of steps before it."""
+    loop interleaves them. Each call opens fresh caches, whose first steps capture graphs and allocate: the first
+    WARMUP_STEPS steps and `warmup_s` of steps are not timed. Then repeats * STEPS_PER_REPEAT steps are."""
     token = draft.tokenizer.bos_token_id or 0
     vocab = draft.vocab_size if target is None else min(draft.vocab_size, target.vocab_size)
     capacity = context + k + 2
@@ -101,20 +108,20 @@ def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, c
         draft_kv.forward([(0, [token] * context)], [True])
         if target_kv is not None:
             target_kv.forward([(0, [token] * context)], [True])
-        deadline, first, steps = time.perf_counter() + warmup_s, True, []
-        while len(steps) < repeats:
+        deadline, run, steps = time.perf_counter() + warmup_s, 0, []
+        while len(steps) < repeats * STEPS_PER_REPEAT:
             draft.synchronize()
             started = time.perf_counter()
             forwards = drafting_step()
             draft.synchronize()
-            if not first and started >= deadline:
+            if run >= WARMUP_STEPS and started >= deadline:
                 steps.append(1000.0 * (time.perf_counter() - started) / forwards)
             if target_kv is not None:
                 target_kv.forward_picking([(0, [token] * (k + 1))], [False], [True])
                 target.synchronize()
                 target_kv.rewind(0, context)
             draft_kv.rewind(0, context)
-            first = False
+            run += 1
         return statistics.median(steps)
     finally:
         draft_kv.close()
@@ -199,8 +206,8 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
     idle_ms = paired_ms = None
     if draft is not None:
         log(f"timing the draft's steps beside the idle target, then between its verifies (k = {k})")
-        idle_ms = time_draft_steps(draft, None, k, repeats)
-        paired_ms = time_draft_steps(draft, target, k, repeats)
+        idle_ms = time_draft_steps(draft, None, k, repeats, warmup_s=WARMUP_S)
+        paired_ms = time_draft_steps(draft, target, k, repeats, warmup_s=WARMUP_S)
     costs = CostModel(draft_step_ms=paired_ms if paired_ms is not None else NGRAM_STEP_MS, verify_ms=verify_ms)
     ratio = costs.draft_step_ms / verify_ms[1]
     target_bytes = weight_bytes(target)
@@ -315,9 +322,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     if draft is not None:
         log(f"timing the draft's steps alone (k = {k}, {repeats} repeats; the first compiles)")
     standalone = None
-    if draft is not None:  # two passes, the faster kept (see measure)
-        standalone = min(time_draft_steps(draft, None, k, repeats, warmup_s=WARMUP_S),
-                         time_draft_steps(draft, None, k, repeats))
+    if draft is not None:  # timed as the idle and paired steps are (see measure), so that the ratios compare like
+        standalone = time_draft_steps(draft, None, k, repeats, warmup_s=WARMUP_S)
     log("loading the target")
     target = load_target(args)
     shapes = synthetic_shapes(args)

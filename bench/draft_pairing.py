@@ -1,0 +1,131 @@
+"""Why a draft step costs more beside its target (issue 26: paired / standalone <= 1.05): the draft's drafting
+steps timed in phases, one process, the GPU's clocks read around each phase.
+
+    python bench/draft_pairing.py --model T.gguf --draft D.gguf --device cuda [--k 3 --repeats 40]
+
+Phases, in this order: the draft alone; the target loaded, idle; the target verifying k + 1 rows between the
+draft's steps (paired); the target verifying one row between them (paired-1); idle again; the target closed; the
+draft alone again. Each phase times `repeats` drafting steps of k tokens whole, as the engine drafts a lone greedy
+sequence (one greedy_drafts call), and the same steps forward by forward (each read before the next, as the
+doctor timed them before): the first forward after a verify against the others. A slower idle phase than alone
+says the target's presence costs (memory), a slower paired than idle says its forwards do (queue, caches); a
+second alone phase as slow as the idle one says the device drifted (clocks, heat), not the pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import tandem
+from tandem.sampling import argmax
+
+CONTEXT = 32
+
+
+def clocks() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+
+
+def phase(draft, target, k: int, repeats: int, verify_rows: int) -> dict:
+    """Median ms a drafted token: steps timed whole, then forward by forward (first after a verify, the rest)."""
+    token = draft.tokenizer.bos_token_id or 0
+    vocab = draft.vocab_size
+    draft_kv = draft.new_batched_cache(1, CONTEXT + k + 2, drafting=True)
+    target_kv = target.new_batched_cache(1, CONTEXT + k + 2) if target is not None else None
+    whole, first, rest = [], [], []
+
+    def verify() -> None:
+        if target_kv is not None:
+            target_kv.forward_picking([(0, [token] * verify_rows)], [False], [True])
+            target.synchronize()
+            target_kv.rewind(0, CONTEXT)
+        draft_kv.rewind(0, CONTEXT)
+
+    try:
+        draft_kv.forward([(0, [token] * CONTEXT)], [True])
+        if target_kv is not None:
+            target_kv.forward([(0, [token] * CONTEXT)], [True])
+        for run in range(repeats + 2):
+            draft.synchronize()
+            started = time.perf_counter()
+            if draft_kv.drafts_greedy:
+                forwards = draft_kv.greedy_drafts([[(0, [token])]], [k], vocab, steady=False)[1]
+            else:
+                fed = token
+                for _ in range(k):
+                    fed = int(argmax(draft_kv.forward([(0, [fed])], [False])[0][-1, :vocab]))
+                forwards = k
+            draft.synchronize()
+            if run >= 2:
+                whole.append(1000.0 * (time.perf_counter() - started) / forwards)
+            verify()
+        for run in range(repeats + 2):
+            fed = token
+            for i in range(k):
+                started = time.perf_counter()
+                fed = int(argmax(draft_kv.forward([(0, [fed])], [False])[0][-1, :vocab]))
+                if run >= 2:
+                    (first if i == 0 else rest).append(1000.0 * (time.perf_counter() - started))
+            verify()
+    finally:
+        draft_kv.close()
+        if target_kv is not None:
+            target_kv.close()
+    q = lambda xs: [round(statistics.quantiles(xs, n=10)[i], 3) for i in (0, 4, 8)]  # noqa: E731
+    return {"whole_ms": statistics.median(whole), "whole_p10_50_90": q(whole),
+            "first_ms": statistics.median(first), "rest_ms": statistics.median(rest), "first_p10_50_90": q(first),
+            "rest_p10_50_90": q(rest)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--isolation", default="auto", help="tandem.load's isolation")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    load = lambda path: tandem.load(path, backend="llama.cpp", device=args.device, n_ctx=256,  # noqa: E731
+                                    isolation=args.isolation)
+    rows = []
+
+    def run(name: str, draft, target, verify_rows: int = 0) -> None:
+        before = clocks()
+        r = phase(draft, target, args.k, args.repeats, verify_rows)
+        rows.append({"phase": name, **r, "clocks_before": before, "clocks_after": clocks()})
+        print(f"{name:10} whole {r['whole_ms']:.3f} ms/token {r['whole_p10_50_90']}  by forward: first "
+              f"{r['first_ms']:.3f} {r['first_p10_50_90']}, rest {r['rest_ms']:.3f} {r['rest_p10_50_90']}  "
+              f"[{before} -> {rows[-1]['clocks_after']}]", flush=True)
+
+    draft = load(args.draft)
+    phase(draft, None, args.k, 20, 0)  # warm-up: graphs captured, clocks up
+    run("alone", draft, None)
+    target = load(args.model)
+    phase(draft, target, args.k, 5, args.k + 1)
+    run("idle", draft, None)
+    run("paired", draft, target, args.k + 1)
+    run("paired-1", draft, target, 1)
+    run("idle-2", draft, None)
+    target.close()
+    run("alone-2", draft, None)
+    alone = rows[0]["whole_ms"]
+    print("whole step / alone: " + ", ".join(f"{r['phase']} {r['whole_ms'] / alone:.3f}" for r in rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "phases": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
