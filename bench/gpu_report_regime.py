@@ -84,7 +84,7 @@ def measure_costs(args: argparse.Namespace):
     log(f"loading the draft {args.draft}")
     draft = load(args.draft, args)
     k = args.paired_k
-    standalone = doctor.time_draft_steps(draft, None, k, args.cost_repeats, warmup_s=doctor.WARMUP_S)
+    standalone = doctor.time_draft_steps(draft, None, k, args.cost_repeats, warmup_s=doctor.WARMUP_S)[0]
     log(f"loading the target {args.model}")
     target = load(args.model, args)
     report = doctor.measure(target, draft, standalone, k, args.cost_repeats, log=log)

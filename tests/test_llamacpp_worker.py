@@ -227,7 +227,8 @@ def test_when_llamacpp_runs_in_a_worker(monkeypatch):
 
 def test_the_doctor_times_the_draft_as_the_engine_drafts(pair, monkeypatch):
     """doctor.time_draft_steps times a drafting step as the engine runs a lone greedy sequence's: in the worker one
-    request for its k drafts and one for the verify after them, the rewinds riding on the next request."""
+    request for its k drafts and one for the verify after them, the rewinds riding on the next request; the idle
+    target's steps and the paired ones take turns in blocks."""
     from tandem.backends.llamacpp_worker import WorkerProcess
     from tandem.bench.doctor import STEPS_PER_REPEAT, WARMUP_STEPS, time_draft_steps
 
@@ -235,11 +236,18 @@ def test_the_doctor_times_the_draft_as_the_engine_drafts(pair, monkeypatch):
     call = WorkerProcess.call
     monkeypatch.setattr(WorkerProcess, "call", lambda self, *a, **k: requests.append(a[0]) or call(self, *a, **k))
     _, remote = pair
-    assert time_draft_steps(remote, remote, k=3, repeats=2, context=8) > 0
-    steps = [r for r in requests if r in ("batch_forward", "batch_greedy_drafts")]
+
+    def timed(target, verifying) -> list[str]:
+        requests.clear()
+        ms = time_draft_steps(remote, target, k=3, repeats=2, context=8, verifying=verifying)
+        assert len(ms) == len(verifying) and all(m > 0 for m in ms)
+        return [r for r in requests if r in ("batch_forward", "batch_greedy_drafts")]
+
+    prefill = ["batch_forward"] * 2
     runs = WARMUP_STEPS + 2 * STEPS_PER_REPEAT
-    assert steps == ["batch_forward"] * 2 + ["batch_greedy_drafts", "batch_forward"] * runs
-    requests.clear()
-    assert time_draft_steps(remote, None, k=3, repeats=2, context=8) > 0
-    assert [r for r in requests if r in ("batch_forward", "batch_greedy_drafts")] == (
-        ["batch_forward"] + ["batch_greedy_drafts"] * runs)
+    assert timed(remote, (True,)) == prefill + ["batch_greedy_drafts", "batch_forward"] * runs
+    assert timed(None, (True,)) == ["batch_forward"] + ["batch_greedy_drafts"] * runs
+    idle = ["batch_greedy_drafts"] * STEPS_PER_REPEAT
+    paired = ["batch_greedy_drafts", "batch_forward"] * STEPS_PER_REPEAT
+    # idle's first WARMUP_STEPS untimed: after two blocks each, idle takes that many more
+    assert timed(remote, (False, True)) == prefill + (idle + paired) * 2 + idle[:WARMUP_STEPS]

@@ -7,8 +7,8 @@ Measured, each the median over repeats, every figure in milliseconds and per cal
   is timed; k = the length the cost model picks at 90% acceptance, at least 1 and at most --draft-max:
   `draft_len_paired`). In the report we start from, the draft slowed down
   ~1000x next to the target; a ratio far above 1 is that failure. Between the two, the same steps with the target
-  loaded but idle (`draft_step_ms_target_idle`) tell sharing memory (a slower idle step) from sharing the queue
-  (only the interleaved one slower);
+  loaded but idle (`draft_step_ms_target_idle`, timed in turns with the paired ones) tell sharing memory (a slower
+  idle step) from sharing the queue (only the interleaved one slower);
 - the target's forward over n = 1..16 tokens (`verify_ms`; n = 1 is a plain decoding step, `target_step_ms`).
 Each model first runs a second of one-token steps (idle clocks; Vulkan drivers build pipelines on first use). The
 target's forwards are timed in two passes, each figure the faster pass's, with a flag where the passes disagree: a
@@ -25,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, field
 
 from tandem.backends.base import Model
@@ -83,13 +84,15 @@ class DoctorReport:
 
 
 def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, context: int = CONTEXT_TOKENS,
-                     warmup_s: float = 0.0) -> float:
-    """Median ms a draft token over `repeats` drafting steps of k tokens, each step timed whole as the batched
-    engine drafts a lone greedy sequence (tandem.engine.drafter): one greedy_drafts call where the draft's cache
-    drafts next to the model (llama.cpp: one worker request a step), else k one-row forwards, each read before the
-    next is fed. With a target, each step is followed by its verify of k + 1 rows, read as their argmax, as the
-    loop interleaves them. Each call opens fresh caches, whose first steps capture graphs and allocate: the first
-    WARMUP_STEPS steps and `warmup_s` of steps are not timed. Then repeats * STEPS_PER_REPEAT steps are."""
+                     warmup_s: float = 0.0, verifying: Seq[bool] = (True,)) -> list[float]:
+    """Median ms a draft token of drafting steps of k tokens, each step timed whole as the batched engine drafts a
+    lone greedy sequence (tandem.engine.drafter): one greedy_drafts call where the draft's cache drafts next to the
+    model (llama.cpp: one worker request a step), else k one-row forwards, each read before the next is fed. One
+    figure per entry of `verifying`: with a target, a True entry's steps are each followed by the target's verify of
+    k + 1 rows, read as their argmax, as the loop interleaves them; a False entry's are not (the target idle). The
+    entries take turns in blocks of STEPS_PER_REPEAT steps, `repeats` blocks each, so that a device drifting over
+    the call moves them alike. Each call opens fresh caches, whose first steps capture graphs and allocate: the
+    first WARMUP_STEPS steps and `warmup_s` of steps are not timed."""
     token = draft.tokenizer.bos_token_id or 0
     vocab = draft.vocab_size if target is None else min(draft.vocab_size, target.vocab_size)
     capacity = context + k + 2
@@ -108,21 +111,22 @@ def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, c
         draft_kv.forward([(0, [token] * context)], [True])
         if target_kv is not None:
             target_kv.forward([(0, [token] * context)], [True])
-        deadline, run, steps = time.perf_counter() + warmup_s, 0, []
-        while len(steps) < repeats * STEPS_PER_REPEAT:
+        deadline, run, steps = time.perf_counter() + warmup_s, 0, [[] for _ in verifying]
+        while min(len(s) for s in steps) < repeats * STEPS_PER_REPEAT:
+            block = run // STEPS_PER_REPEAT % len(verifying)
             draft.synchronize()
             started = time.perf_counter()
             forwards = drafting_step()
             draft.synchronize()
             if run >= WARMUP_STEPS and started >= deadline:
-                steps.append(1000.0 * (time.perf_counter() - started) / forwards)
-            if target_kv is not None:
+                steps[block].append(1000.0 * (time.perf_counter() - started) / forwards)
+            if target_kv is not None and verifying[block]:
                 target_kv.forward_picking([(0, [token] * (k + 1))], [False], [True])
                 target.synchronize()
                 target_kv.rewind(0, context)
             draft_kv.rewind(0, context)
             run += 1
-        return statistics.median(steps)
+        return [statistics.median(s) for s in steps]
     finally:
         draft_kv.close()
         if target_kv is not None:
@@ -206,8 +210,7 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
     idle_ms = paired_ms = None
     if draft is not None:
         log(f"timing the draft's steps beside the idle target, then between its verifies (k = {k})")
-        idle_ms = time_draft_steps(draft, None, k, repeats, warmup_s=WARMUP_S)
-        paired_ms = time_draft_steps(draft, target, k, repeats, warmup_s=WARMUP_S)
+        idle_ms, paired_ms = time_draft_steps(draft, target, k, repeats, warmup_s=WARMUP_S, verifying=(False, True))
     costs = CostModel(draft_step_ms=paired_ms if paired_ms is not None else NGRAM_STEP_MS, verify_ms=verify_ms)
     ratio = costs.draft_step_ms / verify_ms[1]
     target_bytes = weight_bytes(target)
@@ -323,7 +326,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         log(f"timing the draft's steps alone (k = {k}, {repeats} repeats; the first compiles)")
     standalone = None
     if draft is not None:  # timed as the idle and paired steps are (see measure), so that the ratios compare like
-        standalone = time_draft_steps(draft, None, k, repeats, warmup_s=WARMUP_S)
+        standalone = time_draft_steps(draft, None, k, repeats, warmup_s=WARMUP_S)[0]
     log("loading the target")
     target = load_target(args)
     shapes = synthetic_shapes(args)
