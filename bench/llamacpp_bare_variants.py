@@ -14,10 +14,9 @@ import glob
 import os
 import statistics
 import sys
-import time
 
 import llama_cpp as llc
-import numpy as np
+from plain_vs_llamaserver import bare_loop  # bench/, this script's directory
 
 import tandem
 from tandem.backends.llamacpp_core import Context
@@ -68,15 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return context
 
     def bare(context: Context, ids: list[int], n: int) -> float:
-        out = np.empty((1, vocab), dtype=np.float32)
         context.clear()
-        wanted = np.zeros(len(ids), dtype=np.int8)
-        wanted[-1] = 1
-        context.decode([0] * len(ids), ids, np.arange(len(ids), dtype=np.int32), wanted, out)
-        started = time.perf_counter()
-        for pos in range(len(ids), len(ids) + n - 1):
-            context.decode([0], [int(out[0].argmax())], [pos], [1], out)
-        return (n - 1) / (time.perf_counter() - started)
+        return bare_loop(context, ids, n, vocab)
 
     contexts = {v: make(v) for v in variants}
     prompts = [target.tokenizer.encode_chat(list(pr.messages)) for pr in load_suite("default", "code,json")]

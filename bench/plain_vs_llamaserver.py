@@ -59,6 +59,19 @@ def decode_per_cpu_s(run, max_tokens: int, pid: int | str = "self") -> float:
     return (max_tokens - 1) / max(used[1] - used[0], 1e-9)
 
 
+def bare_loop(context, ids: list[int], max_tokens: int, vocab: int) -> float:
+    """Tokens/s after the first of a bare greedy loop on an empty llama.cpp context (tandem.backends.llamacpp_core's
+    Context): llama_decode and numpy's argmax, the span llama-server's predicted_per_second times."""
+    out = np.empty((1, vocab), dtype=np.float32)
+    wanted = np.zeros(len(ids), dtype=np.int8)
+    wanted[-1] = 1
+    context.decode([0] * len(ids), ids, np.arange(len(ids), dtype=np.int32), wanted, out)
+    started = time.perf_counter()
+    for pos in range(len(ids), len(ids) + max_tokens - 1):
+        context.decode([0], [int(out[0].argmax())], [pos], [1], out)
+    return (max_tokens - 1) / (time.perf_counter() - started)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server", required=True)
@@ -85,17 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     def bare(messages: list[dict], max_tokens: int) -> float:
         """A bare greedy loop over a context of tandem's own weights and settings: llama_decode and numpy's argmax,
         none of tandem's per-token work (sampling pipeline, stops, detokenising, stats)."""
-        ids = target.tokenizer.encode_chat(messages)
         context = target.weights.context(target.n_ctx, target.n_batch)
-        out = np.empty((1, target.config.vocab_size), dtype=np.float32)
         try:
-            wanted = np.zeros(len(ids), dtype=np.int8)
-            wanted[-1] = 1
-            context.decode([0] * len(ids), ids, np.arange(len(ids), dtype=np.int32), wanted, out)
-            started = time.perf_counter()
-            for pos in range(len(ids), len(ids) + max_tokens - 1):
-                context.decode([0], [int(out[0].argmax())], [pos], [1], out)
-            return (max_tokens - 1) / (time.perf_counter() - started)
+            return bare_loop(context, target.tokenizer.encode_chat(messages), max_tokens, target.config.vocab_size)
         finally:
             target.weights.release(context)
 
