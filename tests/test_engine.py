@@ -69,6 +69,29 @@ def test_mixed_batch_speculating_and_plain_requests(pair64):
     assert_drafted_and_accepted(results[:2])
 
 
+def test_only_sequences_whose_outcome_reads_an_argmax_have_their_rows_picked(pair64, monkeypatch):
+    """The backend picks (forward_picking) a greedy sequence's rows unless its outcome reads their logits: a
+    logits processor, log-probabilities or sampling. Each of those in one batch gets what it gets alone; rows
+    picked for a sequence that reads logits are refused rather than read wrong."""
+    from tandem.engine import engine as engine_module
+    from tandem.logits.processor import LogitsSettings
+
+    target, draft = pair64
+    kinds = [{}, {"logprobs": 2}, {"logits": LogitsSettings({5: 3.0})},
+             {"sampling": SamplingParams(temperature=0.8, seed=3)}]
+    reqs = [Request(target.tokenizer.encode(PROMPTS[0]), max_tokens=12, draft_policy="fixed", **kw) for kw in kinds]
+    expected = [Engine(target, draft, slots=1, draft_max=3).generate([r])[0].tokens for r in reqs]
+    engine = Engine(target, draft, slots=4, draft_max=3)
+    picks_seen, forward_picking = [], engine.target_kv.forward_picking
+    engine.target_kv.forward_picking = lambda batch, last_only, picks: picks_seen.append(list(picks)) or \
+        forward_picking(batch, last_only, picks)
+    assert [r.tokens for r in engine.generate(reqs)] == expected
+    assert [True, False, False, False] in picks_seen  # a step of all four decoding
+    monkeypatch.setattr(engine_module, "reads_argmax_only", lambda gen: True)  # a rule that picks every row
+    with pytest.raises(ValueError, match="came back picked"):
+        Engine(target, draft, slots=4, draft_max=3).generate(reqs)
+
+
 def test_stop_strings_and_stop_tokens_in_a_batch(pair64):
     target, draft = pair64
     ref = alone(target, PROMPTS[0])

@@ -36,7 +36,7 @@ from tandem.engine.sequence import (
     Request,
     TokenLogprob,
 )
-from tandem.engine.verification import read_outcomes
+from tandem.engine.verification import read_outcomes, reads_argmax_only
 from tandem.logits.processor import processor_for
 from tandem.sampling import make_generator
 from tandem.speculative.calibrate import costs_path, kept_costs, shared_prior
@@ -267,8 +267,7 @@ class Engine(DraftingRules):
             # Prompt chunks want no logits but the last row of a prompt's last chunk. A greedy sequence's verify
             # reads only each row's argmax, which the backend may take where the logits are (forward_picking).
             last_only = [False] * len(decoding) + [True] * len(prefills)
-            picks = [g.sampling.greedy and g.processor is None and g.request.logprobs is None
-                     for g in decoding + [g for g, _ in prefills]]
+            picks = [reads_argmax_only(g) for g in decoding + [g for g, _ in prefills]]
             logits = self.target_kv.forward_picking(batch, last_only, picks)
             target_rows = sum(len(rows) for _, rows in batch)
         self._track_shape(target_rows, any(ks))

@@ -11,6 +11,12 @@ from tandem.sampling import argmax, picked, probs_from_logits
 from tandem.speculative.verify import verify_greedy, verify_sampled, verify_synthetic
 
 
+def reads_argmax_only(gen: Generation) -> bool:
+    """Whether read_outcomes reads nothing of this sequence's rows but their argmax: greedy, with no processor to
+    adjust them and no log-probabilities to score (the engine then has the backend pick them: forward_picking)."""
+    return gen.sampling.greedy and gen.processor is None and gen.request.logprobs is None
+
+
 def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],
                   proposals: dict, device: torch.device, synthetic_acceptance: float | None = None
                   ) -> tuple[dict[int, tuple[int, list[int]]], dict[int, list]]:
@@ -22,6 +28,8 @@ def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[
     greedy, sampled, scored = [], [], {}  # greedy: (gen, rows); sampled: (gen, [n, token])
     on_device: list[tuple[Generation, torch.Tensor]] = []  # drafts to read back with the outcomes
     for gen, rows in decoding + firsts:
+        if rows.dtype == torch.long and not reads_argmax_only(gen):
+            raise ValueError(f"sequence {gen.id}: its rows came back picked, but its outcome reads their logits")
         drafts, draft_probs = proposals.get(gen.id, ([], None))  # a prompt just read in has none
         if isinstance(drafts, torch.Tensor):
             on_device.append((gen, drafts))
