@@ -1,7 +1,7 @@
 """Bare greedy loops (llama_decode and numpy's argmax, as plain_vs_llamaserver.py's `bare`) over contexts of
 tandem's llama.cpp weights, variants interleaved round by round, each variant's tokens/s against the first's: does a
 setting llama-server uses and tandem does not (a persistent ggml threadpool attached to the context, common's
-default, polling 50; an F16 KV cache instead of tandem's Q8_0 on the CPU) explain llama-server's edge?
+default, polling 50; an F16 K cache instead of tandem's Q8_0 on the CPU) explain llama-server's edge?
 
     python bench/llamacpp_bare_variants.py --variants default,pool,f16kv,pool+f16kv --rounds 4
 """
@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = args.variants.split(",")
 
     def make(variant: str) -> Context:
-        kv_q8 = weights.kv_q8
-        weights.kv_q8 = kv_q8 and "f16kv" not in variant  # read when the context is made
+        k_q8 = weights.k_q8
+        weights.k_q8 = k_q8 and "f16kv" not in variant  # read when the context is made
         context = Context(weights, target.n_ctx, target.n_batch)
-        weights.kv_q8 = kv_q8
+        weights.k_q8 = k_q8
         if "pool" in variant:
             attach_threadpool(context, args.threads)
         return context

@@ -674,7 +674,8 @@ def test_llamacpp_engine_batched_equals_alone(llama_pair):
     results = engine.generate(requests(target, prompts, max_tokens=30, draft_policy="fixed"))
     assert [r.tokens for r in results] == expected
     assert_drafted_and_accepted(results)
-    turn2 = target.tokenizer.encode(prompts[0]) + results[0].tokens + target.tokenizer.encode(" again")
+    # the last prompt's slot: no later prompt took it, whichever request finished first
+    turn2 = target.tokenizer.encode(prompts[-1]) + results[-1].tokens + target.tokenizer.encode(" again")
     second = engine.generate([Request(turn2, max_tokens=10, draft_policy="fixed")])[0]
     assert second.stats.cached_tokens >= len(turn2) - len(target.tokenizer.encode(" again")) - 1
     assert second.tokens == alone(target, turn2, max_tokens=10).tokens

@@ -36,7 +36,7 @@ def pair(request, tiny_model_path):
 
 def test_sequences_give_the_in_process_logits_bit_for_bit(pair):
     local, remote = pair
-    assert remote.repacked == local.weights.repacked and remote.kv_q8 == local.kv_q8
+    assert remote.repacked == local.weights.repacked and remote.k_q8 == local.k_q8
     out = []
     for model in pair:
         seq = model.new_sequence()

@@ -21,8 +21,10 @@ takes, in calls of at most 3 rows (KERNELS in llamacpp_core). A plain step, a 9-
 sequences then give a token bit-identical logits (tests/test_llamacpp_backend.py). Attention needs one more step: with
 an F16 KV cache, llama.cpp's CPU flash attention splits a single query's keys across threads once the padded KV
 span reaches 512 (contexts past 256 tokens) but not a batch's, so logits drifted by up to 3.6 after 300 tokens; a
-Q8_0 KV cache takes the same unsplit kernel for 1 and n queries (exact at 100, 300 and 520 tokens, same speed),
-so the CPU default is a Q8_0 cache with flash attention. Measured cost on this 2-core CPU:
+Q8_0 K cache takes the same unsplit kernel for 1 and n queries (exact at 100, 300 and 520 tokens, same speed),
+so the CPU default is a Q8_0 K cache with flash attention. V stays F16: that kernel reads V per query row either
+way, and a Q8_0 V cost its dequantising (1.3% of a plain step's samples at 190 tokens of context, against
+llama-server's F16 cache: bench/results/cpu-2026-12-06b-same-libraries). Measured cost of Q8_0 K and V on this CPU:
 plain step 31-34 -> 35 ms, 9-token verify 194-198 -> 184 ms, 300-token prefill 4.0 -> 4.6 s (noisy machine). Set
 GGML_CPU_TILED_MM=1 for a faster prefill where exact greedy identity does not matter. GPU builds
 (Vulkan, CUDA, Metal) pick matrix-vector kernels for small batches and are not batch-invariant: measure there.
@@ -45,8 +47,8 @@ from tandem.backends.llamacpp_settings import (
     DEFAULT_N_BATCH,
     DEFAULT_N_CTX,
     DRAFT_N_BATCH,
+    k_q8_ok,
     kv_bytes_per_token,
-    kv_q8_ok,
     steady_shapes,
 )
 from tandem.loading.gguf import open_gguf
@@ -196,7 +198,7 @@ class LlamaCppModel(Model):
         self.n_ctx = n_ctx if n_ctx is not None else min(DEFAULT_N_CTX, self.config.context_length)
         self.n_batch = n_batch
         self.weights = LlamaCppWeights(self.path, self.config.vocab_size, n_threads, n_gpu_layers, device, flash_attn,
-                                       kv_q8_ok(self.config), use_mmap, repack)
+                                       k_q8_ok(self.config), use_mmap, repack)
 
     @property
     def n_threads(self) -> int:
@@ -207,12 +209,12 @@ class LlamaCppModel(Model):
         return self.weights.n_gpu_layers
 
     @property
-    def kv_q8(self) -> bool:
-        return self.weights.kv_q8
+    def k_q8(self) -> bool:
+        return self.weights.k_q8
 
-    @kv_q8.setter
-    def kv_q8(self, value: bool) -> None:  # tests: the cache llama.cpp would pick itself
-        self.weights.kv_q8 = value
+    @k_q8.setter
+    def k_q8(self, value: bool) -> None:  # tests: the cache llama.cpp would pick itself
+        self.weights.k_q8 = value
 
     @property
     def device_description(self) -> str | None:
@@ -233,7 +235,7 @@ class LlamaCppModel(Model):
         return LlamaCppSequence(self, rows)
 
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.config, self.kv_q8)
+        return kv_bytes_per_token(self.config, self.k_q8)
 
     def new_batched_cache(self, slots: int, n_ctx: int | None = None, drafting: bool = False) -> LlamaCppBatchedCache:
         if self.weights.model is None:

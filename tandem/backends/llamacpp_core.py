@@ -37,7 +37,7 @@ from tandem.backends.llamacpp_runtime import captured_log, init_llama, recent_er
 MAX_FREE_CONTEXTS = 4  # closed sequences' contexts kept per model for reuse
 GPU_DEVICES = ("vulkan", "metal", "cuda", "rocm", "hip", "sycl", "gpu")
 ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "offload every layer"
-GGML_TYPE_Q8_0 = 8  # ggml_type of a Q8_0 KV cache (see NUMERICS in llamacpp_backend)
+GGML_TYPE_Q8_0 = 8  # ggml_type of a Q8_0 K cache (see NUMERICS in llamacpp_backend)
 GEMV_ROWS = 3  # ggml's repacked matmul takes its GEMM from 4 rows a call on (see KERNELS)
 PREFILL_ALIGN = 4  # ... in groups of 4 rows from the call's first
 REPACKED_BUFFER = "CPU_REPACK model buffer size"  # what llama.cpp logs when it repacked some weights at load
@@ -123,8 +123,8 @@ class Context:
         params.n_threads = weights.n_threads
         params.n_threads_batch = weights.n_threads
         params.no_perf = True
-        if weights.kv_q8:
-            params.type_k = params.type_v = GGML_TYPE_Q8_0
+        if weights.k_q8:  # V stays F16: its kernel is per row either way, and a Q8_0 V costs its dequantising
+            params.type_k = GGML_TYPE_Q8_0
         if weights.flash_attn is not None:
             params.flash_attn_type = (
                 llc.LLAMA_FLASH_ATTN_TYPE_ENABLED if weights.flash_attn else llc.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -368,10 +368,10 @@ class LlamaCppWeights:
     sequences' contexts kept for reuse."""
 
     def __init__(self, path: str, vocab_size: int, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 device: str = "cpu", flash_attn: bool | None = None, kv_q8_ok: bool = True,
+                 device: str = "cpu", flash_attn: bool | None = None, k_q8_ok: bool = True,
                  use_mmap: bool = True, repack: bool = True) -> None:
-        """vocab_size: the GGUF metadata's (every logits row must have that many entries). kv_q8_ok: the model's
-        heads allow a Q8_0 KV cache (32-value blocks divide every head width). Other arguments as load_llamacpp."""
+        """vocab_size: the GGUF metadata's (every logits row must have that many entries). k_q8_ok: the model's
+        heads allow a Q8_0 K cache (32-value blocks divide every head width). Other arguments as load_llamacpp."""
         self.path, self.vocab_size, self.device = path, vocab_size, device
         self.n_threads = n_threads or physical_cores()
         kind = device.split(":")[0].lower()
@@ -380,9 +380,9 @@ class LlamaCppWeights:
         self.n_gpu_layers = gpu_layers_for(device, n_gpu_layers, info)
         self.device_description = info.summary() if info is not None else None
         self.flash_attn = flash_attn
-        # On the CPU, a Q8_0 KV cache (which needs flash attention) keeps attention batch-invariant (NUMERICS).
-        self.kv_q8 = device.lower() == "cpu" and flash_attn is not False and kv_q8_ok
-        if self.kv_q8:
+        # On the CPU, a Q8_0 K cache (which needs flash attention) keeps attention batch-invariant (NUMERICS).
+        self.k_q8 = device.lower() == "cpu" and flash_attn is not False and k_q8_ok
+        if self.k_q8:
             self.flash_attn = True
         if flash_attn is None and info is not None and info.vulkan_device_type == "cpu":
             # Mesa 22.3's lavapipe (Debian bookworm) crashes in its worker threads running ggml's Vulkan flash

@@ -11,19 +11,19 @@ if TYPE_CHECKING:
 DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 512  # prefill chunk: the most tokens one llama_decode call takes (a multiple of 4: KERNELS)
 DRAFT_N_BATCH = 32  # enough for a draft's prefill chunks and any k + 1; smaller compute buffers
-Q8_BLOCK = 32  # values a Q8_0 block holds: it must divide every head width for a Q8_0 KV cache
+Q8_BLOCK = 32  # values a Q8_0 block holds: it must divide every head width for a Q8_0 K cache
 
 
-def kv_q8_ok(config: ModelConfig) -> bool:
-    """Whether a Q8_0 KV cache fits the model's heads: its blocks must divide a head (gemma4: both head widths)."""
+def k_q8_ok(config: ModelConfig) -> bool:
+    """Whether a Q8_0 K cache fits the model's heads: its blocks must divide a head (gemma4: both head widths)."""
     head_dims = (config.head_dim, config.global_head_dim or config.head_dim)
     return all(d % Q8_BLOCK == 0 for d in head_dims)
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_q8: bool) -> int:
+def kv_bytes_per_token(config: ModelConfig, k_q8: bool) -> int:
     c = config  # gemma4: an upper bound (its widest heads and most KV heads on every layer)
-    values = 2 * c.n_layers * c.n_kv_heads * max(c.head_dim, c.global_head_dim or 0)
-    return values * 34 // 32 if kv_q8 else values * 2  # Q8_0: 34 bytes a block of 32; else F16
+    values = c.n_layers * c.n_kv_heads * max(c.head_dim, c.global_head_dim or 0)  # of K, and as many of V
+    return (values * 34 // 32 if k_q8 else values * 2) + values * 2  # Q8_0: 34 bytes a block of 32; F16: 2 a value
 
 
 def steady_shapes(device: str) -> bool:

@@ -331,7 +331,7 @@ class WorkerModel(Model):
                  n_gpu_layers: int = 0, device: str = "cpu", n_batch: int | None = None,
                  flash_attn: bool | None = None, use_mmap: bool = True, repack: bool = True) -> None:
         """Arguments as LlamaCppModel's."""
-        from tandem.backends.llamacpp_settings import DEFAULT_N_BATCH, DEFAULT_N_CTX, kv_q8_ok, steady_shapes
+        from tandem.backends.llamacpp_settings import DEFAULT_N_BATCH, DEFAULT_N_CTX, k_q8_ok, steady_shapes
         from tandem.loading.gguf import open_gguf
         from tandem.loading.tokenizer import Tokenizer
 
@@ -346,13 +346,13 @@ class WorkerModel(Model):
         self.worker = WorkerProcess.shared()
         self.worker.models += 1
         options = dict(n_threads=n_threads, n_gpu_layers=n_gpu_layers, device=device, flash_attn=flash_attn,
-                       kv_q8_ok=kv_q8_ok(self.config), use_mmap=use_mmap, repack=repack)
+                       k_q8_ok=k_q8_ok(self.config), use_mmap=use_mmap, repack=repack)
         try:
             self.handle, info = self.worker.call("load", self.path, self.config.vocab_size, options)
         except Exception:
             self._release_worker()
             raise
-        self.n_threads, self.kv_q8, self.repacked = info["n_threads"], info["kv_q8"], info["repacked"]
+        self.n_threads, self.k_q8, self.repacked = info["n_threads"], info["k_q8"], info["repacked"]
         self.device_description = info["device_description"]
         self._open = True
 
@@ -379,7 +379,7 @@ class WorkerModel(Model):
     def kv_bytes_per_token(self) -> int:
         from tandem.backends.llamacpp_settings import kv_bytes_per_token
 
-        return kv_bytes_per_token(self.config, self.kv_q8)
+        return kv_bytes_per_token(self.config, self.k_q8)
 
     def close(self) -> None:
         if getattr(self, "_open", False):
@@ -436,7 +436,7 @@ class _Worker:
         if op == "load":
             path, vocab_size, options = args
             weights = core.LlamaCppWeights(path, vocab_size, **options)
-            return self.add(weights), {"n_threads": weights.n_threads, "kv_q8": weights.kv_q8,
+            return self.add(weights), {"n_threads": weights.n_threads, "k_q8": weights.k_q8,
                                        "repacked": weights.repacked,
                                        "device_description": weights.device_description}
         if op == "sequence":
