@@ -186,22 +186,34 @@ def run_engine(target, draft, acceptance: float, n: int, args: argparse.Namespac
     """n requests together on the batched engine, plain and adaptive (the planner's draft lengths), rounds
     interleaved; aggregate output tokens/s, median over rounds."""
     prompts = [target.tokenizer.encode_chat(list(PROMPTS[i % len(PROMPTS)].messages)) for i in range(n)]
-    engines = {"plain": Engine(target, None, slots=n, n_ctx=args.ctx),
-               "adaptive": Engine(target, draft, slots=n, n_ctx=args.ctx, draft_max=args.draft_max,
-                                  synthetic_acceptance=acceptance, prompt_lookup=False)}
+    def adaptive() -> Engine:
+        return Engine(target, draft, slots=n, n_ctx=args.ctx, draft_max=args.draft_max,
+                      synthetic_acceptance=acceptance, prompt_lookup=False)
+
+    engines = {"plain": Engine(target, None, slots=n, n_ctx=args.ctx), "adaptive": adaptive()}
+    if args.ahead_ab and engines["adaptive"].costs.ahead_ms:  # the same engine, its last drafts fed after the verify
+        engines["adaptive, no feed ahead"] = adaptive()
+        engines["adaptive, no feed ahead"].costs.ahead_ms = {}
     rates: dict[str, list[float]] = {name: [] for name in engines}
     seen = AcceptanceSeen()
     parts = StepParts() if args.step_parts else None
-    for engine in engines.values():  # a whole round of warm-up, as for llama-server: first-use allocations, graphs
+    for name, engine in engines.items():  # a whole round of warm-up, as for llama-server: first-use allocations, graphs
         engine_round(engine, prompts, args)
-        if parts is not None:  # the measured rounds' steps only
+        if parts is not None and name in ("plain", "adaptive"):  # the measured rounds' steps only
             parts.instrument(engine)
     for r in range(args.repeats):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             rates[name].append(engine_round(engines[name], prompts, args, seen if name == "adaptive" else None))
     ratios = [a / p for a, p in zip(rates["adaptive"], rates["plain"], strict=True)]
     row = {"plain_tps": statistics.median(rates["plain"]), "adaptive_tps": statistics.median(rates["adaptive"]),
-           "speedup": statistics.median(ratios), **seen.row()}
+           "speedup": statistics.median(ratios), **seen.row(),
+           "ahead_ms": engines["adaptive"].costs.ahead_ms, "feeds_ahead": engines["adaptive"].costs.feeds_ahead(n)}
+    if "adaptive, no feed ahead" in rates:
+        row["no_ahead_tps"] = statistics.median(rates["adaptive, no feed ahead"])
+        row["ahead_gain"] = statistics.median(a / b for a, b in zip(rates["adaptive"], rates["adaptive, no feed ahead"],
+                                                                  strict=True))
+        log(f"    feeding ahead (ahead_ms {row['ahead_ms']}): {row['adaptive_tps']:.1f} tok/s against "
+            f"{row['no_ahead_tps']:.1f} without, {row['ahead_gain']:.3f}x")
     if parts is not None:
         costs = engines["adaptive"].costs  # what the loop learned beyond the calibration
         row["step_parts"] = parts.table()
@@ -378,6 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # one start to the next (with and without --no-warmup, -np 1 or 2): flags to try where a number looks like that.
     p.add_argument("--server-args", default="", help="more llama-server flags, space-separated (e.g. --no-warmup)")
     p.add_argument("--json", help="results file: read if present, this call's parts added, written back")
+    p.add_argument("--ahead-ab", action="store_true", help="engine rows: also the adaptive engine without feeding "
+                   "its last drafts beside the verify (BatchCosts.feeds_ahead), rounds interleaved")
     p.add_argument("--step-parts", action="store_true", help="engine rows: where each step's time goes in the loop "
                    "(bench/step_parts.py), by the target's rows before and in the step, and what the loop learned")
     args = p.parse_args(argv)

@@ -48,7 +48,7 @@ export PYTHONPATH=/tmp/site:$PWD
 BW=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && echo 3350 || echo 4800)
 table() { python3 bench/gpu_report_regime.py --model x --draft y --parts "" --json $1 2>&1 | tail -24; cp $1 $OUT/; }
 # --step-parts: each engine row also says where its steps' time went (bench/step_parts.py), no separate trace call
-A="--repeats ${REPEATS:-2} --prompts 2 --cost-repeats 5 --bandwidth-gbs $BW --step-parts"
+A="--repeats ${REPEATS:-2} --prompts 2 --cost-repeats 5 --bandwidth-gbs $BW --step-parts ${REGIME_EXTRA:-}"
 plain_server() { ACCEPTANCE=0.8 REGIME_ARGS="--repeats 3 --server-configs plain" REGIME_TIMEOUT=$1 REGIME=$2 \
     bash bench/h200.sh regimellama > /dev/null 2>&1; tail -3 $OUT/regime_llama_*.err; }
 # vulkan TIMEOUT SERVER_TIMEOUT: llama.cpp for Vulkan set up, the regime on it, then llama-server plain, the table

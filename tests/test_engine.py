@@ -83,8 +83,8 @@ def test_only_sequences_whose_outcome_reads_an_argmax_have_their_rows_picked(pai
     expected = [Engine(target, draft, slots=1, draft_max=3).generate([r])[0].tokens for r in reqs]
     engine = Engine(target, draft, slots=4, draft_max=3)
     picks_seen, forward_picking = [], engine.target_kv.forward_picking
-    engine.target_kv.forward_picking = lambda batch, last_only, picks: picks_seen.append(list(picks)) or \
-        forward_picking(batch, last_only, picks)
+    engine.target_kv.forward_picking = lambda batch, last_only, picks, *rest: picks_seen.append(list(picks)) or \
+        forward_picking(batch, last_only, picks, *rest)
     assert [r.tokens for r in engine.generate(reqs)] == expected
     assert [True, False, False, False] in picks_seen  # a step of all four decoding
     monkeypatch.setattr(engine_module, "reads_argmax_only", lambda gen: True)  # a rule that picks every row
@@ -450,6 +450,37 @@ def test_planner_expects_a_steady_drafts_extra_forward():
     assert any(chosen[True, g] != chosen[False, g] for g in ((0.5,), (0.8,), (0.95,), (0.99,), (0.9, 0.9)))
 
 
+def test_planner_prices_the_last_drafts_fed_beside_the_verify_where_that_pays():
+    """Where the engine feeds the last drafts beside the verify (BatchCosts.feeds_ahead: measured to add less than
+    AHEAD_PAYS of a draft step), a steady draft pays that feed every drafting step in place of the extra forward
+    after all passed: K maximises E(a, K) / ((K + f) c_d + V(K + 1)), f = ahead_ms / c_d, against a brute force;
+    a feed that adds more than that is not used, and the extra forward is expected again."""
+    table = costs({1: {1: 10.0, 2: 10.4, 9: 14.0}, 2: {2: 10.5, 18: 16.0}}, draft_ms=1.2)
+    table.steady_draft = True
+
+    def best(acceptances: list[float], extra) -> int:
+        def rate(k: int) -> float:
+            rows = len(acceptances) * (k + 1)
+            return sum(planner.expected_tokens(a, k) for a in acceptances) / \
+                ((k + extra(k)) * table.draft_ms(len(acceptances)) * (k > 0) + table.target_ms(len(acceptances), rows))
+        return max(range(9), key=lambda k: (rate(k), -k))
+
+    for ahead_ms, feeds in ((0.1, True), (0.5, True), (0.7, False)):
+        table.ahead_ms = {1: ahead_ms, 2: ahead_ms}
+        assert table.feeds_ahead(1) is feeds and table.feeds_ahead(2) is feeds and not table.feeds_ahead(0)
+        for group in ([0.5], [0.8], [0.95], [0.9, 0.9]):
+            extra = (lambda k, ahead_ms=ahead_ms: ahead_ms / 1.2) if feeds else \
+                (lambda k, group=group: 1.0 - np.prod([1.0 - a ** k for a in group]))
+            ks = planner.plan([planner.Candidate(a, 8) for a in group], table)
+            assert len(set(ks)) == 1 and ks[0] == best(group, extra), (ahead_ms, group, ks)
+    table.ahead_ms = {}
+    assert not table.feeds_ahead(1)
+    doc = planner.BatchCosts(verify=table.verify, draft_step=table.draft_step, ahead_ms={1: 0.2}).measured()
+    assert planner.BatchCosts.from_measured(doc).ahead_ms == {1: 0.2}
+    del doc["ahead_ms"]  # costs kept by an earlier version
+    assert planner.BatchCosts.from_measured(doc).ahead_ms == {}
+
+
 def test_observed_costs_move_on_a_trend_not_on_a_one_off():
     """The loop's timings refine the draft's step by a running median: one first-use spike (a graph capture, a
     Vulkan pipeline: 10x a step) leaves it as it was, where an average of it kept drafting off for good; three timings
@@ -693,9 +724,9 @@ def test_a_steady_shaped_draft_feeds_one_row_a_sequence_and_keeps_each_iteration
     calls = []  # per draft forward its rows per sequence; None at each target forward
     from tandem.backends.llamacpp_core import BatchedForward
 
-    def recording(rows, batch, last_only, *args, forward=BatchedForward.forward):  # under the step's whole drafting
+    def recording(rows, batch, last_only, *args, forward=BatchedForward.forward, **kwargs):  # under greedy_drafts
         calls.append(None if rows is engine.target_kv._rows else [len(tokens) for _, tokens in batch])
-        return forward(rows, batch, last_only, *args)
+        return forward(rows, batch, last_only, *args, **kwargs)
 
     monkeypatch.setattr(BatchedForward, "forward", recording)
     prefill = engine.drafter.prefill  # the draft's prompt prefill after a target forward: an iteration of its own

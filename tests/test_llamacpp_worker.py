@@ -154,6 +154,72 @@ def test_greedy_drafts_next_to_the_model_are_the_drafters_own(pair, tiny_model_p
         draft.close()
 
 
+def test_last_drafts_fed_beside_the_verify_spare_the_catch_up_and_change_no_draft(pair, tiny_model_path,
+                                                                                   monkeypatch):
+    """Where the target's cache overlaps the draft's (a GPU) and the costs say it pays, each drafting sequence's
+    last draft goes to the draft beside the verify (BatchedCache.forward_picking's alongside): a sequence whose
+    drafts all passed then drafts from its bonus token alone. Forced here on the CPU, in process and in the worker,
+    with a draft that agrees in part (its last drafts rejected and forgotten) and one that always agrees (the
+    target's own file): the drafts are the ones drafted without it, the output the target's alone, in a draft
+    forward less after each step whose drafts all passed; with several sequences too."""
+    from tandem.engine.drafter import Drafter
+
+    local, remote = pair
+    expected = [tandem.generate(local, prompt=p, max_tokens=20).tokens for p in PROMPTS]
+    draft_of = Drafter.draft
+    for target in (local, remote):
+        for draft_path in (tiny_model_path(qtype="Q4_0", seed=5, **K_QUANT_SHAPES), local.path):
+            draft = tandem.load(draft_path, backend="llama.cpp", n_ctx=256,
+                                isolation="process" if isinstance(target, WorkerModel) else "none")
+            draft.steady_shapes = True  # a catch-up of two tokens in two forwards, as on a GPU
+            cache_type = type(draft.new_batched_cache(1, 32))
+            forward_picking = cache_type.forward_picking
+            runs = []
+            for ahead in (False, True):
+                monkeypatch.setattr(cache_type, "overlaps", lambda self, other, ahead=ahead: ahead)
+                proposed, fed = [], []
+
+                def draft_step(self, *args, proposed=proposed, **kwargs):
+                    proposals, forwards = draft_of(self, *args, **kwargs)
+                    proposed.append(([drafts for drafts, _ in proposals.values()], forwards))
+                    return proposals, forwards
+
+                def picking(self, batch, last_only, picks, alongside=None, fed=fed, forward_picking=forward_picking):
+                    fed.append(alongside is not None and self.overlaps(alongside[0]))  # beside the verify
+                    return forward_picking(self, batch, last_only, picks, alongside)
+
+                monkeypatch.setattr(Drafter, "draft", draft_step)
+                monkeypatch.setattr(cache_type, "forward_picking", picking)
+                engine = Engine(target, draft, slots=1, draft_max=3, prefill_chunk=5)
+                if ahead:
+                    engine.costs.ahead_ms = {1: 0.0}  # where the target's cache overlaps, the costs say it pays
+                requests = [Request(target.tokenizer.encode(p), max_tokens=20, draft_policy="fixed")
+                            for p in PROMPTS]
+                results = engine.generate(requests)
+                all_passed = sum(r.stats.accepted_per_position[2] for r in results)  # steps whose 3 drafts passed
+                runs.append(([r.tokens for r in results], proposed, fed, all_passed))
+                engine.drafter.close()
+            (tokens, proposed, fed_not, all_passed), (tokens_ahead, proposed_ahead, fed_ahead, _) = runs
+            assert tokens == tokens_ahead == expected
+            assert [d for d, _ in proposed] == [d for d, _ in proposed_ahead] and len(proposed) >= 6
+            assert not any(fed_not) and sum(fed_ahead) >= len(proposed) - len(PROMPTS)
+            # A step drafts in 3 forwards; without feeding ahead, one after a step whose drafts all passed takes in
+            # two tokens first, in a forward more (not after a request's last step)
+            spared = sum(f for _, f in proposed if f) - sum(f for _, f in proposed_ahead if f)
+            assert all_passed - len(PROMPTS) <= spared <= all_passed
+            if draft_path == local.path:
+                assert spared >= len(proposed) - 2 * len(PROMPTS)
+
+            engine = Engine(target, draft, slots=3, draft_max=3, prefill_chunk=5)
+            engine.costs.ahead_ms = {1: 0.0, 2: 0.0, 3: 0.0}
+            fed_ahead.clear()
+            requests = [Request(target.tokenizer.encode(p), max_tokens=20, draft_policy="fixed", draft_max=k)
+                        for p, k in zip(PROMPTS, (3, 1, 2), strict=True)]
+            assert [r.tokens for r in engine.generate(requests)] == expected and any(fed_ahead)
+            engine.drafter.close()
+            draft.close()
+
+
 def test_greedy_drafts_past_the_context_fail_clearly_and_change_nothing(pair):
     """A step's drafting whose feeds would pass a slot's capacity, each feed fitting alone but not together, or a
     slot named twice in one feed, is refused before anything runs, in process and in the worker alike."""

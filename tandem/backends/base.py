@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from tandem.loading.tokenizer import Tokenizer
 
 
+# Another cache and a batch for it, fed beside a forward (BatchedCache.forward_picking)
+Alongside = tuple["BatchedCache", Seq[tuple[int, Seq[int]]]]
+
+
 class ContextOverflowError(ValueError):
     """More tokens than a sequence's KV cache can hold."""
 
@@ -85,15 +89,31 @@ class BatchedCache(ABC):
         and verify rows.
         Raises ContextOverflowError (and changes nothing) when a slot would pass its capacity."""
 
-    def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool]
-                        ) -> list[torch.Tensor]:
+    def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool],
+                        alongside: Alongside | None = None) -> list[torch.Tensor]:
         """forward, but each entry with picks[i] comes back as its rows' argmax, [T] int64 (tandem.sampling.argmax's:
         all a greedy sequence's verify reads), which a backend may take where its logits are (llama.cpp's worker
-        process: none of those rows copied back)."""
+        process: none of those rows copied back). alongside: (another cache, a batch of it) fed beside this forward
+        (feed), on the device at once where this cache overlaps that one (overlaps), else after it."""
         from tandem.sampling import argmax
 
         rows = self.forward(batch, last_only)
+        if alongside is not None:
+            alongside[0].feed(alongside[1])
         return [argmax(r) if pick else r for r, pick in zip(rows, picks, strict=True)]
+
+    def feed(self, batch: Seq[tuple[int, Seq[int]]]) -> None:
+        """Take in each (slot, tokens) as forward does, reading nothing back (a device may still be running it when
+        this returns: synchronize waits for it)."""
+        self.forward(batch, [False] * len(batch))
+
+    def overlaps(self, other: BatchedCache) -> bool:
+        """Whether forward_picking runs a feed of `other` alongside on the device beside its own forward (llama.cpp
+        on a GPU: both contexts' work is queued before either is read), rather than after it."""
+        return False
+
+    def synchronize(self) -> None:
+        """Wait for the work a feed left running on the device."""
 
     @abstractmethod
     def rewind(self, slot: int, length: int) -> None:

@@ -35,13 +35,14 @@ backend turn text into the same ids; the `ModelConfig` comes from the same metad
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from tandem.backends.base import BatchedCache, Model, Sequence
+from tandem.backends.base import Alongside, BatchedCache, Model, Sequence
 from tandem.backends.llamacpp_core import BatchedForward, LlamaCppWeights, SequenceForward, argmax_rows
 from tandem.backends.llamacpp_settings import (
     DEFAULT_N_BATCH,
@@ -49,6 +50,7 @@ from tandem.backends.llamacpp_settings import (
     DRAFT_N_BATCH,
     k_q8_ok,
     kv_bytes_per_token,
+    launches_asynchronously,
     steady_shapes,
 )
 from tandem.loading.gguf import open_gguf
@@ -130,11 +132,30 @@ class LlamaCppBatchedCache(BatchedCache):
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         return self.forward_picking(batch, last_only, [False] * len(batch))
 
-    def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool]
-                        ) -> list[torch.Tensor]:
+    def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool],
+                        alongside: Alongside | None = None) -> list[torch.Tensor]:
         self._check(batch)
-        rows = self._rows.forward(batch, last_only)
+        beside = None
+        if alongside is not None:
+            other, feed = alongside
+            other._check(feed)
+            if self.overlaps(other):
+                beside = functools.partial(other._rows.feed, feed)
+        rows = self._rows.forward(batch, last_only, alongside=beside)
+        if alongside is not None and beside is None:
+            other.feed(feed)
         return [torch.from_numpy(argmax_rows(r) if pick else r) for r, pick in zip(rows, picks, strict=True)]
+
+    def feed(self, batch: Seq[tuple[int, Seq[int]]]) -> None:
+        self._check(batch)
+        self._rows.feed(batch)
+
+    def overlaps(self, other: BatchedCache) -> bool:
+        return isinstance(other, LlamaCppBatchedCache) and launches_asynchronously(self.model.device) and \
+            launches_asynchronously(other.model.device)
+
+    def synchronize(self) -> None:
+        self._rows.synchronize()
 
     def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
                       steady: bool) -> tuple[list[list[int]], int]:

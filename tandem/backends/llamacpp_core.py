@@ -151,9 +151,12 @@ class Context:
             self.batch.seq_id[i][0] = 0
 
     def decode(self, seq_ids: Seq[int], tokens: Seq[int], positions: Seq[int] | np.ndarray,
-               wanted: Seq[bool] | np.ndarray, out: np.ndarray | None) -> None:
+               wanted: Seq[bool] | np.ndarray, out: np.ndarray | None,
+               before_read: Callable[[], None] | None = None) -> None:
         """One llama_decode of len(tokens) <= n_batch rows; the logits of the wanted rows (in order) into out
-        [n_wanted, vocab]. Raises RuntimeError when llama.cpp fails (the caller forgets the positions)."""
+        [n_wanted, vocab] (None: left unread, and on a GPU maybe not yet computed). before_read runs between the two:
+        llama_decode returns once the device has the work (the read waits for it), so work launched there runs on
+        the device beside it. Raises RuntimeError when llama.cpp fails (the caller forgets the positions)."""
         n = len(tokens)
         self.tokens[:n] = tokens
         self.positions[:n] = positions
@@ -166,12 +169,18 @@ class Context:
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with {rc} for {n} tokens at positions {positions[0]}.. "
                                f"({self.weights.path!r}): " + " | ".join(recent_errors))
+        if before_read is not None:
+            before_read()
         if out is not None and len(out):
             # [n_wanted, vocab], the flagged rows in batch order; one copy, straight into out
             ctypes.memmove(out.ctypes.data, llc.llama_get_logits(self.ctx), out.nbytes)
 
     def clear(self) -> None:
         llc.llama_memory_clear(self.memory, True)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (a decode whose rows were left unread)."""
+        llc.llama_synchronize(self.ctx)
 
     def free(self) -> None:
         if self.ctx:
@@ -247,12 +256,15 @@ class BatchedForward:
         self._gemm_end = [0] * slots
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool],
-                allocate: Allocator = _new_rows) -> list[np.ndarray]:
+                allocate: Allocator | None = _new_rows, alongside: Callable[[], None] | None = None
+                ) -> list[np.ndarray]:
         """Each entry's logits ([T, vocab], or [1, vocab] where last_only: a prompt chunk), in entry order; the
-        caller checked the batch. One array from `allocate` holds them all."""
+        caller checked the batch. One array from `allocate` holds them all; allocate=None reads none (and returns
+        none): the rows are computed, and on a GPU maybe not yet when this returns. alongside runs once the last
+        llama_decode is launched, before its rows are read (Context.decode's before_read)."""
         vocab, n_batch = self.weights.vocab_size, self.context.n_batch
         counts = [1 if last else len(tokens) for (_, tokens), last in zip(batch, last_only, strict=True)]
-        out = allocate(sum(counts), vocab)
+        out = allocate(sum(counts), vocab) if allocate is not None else None
         offsets = np.cumsum([0] + counts)
         # calls: lists of (entry index, first token, end) row ranges; mixed rows go in together unless split
         calls: list[list[tuple[int, int, int]]] = []
@@ -287,11 +299,12 @@ class BatchedForward:
                     else:
                         wanted += [True] * (end - begin)
                         targets += range(offsets[i] + begin, offsets[i] + end)
-                rows = out[targets[0] : targets[-1] + 1] if targets else None
+                rows = out[targets[0] : targets[-1] + 1] if targets and out is not None else None
                 scratch = rows is not None and len(rows) != len(targets)  # rows not contiguous in out
                 if scratch:
                     rows = _new_rows(len(targets), vocab)
-                self.context.decode(seq_ids, tokens, positions, wanted, rows)
+                self.context.decode(seq_ids, tokens, positions, wanted, rows,
+                                    alongside if call is calls[-1] else None)
                 if scratch:
                     out[targets] = rows
         except RuntimeError:
@@ -303,7 +316,16 @@ class BatchedForward:
             if last and self.split and start == self._gemm_end[slot] and start % PREFILL_ALIGN == 0:
                 self._gemm_end[slot] = start + len(tokens) - len(tokens) % PREFILL_ALIGN
             self.lengths[slot] += len(tokens)
-        return [out[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
+        return [] if out is None else [out[offsets[i] : offsets[i + 1]] for i in range(len(batch))]
+
+    def feed(self, batch: Seq[tuple[int, Seq[int]]]) -> None:
+        """Take in each entry's tokens, reading nothing back: on a GPU this returns before the device has run it
+        (a draft's last draft fed beside the target's verify: see BatchedCache.forward_picking's alongside). Every
+        row is computed as a draft step's, the shape the draft's forwards keep."""
+        self.forward(batch, [False] * len(batch), None)
+
+    def synchronize(self) -> None:
+        self.context.synchronize()
 
     def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
                       steady: bool) -> tuple[list[list[int]], int]:

@@ -26,6 +26,12 @@ def kv_bytes_per_token(config: ModelConfig, k_q8: bool) -> int:
     return (values * 34 // 32 if k_q8 else values * 2) + values * 2  # Q8_0: 34 bytes a block of 32; F16: 2 a value
 
 
+def launches_asynchronously(device: str) -> bool:
+    """Whether llama_decode returns once the device has the forward, before it has run it (a GPU: the logits' read
+    waits for it), so that another context's forward launched before that read runs on the device beside it."""
+    return device.split(":")[0].lower() != "cpu"
+
+
 def steady_shapes(device: str) -> bool:
     """Whether a draft should keep its forwards' shape steady (one row a sequence a forward, a 2-token catch-up in
     two forwards) on this device: llama.cpp rebuilds a context's graph when a forward's shape differs from the one

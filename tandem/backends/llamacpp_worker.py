@@ -28,6 +28,7 @@ if __name__ == "__main__":
     # after torch) segfaulted in llama_model_load's print_info, and loaded first it runs (h200-2026-12-05 results).
     import llama_cpp.llama_cpp  # noqa: F401
 
+import functools
 import importlib.util
 import logging
 import mmap
@@ -45,7 +46,8 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from tandem.backends.base import BatchedCache, Model, Sequence
+from tandem.backends.base import Alongside, BatchedCache, Model, Sequence
+from tandem.backends.llamacpp_settings import launches_asynchronously
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +61,8 @@ WORKER_ENV = "TANDEM_LLAMACPP_WORKER"  # 1: always a worker process; 0: never; u
 ISOLATIONS = ("auto", "process", "none")
 CUDA_BACKEND_LIBS = ("libggml-cuda.so", "ggml-cuda.dll", "libggml-cuda.dylib")  # a CUDA build of llama.cpp ships one
 FLOAT32 = 4  # bytes
-BATCHED_REQUESTS = ("batch_forward", "batch_greedy_drafts", "reusable", "copy_prefix")  # name a batched cache
+BATCHED_REQUESTS = ("batch_forward", "batch_greedy_drafts", "batch_feed", "batch_synchronize", "reusable",
+                    "copy_prefix")  # name a batched cache
 
 
 # --- when ---------------------------------------------------------------------------------------------------------
@@ -261,27 +264,53 @@ class WorkerBatchedCache(BatchedCache):
 
     def _call(self, op: str, *args, rows: tuple[int, int] | None = None):
         """A request on this cache, the rewinds since the last one applied first in the worker."""
+        return self.model.worker.call(op, self.handle, self._take_rewinds(), *args, rows=rows)
+
+    def _take_rewinds(self) -> dict[int, int]:
         rewinds, self._rewinds = self._rewinds, {}
-        return self.model.worker.call(op, self.handle, rewinds, *args, rows=rows)
+        return rewinds
+
+    def feed(self, batch: Seq[tuple[int, Seq[int]]]) -> None:
+        self._check(batch)
+        self._call("batch_feed", [(slot, list(tokens)) for slot, tokens in batch])
+        for slot, tokens in batch:
+            self._lengths[slot] += len(tokens)
+
+    def overlaps(self, other: BatchedCache) -> bool:
+        return isinstance(other, WorkerBatchedCache) and other.model.worker is self.model.worker and \
+            launches_asynchronously(self.model.device) and launches_asynchronously(other.model.device)
+
+    def synchronize(self) -> None:
+        self._call("batch_synchronize")
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         return self.forward_picking(batch, last_only, [False] * len(batch))
 
-    def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool]
-                        ) -> list[torch.Tensor]:
+    def forward_picking(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool], picks: Seq[bool],
+                        alongside: Alongside | None = None) -> list[torch.Tensor]:
         """The picked entries' argmax comes back in the reply; the shared buffer's rows are copied only where some
-        entry is not picked (then all of them: one copy)."""
+        entry is not picked (then all of them: one copy). A feed alongside goes in the same request."""
         import torch
 
         self._check(batch)
         batch = [(slot, list(tokens)) for slot, tokens in batch]
         counts = [1 if last else len(tokens) for (_, tokens), last in zip(batch, last_only, strict=True)]
         every = all(picks)
-        reply = self._call("batch_forward", batch, list(last_only), list(picks),
+        beside = None
+        if alongside is not None and self.overlaps(alongside[0]):
+            other, feed = alongside
+            other._check(feed)
+            beside = (other.handle, other._take_rewinds(), [(slot, list(tokens)) for slot, tokens in feed])
+        reply = self._call("batch_forward", batch, list(last_only), list(picks), beside,
                            rows=None if every else (sum(counts), self.model.vocab_size))
         chosen, rows = (reply, None) if every else reply
         for slot, tokens in batch:
             self._lengths[slot] += len(tokens)
+        if beside is not None:
+            for slot, tokens in alongside[1]:
+                other._lengths[slot] += len(tokens)
+        elif alongside is not None:
+            alongside[0].feed(alongside[1])
         out, at = [], 0
         for i, count in enumerate(counts):
             out.append(torch.tensor(chosen[i], dtype=torch.long) if picks[i] else
@@ -457,9 +486,15 @@ class _Worker:
             for slot, length in rewinds.items():
                 cache.rewind(slot, length)
         if op == "batch_forward":  # the picked entries' argmax in the reply; with every one picked, no rows shared
-            batch, last_only, picks = args
+            batch, last_only, picks, beside = args
+            alongside = None
+            if beside is not None:  # another cache's feed, launched before this forward's rows are read
+                other = self.objects[beside[0]]
+                for slot, length in beside[1].items():
+                    other.rewind(slot, length)
+                alongside = functools.partial(other.feed, beside[2])
             self.scratch = self.scratch or core.ReusedRows()
-            rows = cache.forward(batch, last_only, self.scratch if all(picks) else self.allocate)
+            rows = cache.forward(batch, last_only, self.scratch if all(picks) else self.allocate, alongside)
             return {i: core.argmax_rows(r).tolist() for i, (r, pick) in enumerate(zip(rows, picks, strict=True))
                     if pick}
         if op == "rewind":
@@ -468,6 +503,10 @@ class _Worker:
             feeds, counts, vocab_limit, steady = args
             drawn, forwards = cache.greedy_drafts(feeds, counts, vocab_limit, steady)
             return drawn, forwards, {slot: cache.lengths[slot] for feed in feeds for slot, _ in feed}
+        if op == "batch_feed":
+            return cache.feed(*args)
+        if op == "batch_synchronize":
+            return cache.synchronize()
         if op == "reusable":
             return cache.reusable(*args)
         if op == "copy_prefix":

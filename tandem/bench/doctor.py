@@ -253,7 +253,8 @@ def batched_costs(target: Model, draft: Model | None, slots: int, k: int,
     for b, model in costs.verify.items():
         plain = b / costs.target_ms(b, b)
         row = {"verify_ms": dict(sorted(model.verify_ms.items())), "draft_step_ms": costs.draft_step.get(b),
-               "switch_ms": costs.switch_ms, "draft_len": {}, "predicted_speedup": {}}
+               "switch_ms": costs.switch_ms, "ahead_ms": costs.ahead_ms.get(b), "draft_len": {},
+               "predicted_speedup": {}}
         for a in acceptances:
             ks = planner.plan([planner.Candidate(a, k) for _ in range(b)], costs)
             tokens = sum(expected_tokens(a, ki) for ki in ks)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tandem.backends.base import Model
+from tandem.backends.base import Alongside, Model
 from tandem.engine.sequence import DRAFT_MODEL, Generation
 from tandem.sampling import argmax, probs_from_logits, sample
 from tandem.speculative.compat import draft_ids
@@ -55,6 +55,15 @@ class Drafter:
         when it next drafts)."""
         if self.kv.length(gen.slot) > len(gen.tokens) - 1:
             self.kv.rewind(gen.slot, len(gen.tokens) - 1)
+
+    def ahead(self, gens: list[Generation], last_drafts: list[int]) -> Alongside | None:
+        """The draft's feed of each sequence's last draft (which it drew but has not taken in), for the target's
+        verify to run beside it (BatchedCache.forward_picking); `settle` forgets it where that draft is rejected.
+        None where some slot has no room left."""
+        if any(self.kv.length(g.slot) >= self.kv.capacity for g in gens):
+            return None
+        vocab = self.model.vocab_size
+        return self.kv, [(g.slot, draft_ids([t], vocab)) for g, t in zip(gens, last_drafts, strict=True)]
 
     def _unseen(self, gen: Generation, end: int | None = None) -> list[int]:
         return draft_ids(gen.tokens[self.kv.length(gen.slot) : end], self.model.vocab_size)

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from tandem.backends.base import ContextOverflowError, Model
+from tandem.backends.base import Alongside, ContextOverflowError, Model
 from tandem.engine import planner
 from tandem.engine.drafter import Drafter, Proposal
 from tandem.engine.drafting_rules import DraftingRules
@@ -268,7 +268,7 @@ class Engine(DraftingRules):
             # reads only each row's argmax, which the backend may take where the logits are (forward_picking).
             last_only = [False] * len(decoding) + [True] * len(prefills)
             picks = [reads_argmax_only(g) for g in decoding + [g for g, _ in prefills]]
-            logits = self.target_kv.forward_picking(batch, last_only, picks)
+            logits = self.target_kv.forward_picking(batch, last_only, picks, self._ahead(decoding, proposals))
             target_rows = sum(len(rows) for _, rows in batch)
         self._track_shape(target_rows, any(ks))
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
@@ -384,7 +384,8 @@ class Engine(DraftingRules):
         model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
         if model_drafting and self._drafted is None:
             return
-        draft_ms = self.costs.draft_ms(self._drafted[0]) * self._drafted[1] if model_drafting else 0.0
+        draft_ms = (self.costs.draft_ms(self._drafted[0]) * self._drafted[1] +
+                    self.costs.feed_ahead_ms(self._drafted[0])) if model_drafting else 0.0
         predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows)
         key = (len(decoding), any(ks))
         if self._shape_run == 1:
@@ -524,6 +525,15 @@ class Engine(DraftingRules):
             proposals.update(drafted)
             self._drafted = None if forwards is None or self._evidence else (len(drafting), forwards)
         return proposals
+
+    def _ahead(self, decoding: list[Generation], proposals: dict[int, Proposal]) -> Alongside | None:
+        """The draft's feed of each drafting sequence's last draft, beside the verify, where that pays
+        (BatchCosts.feeds_ahead: a GPU runs it beside the target's forward): a sequence whose drafts all pass then
+        drafts from its bonus token alone, where it would first take in its last draft in a forward of its own."""
+        if self._drafted is None or self.costs is None or not self.costs.feeds_ahead(self._drafted[0]):
+            return None
+        drafted = [g for g in decoding if g.draft_source == DRAFT_MODEL and proposals[g.id][0]]
+        return self.drafter.ahead(drafted, [proposals[g.id][0][-1] for g in drafted])
 
     def _outcomes(self, decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],
                   proposals: dict) -> tuple[dict[int, tuple[int, list[int]]], dict[int, list]]:

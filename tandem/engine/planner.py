@@ -46,6 +46,9 @@ NONLINEAR = 0.15
 CATCH_UP_ROWS = (8, 32)  # a draft's catch-up forward is timed over these many tokens
 NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
 ALL_ACCEPTED_MAX = 1.0 - 1e-9  # a^k capped below 1, for log(1 - a^k)
+# Feeding the last drafts beside the verify replaces the catch-up forward of a sequence whose drafts all pass, about
+# half the steps (acceptance 0.8, k = 3: 0.51): it pays where it adds less than half a draft step (BatchCosts.ahead_ms)
+AHEAD_PAYS = 0.5
 # Costs paid once for a run of iterations are spread over the iterations such runs have lasted in this engine
 # (EWMAs within RUN_LIMITS), charged whole to one iteration they would keep every start and change from happening:
 # - starting to draft: the draft's catch-up on what it missed (it was off, or the request just started), and the
@@ -99,6 +102,11 @@ class BatchCosts:
     # The draft steps one row a forward (Model.steady_shapes): a sequence whose drafts were all accepted has two
     # tokens to take in, one more forward before its next draft (the planner expects it: 1 - prod(1 - a^k))
     steady_draft: bool = False
+    # Where the target's cache runs a feed of the draft's beside its forward (BatchedCache.overlaps: llama.cpp on a
+    # GPU), per batch of drafting sequences: what feeding each one's last draft beside the verify adds to the step.
+    # Where that is less than AHEAD_PAYS draft steps (feeds_ahead), the engine feeds it, and a sequence whose drafts
+    # all pass needs no catch-up forward.
+    ahead_ms: dict[int, float] = field(default_factory=dict)
     _recent: dict = field(default_factory=dict, repr=False)  # observed_median's windows
     _overrun: dict = field(default_factory=dict, repr=False)  # (batch, drafting) -> an iteration's ms - predicted
     _yield: dict = field(default_factory=dict, repr=False)  # batch -> (extra tokens yielded, expected), decayed
@@ -108,7 +116,7 @@ class BatchCosts:
         return {"verify": {str(b): {str(n): ms for n, ms in c.verify_ms.items()} for b, c in self.verify.items()},
                 "draft_step": {str(b): ms for b, ms in self.draft_step.items()},
                 "catch_up_ms_per_token": self.catch_up_ms_per_token, "catch_up_base_ms": self.catch_up_base_ms,
-                "switch_ms": self.switch_ms}
+                "switch_ms": self.switch_ms, "ahead_ms": {str(b): ms for b, ms in self.ahead_ms.items()}}
 
     @classmethod
     def from_measured(cls, doc: dict) -> BatchCosts:
@@ -118,7 +126,8 @@ class BatchCosts:
             raise ValueError("no verify costs")
         return cls(verify=verify, draft_step={int(b): float(ms) for b, ms in doc["draft_step"].items()},
                    catch_up_ms_per_token=float(doc["catch_up_ms_per_token"]),
-                   catch_up_base_ms=float(doc["catch_up_base_ms"]), switch_ms=float(doc["switch_ms"]))
+                   catch_up_base_ms=float(doc["catch_up_base_ms"]), switch_ms=float(doc["switch_ms"]),
+                   ahead_ms={int(b): float(ms) for b, ms in doc.get("ahead_ms", {}).items()})
 
     @staticmethod
     def _bucket(table: dict, n: int) -> int:
@@ -150,6 +159,24 @@ class BatchCosts:
         if not self.draft_step or sequences == 0:
             return NGRAM_STEP_MS if sequences else 0.0
         return self.draft_step[self._bucket(self.draft_step, sequences)]
+
+    def feeds_ahead(self, sequences: int) -> bool:
+        """Whether a step of `sequences` drafting sequences feeds their last drafts beside the verify (ahead_ms)."""
+        if not self.ahead_ms or not self.draft_step or sequences == 0:
+            return False
+        return self.ahead_ms[self._bucket(self.ahead_ms, sequences)] < AHEAD_PAYS * self.draft_ms(sequences)
+
+    def feed_ahead_ms(self, sequences: int) -> float:
+        """What feeding ahead adds to a step of `sequences` drafting sequences (0 where it does not feed ahead)."""
+        return self.ahead_ms[self._bucket(self.ahead_ms, sequences)] if self.feeds_ahead(sequences) else 0.0
+
+    def catch_up_steps(self, sequences: int, all_passed: float | np.ndarray) -> float | np.ndarray:
+        """What a steady draft's step of `sequences` sequences pays after its drafts, in draft steps, where
+        `all_passed` is the chance that some sequence's drafts all pass: that sequence's catch-up forward, or a feed
+        beside the verify where the engine feeds ahead (feeds_ahead)."""
+        if self.feeds_ahead(sequences):
+            return self.feed_ahead_ms(sequences) / self.draft_ms(sequences)
+        return all_passed
 
     def observe_shape_run(self, iterations: int) -> None:
         """A target shape lasted this many forwards before the shape changed."""
@@ -246,8 +273,8 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     # fixed draft-model drafters: log P(none of them has all its drafts accepted), for the steady draft's extra forward
     fixed_none = sum(np.log1p(-min(candidates[i].acceptance ** k, ALL_ACCEPTED_MAX)) for i, k in enumerate(ks)
                      if k and not candidates[i].lookup) if costs.steady_draft else 0.0
-    best_rate = fixed_tokens / ms(steps_fixed + (1.0 - np.exp(fixed_none)) * bool(fixed_stepping),
-                                  len(fixed_stepping), 0, fixed_rows)
+    after_drafts = costs.catch_up_steps(len(fixed_stepping), 1.0 - np.exp(fixed_none)) if fixed_stepping else 0.0
+    best_rate = fixed_tokens / ms(steps_fixed + after_drafts, len(fixed_stepping), 0, fixed_rows)
     if steps_fixed == 0:
         # A quick bound first, the common case under load: drafting adds at most a/(1-a) tokens a sequence (any K)
         # and costs at least one draft step (or, by prompt lookup, one row); when even that cannot beat plain, the
@@ -279,8 +306,10 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     stepping = len(fixed_stepping) + n  # draft-model sequences stepping together
     draft_cost = np.array([costs.draft_ms(int(s)) if s else 0.0 for s in stepping])  # [n]
     steps = np.where(n[None, :] > 0, np.maximum(Ks, steps_fixed), steps_fixed)  # [K, n]
-    if costs.steady_draft:  # the extra forward of a draft whose every draft was accepted
-        steps = steps + np.where(stepping[None, :] > 0, 1.0 - np.exp(model_none + fixed_none), 0.0)
+    if costs.steady_draft:  # the extra forward of a draft whose every draft was accepted, or the feed ahead
+        all_passed = 1.0 - np.exp(model_none + fixed_none)  # [K, n]
+        after_drafts = [costs.catch_up_steps(int(s), all_passed[:, j]) if s else 0.0 for j, s in enumerate(stepping)]
+        steps = steps + np.column_stack([np.broadcast_to(x, (len(Ks),)) for x in after_drafts])
     time_ms = (steps * draft_cost)[:, None, :] + costs.catch_up_ms(lags) / costs.drafting_run \
         + costs.target_ms_array(batch, rows)
     drafts = (m[:, None] > 0) | (n[None, :] > 0)  # [m, n]: every plan but all-plain drafts
@@ -380,6 +409,10 @@ def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchr
         plain_after_verify = _time(target, 1, 1, synchronize, after=rows, calls=2) - repeated[1]
         verify_after_plain = _time(target, 1, rows, synchronize, after=1, calls=2) - repeated[rows]
         costs.switch_ms = max(0.0, (plain_after_verify + verify_after_plain) / 2)
+        if draft is not None and target.overlaps(draft):
+            for b in batches:  # a typical verify, alone and with a draft row a sequence fed beside it
+                costs.ahead_ms[b] = max(0.0, _time(target, b, rows, synchronize, alongside=draft) -
+                                        _time(target, b, rows, synchronize))
     return costs
 
 
@@ -397,12 +430,14 @@ def _verify_costs(target: BatchedCache, batch: int, k_max: int, synchronize) -> 
     return CostModel(draft_step_ms=0.0, verify_ms=table | probes)
 
 
-def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | None = None, calls: int = 1) -> float:
+def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | None = None, calls: int = 1,
+          alongside: BatchedCache | None = None) -> float:
     """Median ms of `calls` forwards in a row of `rows` tokens in each of `batch` slots, after CONTEXT tokens (the
     first run is a warm-up), each run right after as many untimed forwards of `after` rows where given (a change of
     shape, from a shape run as long: ggml-cuda has captured it, as it has a verify in the loop, and a capture must
-    then instantiate a new graph where one left captured at `rows` would be updated in place); every slot is rewound
-    to empty after."""
+    then instantiate a new graph where one left captured at `rows` would be updated in place), each with a row a
+    slot of `alongside` fed beside it where given (BatchedCache.forward_picking), until both are done; every slot
+    is rewound to empty after."""
     token = 0
     slots = list(range(batch))
     cache.forward([(s, [token] * CONTEXT) for s in slots], [True] * batch)
@@ -416,11 +451,18 @@ def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | 
         for _ in range(calls):
             synchronize()
             started = time.perf_counter()
-            cache.forward([(s, [token] * rows) for s in slots], [False] * batch)
+            if alongside is None:
+                cache.forward([(s, [token] * rows) for s in slots], [False] * batch)
+            else:
+                cache.forward_picking([(s, [token] * rows) for s in slots], [False] * batch, [False] * batch,
+                                      (alongside, [(s, [token]) for s in slots]))
+                alongside.synchronize()
             synchronize()
             total += 1000.0 * (time.perf_counter() - started)
             for s in slots:
                 cache.rewind(s, CONTEXT)
+                if alongside is not None:
+                    alongside.rewind(s, 0)
         times.append(total)
     for s in slots:
         cache.rewind(s, 0)
