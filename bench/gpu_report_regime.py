@@ -142,6 +142,7 @@ def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> 
     bench = Bench(target, draft, configs, args.max_tokens, acceptance, ignore_eos=True, repeats=args.repeats)
     tps = {c.name: [] for c in configs}
     speedups: dict[str, list[float]] = {c.name: [] for c in configs}
+    decode_speedups = []  # decode tok/s alone (not the prompt's time): what the arithmetic of steps predicts
     drafting = {c.name: [0.0, 0] for c in configs}  # draft ms, drafted tokens: what a drafted token cost the loop
     seen = AcceptanceSeen()
     for prompt in PROMPTS[:args.prompts]:
@@ -154,6 +155,8 @@ def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> 
             drafting[name][0] += runs[name].stats.draft_ms
             drafting[name][1] += runs[name].stats.draft_tokens
         seen.add(runs["draft"].stats)
+        decode_speedups.append(runs["draft"].stats.decode_tokens_per_second /
+                               runs["plain"].stats.decode_tokens_per_second)
 
     def geomean(values: list[float]) -> float:
         return math.exp(statistics.fmean(math.log(v) for v in values))
@@ -162,7 +165,8 @@ def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> 
         return drafting[name][0] / drafting[name][1] if drafting[name][1] else None
 
     return {"plain_tps": statistics.fmean(tps["plain"]), "adaptive_tps": statistics.fmean(tps["draft"]),
-            "speedup": geomean(speedups["draft"]), "draft_ms_per_token": draft_ms_per_token("draft"),
+            "speedup": geomean(speedups["draft"]), "decode_speedup": geomean(decode_speedups),
+            "draft_ms_per_token": draft_ms_per_token("draft"),
             "fixed": {name: {"speedup": geomean(speedups[name]), "draft_ms_per_token": draft_ms_per_token(name)}
                       for name in tps if name.startswith("fixed")},
             **seen.row()}
@@ -343,6 +347,10 @@ def format_table(doc: dict) -> str:
                 f"{_fmt(fixed['draft_ms_per_token'], '.2f')}" for name, fixed in row.get("fixed", {}).items()]
             lines.append(f"a={row['acceptance']} one request, draft ms a drafted token in the loop: "
                          + "; ".join(per_token))
+            if row.get("decode_speedup") and row["predicted"]:  # the speedup above counts each run's prompt too
+                lines.append(f"a={row['acceptance']} tandem.generate, decode alone (the prompt's time left out, as "
+                             f"in the arithmetic): {row['decode_speedup']:.3f}x, "
+                             f"{row['decode_speedup'] / row['predicted']:.2f} of predicted")
     if server and not doc.get("bench"):
         for (with_draft, n), r in sorted(server.items()):
             lines.append(f"llama-server {'draft' if with_draft else 'plain'} x{n}: {r['tps']:.1f} tok/s")
