@@ -16,6 +16,7 @@ plans expected (BatchCosts.yield_factor).
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -140,15 +141,12 @@ class BatchCosts:
     def target_ms_array(self, batch: int, rows: np.ndarray) -> np.ndarray:
         """target_ms over an array of row counts at once (CostModel.verify's rule: linear between and beyond the
         measured points, never above a measured V(m) for m > n), for the planner's [K, n] grid."""
-        table = self.verify[self._bucket(self.verify, batch)].verify_ms
-        ns = np.array(sorted(table), dtype=float)
-        vs = np.array([table[n] for n in sorted(table)], dtype=float)
+        ns, vs, later_min = _points(tuple(sorted(self.verify[self._bucket(self.verify, batch)].verify_ms.items())))
         if len(ns) == 1:
             return np.full(rows.shape, vs[0])
         after = np.searchsorted(ns, rows, side="right")  # points with m > n start here
-        i = np.clip(after, 1, len(ns) - 1)
+        i = np.minimum(np.maximum(after, 1), len(ns) - 1)  # (np.clip: 4x the time of a small plan's arrays)
         value = np.maximum(vs[i - 1] + (vs[i] - vs[i - 1]) * (rows - ns[i - 1]) / (ns[i] - ns[i - 1]), 1e-6)
-        later_min = np.append(np.minimum.accumulate(vs[::-1])[::-1], np.inf)  # min of vs[j:], inf past the end
         return np.minimum(value, later_min[after])
 
     def catch_up_ms(self, tokens: int | np.ndarray) -> float | np.ndarray:
@@ -170,13 +168,10 @@ class BatchCosts:
         """What feeding ahead adds to a step of `sequences` drafting sequences (0 where it does not feed ahead)."""
         return self.ahead_ms[self._bucket(self.ahead_ms, sequences)] if self.feeds_ahead(sequences) else 0.0
 
-    def catch_up_steps(self, sequences: int, all_passed: float | np.ndarray) -> float | np.ndarray:
-        """What a steady draft's step of `sequences` sequences pays after its drafts, in draft steps, where
-        `all_passed` is the chance that some sequence's drafts all pass: that sequence's catch-up forward, or a feed
-        beside the verify where the engine feeds ahead (feeds_ahead)."""
-        if self.feeds_ahead(sequences):
-            return self.feed_ahead_ms(sequences) / self.draft_ms(sequences)
-        return all_passed
+    def ahead_steps(self, sequences: int) -> float:
+        """Where a steady draft's step of `sequences` sequences feeds ahead (feeds_ahead), what the feed adds, in
+        draft steps; else nan: the step pays the catch-up forward of a sequence whose drafts all passed instead."""
+        return self.feed_ahead_ms(sequences) / self.draft_ms(sequences) if self.feeds_ahead(sequences) else np.nan
 
     def observe_shape_run(self, iterations: int) -> None:
         """A target shape lasted this many forwards before the shape changed."""
@@ -233,6 +228,15 @@ class BatchCosts:
                                                          self.draft_step[sequences], ms / forwards)
 
 
+@functools.lru_cache(maxsize=64)
+def _points(table: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A verify table's (rows, ms) as arrays, and the least ms at or after each point (inf past the end): made once
+    a table, not once a plan."""
+    ns = np.array([n for n, _ in table], dtype=float)
+    vs = np.array([ms for _, ms in table], dtype=float)
+    return ns, vs, np.append(np.minimum.accumulate(vs[::-1])[::-1], np.inf)
+
+
 def _run_average(average: float, run: int) -> float:
     return float(np.clip(average + EWMA_WEIGHT * (run - average), *RUN_LIMITS))
 
@@ -273,7 +277,10 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     # fixed draft-model drafters: log P(none of them has all its drafts accepted), for the steady draft's extra forward
     fixed_none = sum(np.log1p(-min(candidates[i].acceptance ** k, ALL_ACCEPTED_MAX)) for i, k in enumerate(ks)
                      if k and not candidates[i].lookup) if costs.steady_draft else 0.0
-    after_drafts = costs.catch_up_steps(len(fixed_stepping), 1.0 - np.exp(fixed_none)) if fixed_stepping else 0.0
+    after_drafts = 0.0  # a steady draft's catch-up forward after all passed, or its feed ahead
+    if fixed_stepping:
+        after_drafts = costs.ahead_steps(len(fixed_stepping))
+        after_drafts = 1.0 - np.exp(fixed_none) if np.isnan(after_drafts) else after_drafts
     best_rate = fixed_tokens / ms(steps_fixed + after_drafts, len(fixed_stepping), 0, fixed_rows)
     if steps_fixed == 0:
         # A quick bound first, the common case under load: drafting adds at most a/(1-a) tokens a sequence (any K)
@@ -302,14 +309,14 @@ def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_row
     # estimates, as planned)
     gain = lookup_gain[:, :, None] + costs.yield_factor(batch) * model_gain[:, None, :]  # [K, m, n]
     rows = fixed_rows + lookup_rows[:, :, None] + model_rows[:, None, :]
-    lags = np.concatenate([[0], np.cumsum([candidates[i].lag for i in models])])[n]  # [n]
+    lags = np.array([0, *itertools.accumulate(candidates[i].lag for i in models)])[n]  # [n]
     stepping = len(fixed_stepping) + n  # draft-model sequences stepping together
     draft_cost = np.array([costs.draft_ms(int(s)) if s else 0.0 for s in stepping])  # [n]
     steps = np.where(n[None, :] > 0, np.maximum(Ks, steps_fixed), steps_fixed)  # [K, n]
     if costs.steady_draft:  # the extra forward of a draft whose every draft was accepted, or the feed ahead
         all_passed = 1.0 - np.exp(model_none + fixed_none)  # [K, n]
-        after_drafts = [costs.catch_up_steps(int(s), all_passed[:, j]) if s else 0.0 for j, s in enumerate(stepping)]
-        steps = steps + np.column_stack([np.broadcast_to(x, (len(Ks),)) for x in after_drafts])
+        ahead = np.array([costs.ahead_steps(int(s)) if s else 0.0 for s in stepping])  # [n], nan: not fed
+        steps = steps + np.where(stepping > 0, np.where(np.isnan(ahead), all_passed, ahead), 0.0)
     time_ms = (steps * draft_cost)[:, None, :] + costs.catch_up_ms(lags) / costs.drafting_run \
         + costs.target_ms_array(batch, rows)
     drafts = (m[:, None] > 0) | (n[None, :] > 0)  # [m, n]: every plan but all-plain drafts
@@ -361,11 +368,12 @@ def _prefixes(ranked: list[Candidate], Ks: np.ndarray) -> tuple[np.ndarray, np.n
     k = np.minimum(Ks, np.array([c.k_max for c in ranked])[None, :])  # [K, len]
     tail = (acceptance - acceptance ** (k + 1)) / np.maximum(1.0 - acceptance, 1e-12)  # E(a, k) - 1
 
-    def prefix_sums(per_candidate: np.ndarray) -> np.ndarray:
-        return np.concatenate([np.zeros((Ks.shape[0], 1)), np.cumsum(per_candidate, axis=1)], axis=1)[:, sizes]
-
     none_all = np.log1p(-np.minimum(acceptance ** k, ALL_ACCEPTED_MAX))
-    return prefix_sums(np.where(acceptance >= 1.0, k, tail)), prefix_sums(k), prefix_sums(none_all), sizes
+    per_candidate = np.stack([np.where(acceptance >= 1.0, k, tail), k, none_all])  # [3, K, len]: summed at once
+    sums = np.zeros((3, Ks.shape[0], len(ranked) + 1))
+    np.cumsum(per_candidate, axis=2, out=sums[:, :, 1:])
+    gain, rows, none = sums[:, :, sizes]
+    return gain, rows, none, sizes
 
 
 @functools.cache
