@@ -193,6 +193,7 @@ def test_last_drafts_fed_beside_the_verify_spare_the_catch_up_and_change_no_draf
                 engine = Engine(target, draft, slots=1, draft_max=3, prefill_chunk=5)
                 if ahead:
                     engine.costs.ahead_ms = {1: 0.0}  # where the target's cache overlaps, the costs say it pays
+                    engine.costs.decide_feeding_ahead()
                 requests = [Request(target.tokenizer.encode(p), max_tokens=20, draft_policy="fixed")
                             for p in PROMPTS]
                 results = engine.generate(requests)
@@ -212,6 +213,7 @@ def test_last_drafts_fed_beside_the_verify_spare_the_catch_up_and_change_no_draf
 
             engine = Engine(target, draft, slots=3, draft_max=3, prefill_chunk=5)
             engine.costs.ahead_ms = {1: 0.0, 2: 0.0, 3: 0.0}
+            engine.costs.decide_feeding_ahead()
             fed_ahead.clear()
             requests = [Request(target.tokenizer.encode(p), max_tokens=20, draft_policy="fixed", draft_max=k)
                         for p, k in zip(PROMPTS, (3, 1, 2), strict=True)]

@@ -105,9 +105,10 @@ class BatchCosts:
     steady_draft: bool = False
     # Where the target's cache runs a feed of the draft's beside its forward (BatchedCache.overlaps: llama.cpp on a
     # GPU), per batch of drafting sequences: what feeding each one's last draft beside the verify adds to the step.
-    # Where that is less than AHEAD_PAYS draft steps (feeds_ahead), the engine feeds it, and a sequence whose drafts
-    # all pass needs no catch-up forward.
+    # Where that is less than AHEAD_PAYS draft steps (decide_feeding_ahead), the engine feeds it, and a sequence
+    # whose drafts all pass needs no catch-up forward.
     ahead_ms: dict[int, float] = field(default_factory=dict)
+    ahead_pays: set[int] = field(default_factory=set)  # the batch sizes of ahead_ms that feed ahead
     _recent: dict = field(default_factory=dict, repr=False)  # observed_median's windows
     _overrun: dict = field(default_factory=dict, repr=False)  # (batch, drafting) -> an iteration's ms - predicted
     _yield: dict = field(default_factory=dict, repr=False)  # batch -> (extra tokens yielded, expected), decayed
@@ -128,7 +129,7 @@ class BatchCosts:
         return cls(verify=verify, draft_step={int(b): float(ms) for b, ms in doc["draft_step"].items()},
                    catch_up_ms_per_token=float(doc["catch_up_ms_per_token"]),
                    catch_up_base_ms=float(doc["catch_up_base_ms"]), switch_ms=float(doc["switch_ms"]),
-                   ahead_ms={int(b): float(ms) for b, ms in doc.get("ahead_ms", {}).items()})
+                   ahead_ms={int(b): float(ms) for b, ms in doc.get("ahead_ms", {}).items()}).decide_feeding_ahead()
 
     @staticmethod
     def _bucket(table: dict, n: int) -> int:
@@ -158,11 +159,20 @@ class BatchCosts:
             return NGRAM_STEP_MS if sequences else 0.0
         return self.draft_step[self._bucket(self.draft_step, sequences)]
 
+    def decide_feeding_ahead(self) -> BatchCosts:
+        """Feed ahead at the batch sizes where the feed adds less than AHEAD_PAYS of the draft step timed with it:
+        decided once, on the calibration's figures. The loop's draft step may read dearer (H100, Vulkan: 4.5 ms where
+        2.0 timed alone); priced against that, a feed that added 1.96 ms looked cheap, and fed ahead the engine ran
+        0.80x of itself without (`bench/results/h100-2026-12-06f-feed-ahead`)."""
+        self.ahead_pays = {b for b, ms in self.ahead_ms.items()
+                           if b in self.draft_step and ms < AHEAD_PAYS * self.draft_step[b]}
+        return self
+
     def feeds_ahead(self, sequences: int) -> bool:
         """Whether a step of `sequences` drafting sequences feeds their last drafts beside the verify (ahead_ms)."""
-        if not self.ahead_ms or not self.draft_step or sequences == 0:
+        if not self.ahead_ms or sequences == 0:
             return False
-        return self.ahead_ms[self._bucket(self.ahead_ms, sequences)] < AHEAD_PAYS * self.draft_ms(sequences)
+        return self._bucket(self.ahead_ms, sequences) in self.ahead_pays
 
     def feed_ahead_ms(self, sequences: int) -> float:
         """What feeding ahead adds to a step of `sequences` drafting sequences (0 where it does not feed ahead)."""
@@ -421,6 +431,7 @@ def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchr
             for b in batches:  # a typical verify, alone and with a draft row a sequence fed beside it
                 costs.ahead_ms[b] = max(0.0, _time(target, b, rows, synchronize, alongside=draft) -
                                         _time(target, b, rows, synchronize))
+            costs.decide_feeding_ahead()
     return costs
 
 
