@@ -39,6 +39,7 @@ def check_contract(d: dict) -> None:
         assert {int(n) for n in row["verify_ms"]} >= {int(b), 2 * int(b)}
         assert all(ms > 0 for ms in row["verify_ms"].values()) and row["draft_step_ms"] > 0
         assert row["switch_ms"] >= 0
+        assert row["ahead_ms"] is None and row["feeds_ahead"] is False  # a CPU runs no feed beside the verify
         assert set(row["draft_len"]) == set(row["predicted_speedup"]) == {"0.5", "0.7", "0.9"}
         assert all(s > 0 for s in row["predicted_speedup"].values())
 
@@ -61,6 +62,18 @@ def test_doctor_synthetic_and_text(capsys):
     assert main(["doctor", "--repeats", "1", "--synthetic-shape", "tiny,tiny-draft"]) == 0
     text = capsys.readouterr().out
     assert "SYNTHETIC" in text and "target step" in text and "batched" in text and "B=4" in text
+
+
+def test_the_batched_lines_say_whether_the_last_drafts_go_beside_the_verify():
+    from tandem.bench.doctor import format_batched
+
+    row = {"verify_ms": {1: 10.0, 4: 14.0}, "draft_step_ms": 2.0, "switch_ms": 3.0, "draft_len": {0.8: 3},
+           "predicted_speedup": {0.8: 1.5}}
+    rows = {1: {**row, "ahead_ms": 0.7, "feeds_ahead": True}, 2: {**row, "ahead_ms": 1.9, "feeds_ahead": False},
+            4: {**row, "ahead_ms": None, "feeds_ahead": False}}
+    lines = format_batched(rows)
+    assert "beside the verify +0.70 ms (fed)" in lines[2] and "+1.90 ms (not fed" in lines[3]
+    assert "beside" not in lines[4] and "draft step 2.00 ms; a=0.8: k=3 1.50x" in lines[4]
 
 
 def test_flags_on_pathological_numbers():

@@ -253,8 +253,8 @@ def batched_costs(target: Model, draft: Model | None, slots: int, k: int,
     for b, model in costs.verify.items():
         plain = b / costs.target_ms(b, b)
         row = {"verify_ms": dict(sorted(model.verify_ms.items())), "draft_step_ms": costs.draft_step.get(b),
-               "switch_ms": costs.switch_ms, "ahead_ms": costs.ahead_ms.get(b), "draft_len": {},
-               "predicted_speedup": {}}
+               "switch_ms": costs.switch_ms, "ahead_ms": costs.ahead_ms.get(b), "feeds_ahead": costs.feeds_ahead(b),
+               "draft_len": {}, "predicted_speedup": {}}
         for a in acceptances:
             ks = planner.plan([planner.Candidate(a, k) for _ in range(b)], costs)
             tokens = sum(expected_tokens(a, ki) for ki in ks)
@@ -271,9 +271,12 @@ def format_batched(batched: dict[int, dict]) -> list[str]:
         lines.append(f"    a change of shape (plain step <-> verify): {switch:.2f} ms, paid as drafting starts, stops")
     for b, row in batched.items():
         verify = ", ".join(f"{n} rows {ms:.2f}" for n, ms in row["verify_ms"].items())
-        draft = "" if row["draft_step_ms"] is None else f"; draft step {row['draft_step_ms']:.2f}"
+        draft = "" if row["draft_step_ms"] is None else f"; draft step {row['draft_step_ms']:.2f} ms"
+        if row.get("ahead_ms") is not None:  # a GPU: the last drafts fed to the draft beside the verify
+            draft += f"; last drafts beside the verify +{row['ahead_ms']:.2f} ms (" + \
+                ("fed" if row["feeds_ahead"] else "not fed: it adds half a draft step or more") + ")"
         plan = ", ".join(f"a={a}: k={row['draft_len'][a]} {row['predicted_speedup'][a]:.2f}x" for a in row["draft_len"])
-        lines.append(f"    B={b}: target {verify} ms{draft} ms; {plan}")
+        lines.append(f"    B={b}: target {verify} ms{draft}; {plan}")
     return lines
 
 
