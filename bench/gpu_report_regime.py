@@ -47,6 +47,7 @@ from tandem.bench.bench import Bench, parse_configs
 from tandem.bench.load import PROMPTS as LOAD_PROMPTS
 from tandem.bench.suite import BenchPrompt
 from tandem.engine import Engine, Request
+from tandem.engine.sequence import DRAFT_MODEL
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import CostModel
 from tandem.speculative.stats import GenerationStats
@@ -145,10 +146,24 @@ def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> 
     decode_speedups = []  # decode tok/s alone (not the prompt's time): what the arithmetic of steps predicts
     drafting = {c.name: [0.0, 0] for c in configs}  # draft ms, drafted tokens: what a drafted token cost the loop
     seen = AcceptanceSeen()
+    trace: dict[str, list[str]] = {c.name: [] for c in configs}  # the median runs' iterations, "k:accepted" or "."
+    record = GenerationStats.record_iteration
+
+    def recording(stats: GenerationStats, k: int, n_accepted: int, source: str | None = None) -> None:
+        stats.__dict__.setdefault("steps", []).append(f"{k}:{n_accepted}" if k else ".")
+        record(stats, k, n_accepted, source)
+
     for prompt in PROMPTS[:args.prompts]:
         for config in configs:
             bench.warm_up(prompt, config)
-        runs, ratio = bench.measure(prompt)
+        GenerationStats.record_iteration = recording
+        try:  # what the kept engines had learned before each run
+            runs, ratio = bench.measure(prompt, on_run=lambda config: log(f"    before {config.name}: {learned(target)}"))
+        finally:
+            GenerationStats.record_iteration = record
+        for name, run in runs.items():
+            trace[name].append(" ".join(run.stats.__dict__.get("steps", [])))
+            log(f"    {prompt.name} {name} (median run): {trace[name][-1]}; belief {run.stats.belief}")
         for name in tps:
             speedups[name].append(ratio[name])
             tps[name].append(runs[name].stats.tokens_per_second)
@@ -164,12 +179,30 @@ def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> 
     def draft_ms_per_token(name: str) -> float | None:
         return drafting[name][0] / drafting[name][1] if drafting[name][1] else None
 
+    log(f"    learned by tandem.generate's engines: {learned(target)}")
     return {"plain_tps": statistics.fmean(tps["plain"]), "adaptive_tps": statistics.fmean(tps["draft"]),
             "speedup": geomean(speedups["draft"]), "decode_speedup": geomean(decode_speedups),
             "draft_ms_per_token": draft_ms_per_token("draft"),
             "fixed": {name: {"speedup": geomean(speedups[name]), "draft_ms_per_token": draft_ms_per_token(name)}
                       for name in tps if name.startswith("fixed")},
-            **seen.row()}
+            "trace": trace, "learned": learned(target), **seen.row()}
+
+
+def learned(target) -> dict:
+    """What tandem.generate's kept engines learned beyond their calibration (tandem.api keeps them on the target)."""
+    rows = {}
+    for key, kept in target.__dict__.get("_tandem_engines", {}).items():
+        costs = kept.engine.costs
+        if costs is not None:
+            rows[os.path.basename(str(key.draft))[:24]] = {
+                "draft_step_ms": {b: round(ms, 2) for b, ms in costs.draft_step.items()},
+                "overrun_ms": round(costs.drafting_overrun(1), 2), "yield": round(costs.yield_factor(1), 3),
+                "shape_run": round(costs.shape_run, 1), "drafting_run": round(costs.drafting_run, 1),
+                "switch_ms": round(costs.switch_ms, 2), "catch_up": (round(costs.catch_up_base_ms, 2),
+                                                                   round(costs.catch_up_ms_per_token, 3)),
+                "prior": tuple(round(x, 2) for x in kept.engine.prior.counts(DRAFT_MODEL)),
+                "reply_tokens": round(kept.engine.prior.reply_tokens)}
+    return rows
 
 
 def engine_round(engine: Engine, prompts: list[list[int]], args: argparse.Namespace, seen: AcceptanceSeen | None = None

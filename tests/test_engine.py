@@ -577,6 +577,50 @@ def test_a_draft_back_after_a_plain_stretch_rereads_within_the_probe_budget(pair
     assert not engine._reread_in_budget(gen, 1)
 
 
+def test_a_draft_the_plan_keeps_off_rereads_where_the_rest_of_the_reply_repays_it(pair64):
+    """A request whose first drafts failed goes plain, and its estimate fades back towards its prior. With a thin
+    margin the plan at that faded point estimate still keeps it off, and where a caught-up token costs more than
+    PROBE_BUDGET of a plain step the budget never admits a read: the request drafted no more (Vulkan, H100, 32B /
+    1.5B at acceptance 0.8: two rejections first, then 125 plain steps). It re-reads where what a read may switch on,
+    over the rest of the reply and the spread of its faded estimate, is worth PROBE_VALUE_MARGIN times the catch-up
+    (the first read's test); near the reply's end it does not."""
+    from tandem.engine.sequence import DRAFT_MODEL
+    from tandem.speculative.policy import AcceptancePrior
+
+    target, draft = pair64
+    engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
+    engine.prior = AcceptancePrior()  # not what this module's other requests taught the pair's shared one
+    vulkan = costs({1: {1: 14.0, 2: 18.6, 3: 22.3, 5: 34.0, 9: 170.0}}, draft_ms=2.2)  # H100, Vulkan, 32B / 1.5B
+    vulkan.catch_up_ms_per_token, vulkan.steady_draft = 0.67, True  # > PROBE_BUDGET * 14 ms
+    vulkan.observe_draft = vulkan.observe_iteration = lambda *args: None
+    engine.costs = costs({1: {1: 10.0, 9: 90.0}}, draft_ms=50.0)  # nothing drafts while the reply starts
+    gen = engine.add(requests(target, PROMPTS[4:5], max_tokens=200)[0])
+    for _ in range(30):
+        engine.step()
+    engine.costs = vulkan
+    estimate = gen.estimates[DRAFT_MODEL]
+    estimate.prior, estimate.settled_at, estimate.request_reached = (4.5, 6.0), 0, 2
+    estimate.accepted, estimate.drafted = 3.6, 6.6  # two first drafts rejected
+    gen.plain_iterations = 20  # faded most of the way back to 0.75
+
+    def reads(gen) -> bool:
+        engine._plain_plan, engine._values = None, {}
+        engine._plan([gen], 0)
+        return gen in engine._evidence
+
+    candidate = engine._candidate(gen)
+    assert candidate.lag > 0 and 0.6 < candidate.acceptance < 0.65
+    assert planner.plan([candidate], vulkan) == [0] and not engine._reread_in_budget(gen, 1)
+    read = engine.drafter.read_evidence
+    engine.drafter.read_evidence = lambda gens, synthetic=None: None  # the decision alone, nothing read
+    try:
+        assert reads(gen)
+        gen.request.max_tokens = gen.emitted + 12  # a few tokens left: not worth the catch-up
+        assert not reads(gen)
+    finally:
+        engine.drafter.read_evidence = read
+
+
 def test_a_change_of_shape_is_not_learned_as_overrun(pair64):
     """The loop learns a drafting step's overrun from its timings, less what its forwards and a change of shape
     cost. ggml-cuda pays a change unevenly, +2 ms on the first forward of the new shape (uncaptured) and +12 on the

@@ -127,7 +127,7 @@ class DraftingRules:
         """planner.value_of_drafting for this sequence, once a step for a given estimate (sixteen plans: new
         requests share their prior's counts, and a burst of them would plan it each)."""
         estimate = gen.estimates[DRAFT_MODEL]
-        key = (estimate.accepted, estimate.drafted, gen.draft_max, batch)
+        key = (*estimate.counts(gen.plain_iterations), gen.draft_max, batch)
         if (id(self.costs), key) not in self._values:
             self._values[id(self.costs), key] = planner.value_of_drafting(
                 *key, self.costs, self.prior.spread_strength(DRAFT_MODEL))

@@ -479,16 +479,21 @@ class Engine(DraftingRules):
         # it missed, teacher-forced: how much of it it would have predicted is its acceptance on this text, known
         # before a single draft is verified, and the plan is made again with it (a
         # draft that cannot pay then never drafts, instead of drafting at the prior first). It waits for
-        # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks; back after
-        # a plain stretch, it reads only within the probe budget.
+        # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks. Back after
+        # a plain stretch, it reads where the plan would draft and the catch-up is within the probe budget; a draft
+        # that has shown fewer positions than a read would (a few drafts verified, never read) also where the read
+        # passes the first read's test (a plan at its faded estimate, and a budget that a dear catch-up never
+        # meets, kept a request plain after two unlucky drafts: Vulkan, H100).
         for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
             if gen.draft_source != DRAFT_MODEL or not self._wants_evidence(gen, candidate):
                 continue
-            first = gen.estimates[DRAFT_MODEL].request_reached == 0
-            if ks[i] or first and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior, len(decoding)):
+            reached = gen.estimates[DRAFT_MODEL].request_reached
+            first, unread = reached == 0, reached < EVIDENCE_TOKENS  # unread: fewer positions than a read shows
+            if ks[i] or unread and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior, len(decoding)):
                 if first and not self._first_read_pays(gen, len(decoding)):
                     gen.draft_declined, ks[i] = True, 0  # this request goes on with prompt lookup alone
-                elif not first and not self._reread_in_budget(gen, len(decoding)):
+                elif not first and not (ks[i] and self._reread_in_budget(gen, len(decoding)) or
+                                        unread and self._first_read_pays(gen, len(decoding))):
                     ks[i] = 0
                 elif len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
                     self._evidence.append(gen)

@@ -101,8 +101,12 @@ class Estimate:
         self.request_accepted = self.request_reached = 0  # over the request, for the shared prior
 
     def acceptance(self, plain_iterations: int) -> float:
-        accepted, drafted = self._faded(plain_iterations - self.settled_at)
+        accepted, drafted = self.counts(plain_iterations)
         return accepted / drafted
+
+    def counts(self, plain_iterations: int) -> tuple[float, float]:
+        """(accepted, drafted) now, faded towards the prior by the plain iterations since the last update."""
+        return self._faded(plain_iterations - self.settled_at)
 
     def settle(self, plain_iterations: int) -> None:
         """Apply the fading of the plain iterations since the last update (before new evidence is added)."""
