@@ -158,7 +158,7 @@ def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> 
             bench.warm_up(prompt, config)
         GenerationStats.record_iteration = recording
         try:  # what the kept engines had learned before each run
-            runs, ratio = bench.measure(prompt, on_run=lambda config: log(f"    before {config.name}: {learned(target)}"))
+            runs, ratio = bench.measure(prompt, on_run=lambda c: log(f"    before {c.name}: {learned(target)}"))
         finally:
             GenerationStats.record_iteration = record
         for name, run in runs.items():
