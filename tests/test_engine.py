@@ -621,6 +621,43 @@ def test_a_draft_the_plan_keeps_off_rereads_where_the_rest_of_the_reply_repays_i
         engine.drafter.read_evidence = read
 
 
+def test_a_prior_learned_low_is_read_again_within_the_exploration_budget(pair64):
+    """Requests that the shared prior says will not repay a read decline it, and a request that does not read
+    records nothing: a prior learned low held for good (after requests at acceptance 0.5, requests at 0.8 never
+    drafted; Vulkan costs, emulated). Their plain time is counted, and once a read's catch-up is within
+    EXPLORE_BUDGET of it a request reads anyway; what it reads is recorded and the count starts again. Where even the
+    acceptance a fresh process expects cannot pay, nothing is explored. The output is the target's either way."""
+    from tandem.engine.sequence import DRAFT_MODEL
+    from tandem.speculative.policy import EXPLORE_BUDGET
+
+    target, draft = pair64
+    engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
+    engine.prior = prior = AcceptancePrior()
+    for _ in range(8):  # requests that accepted alike and little: a tight Beta at 0.2
+        prior.record(DRAFT_MODEL, 4, 20)
+    engine.costs = costs({1: {1: 10.0, 2: 12.0, 5: 18.0, 9: 26.0}}, draft_ms=1.0)  # pays at 0.7, not at 0.2
+    engine.costs.observe_draft = engine.costs.observe_iteration = lambda *args: None
+    prompt = PROMPTS[4]
+    lag = len(target.tokenizer.encode(prompt)) + 16  # at most, when the read is decided
+    engine.costs.catch_up_ms_per_token = 1.5 * 24 * 10.0 * EXPLORE_BUDGET / lag  # a request and a half's worth
+
+    def run() -> tuple:
+        gen = engine.add(requests(target, [prompt], max_tokens=24)[0])
+        while engine.busy:
+            engine.step()
+        assert gen.tokens[gen.prompt_len :] == alone(target, prompt).tokens
+        return gen.estimates[DRAFT_MODEL].request_reached, gen.draft_declined
+
+    assert [run() for _ in range(2)] == [(0, True)] * 2  # declined; their plain time counted
+    assert prior.may_explore(DRAFT_MODEL, 2 * 24 * 10.0 * EXPLORE_BUDGET) and \
+        not prior.may_explore(DRAFT_MODEL, 2.1 * 24 * 10.0 * EXPLORE_BUDGET)
+    reached, declined = run()  # the third reads on the budget, and the prior learns from it
+    assert reached >= EVIDENCE_TOKENS and not declined
+    assert not prior.may_explore(DRAFT_MODEL, 1e-9) and prior._requests[DRAFT_MODEL] == 9
+    engine.costs.draft_step = {1: 100.0}  # not even 0.7 could pay: nothing to explore, though the budget allows
+    assert [run()[0] for _ in range(4)] == [0] * 4 and prior.may_explore(DRAFT_MODEL, 3 * 24 * 10.0 * EXPLORE_BUDGET)
+
+
 def test_a_change_of_shape_is_not_learned_as_overrun(pair64):
     """The loop learns a drafting step's overrun from its timings, less what its forwards and a change of shape
     cost. ggml-cuda pays a change unevenly, +2 ms on the first forward of the new shape (uncaptured) and +12 on the

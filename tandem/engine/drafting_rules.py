@@ -11,6 +11,7 @@ from __future__ import annotations
 from tandem.engine import planner
 from tandem.engine.sequence import DRAFT_MODEL, Generation
 from tandem.speculative.policy import (
+    ACCEPTANCE_PRIOR,
     EVIDENCE_TOKENS,
     LEARNING_ITERATIONS,
     PROBE_BUDGET,
@@ -112,6 +113,19 @@ class DraftingRules:
         learning_ms = LEARNING_ITERATIONS * (self.costs.draft_ms(1) + extra_row_ms)
         wait = EVIDENCE_TOKENS - (len(gen.tokens) - gen.prompt_len)
         return wait * gain_ms < PROBE_VALUE_MARGIN * p_no_gain * (catch_up_ms + learning_ms)
+
+    def _explores(self, gen: Generation, batch: int) -> bool:
+        """Whether a request reads the draft although its prior says that will not pay: where the requests since the
+        prior last learned anything of the draft decoded plain long enough that this read's catch-up is within
+        EXPLORE_BUDGET of their time (AcceptancePrior.may_explore), and drafting would pay in this batch at the
+        acceptance a fresh process expects (ACCEPTANCE_PRIOR; a machine where even that cannot pay, a CPU's pair,
+        has nothing to find). A prior learned low otherwise keeps every later request from reading, so that none
+        records what the draft accepts now (emulated, Vulkan costs: after requests at acceptance 0.5, requests at
+        0.8 never drafted)."""
+        if self.costs is None or gen.draft_max == 0 or \
+                not self.prior.may_explore(DRAFT_MODEL, self.costs.catch_up_ms(self.drafter.lag(gen))):
+            return False
+        return self._drafts_at(ACCEPTANCE_PRIOR[0] / ACCEPTANCE_PRIOR[1], gen.draft_max, batch)
 
     def _reread_in_budget(self, gen: Generation, batch: int) -> bool:
         """The re-probe rule: a draft back after a plain stretch reads what it missed only where

@@ -450,6 +450,11 @@ class Engine(DraftingRules):
                 self.prior.record_copied(gen.copied_tokens / gen.emitted)
             if gen.finish_reason == "stop":
                 self.prior.record_reply(gen.emitted)  # a natural reply length: what a first catch-up is repaid over
+            estimate = gen.estimates.get(DRAFT_MODEL)
+            if estimate is not None and estimate.request_reached == 0 and self.costs is not None:
+                # plain time the prior did not learn from: its share of each step, as the re-read's budget counts it
+                batch = len(self.running) + 1  # with this sequence, removed above
+                self.prior.note_unread(DRAFT_MODEL, gen.emitted * self.costs.target_ms(batch, batch) / batch)
             gen.stats.belief = {"acceptance": {s: gen.acceptance(s) for s in gen.estimates},
                                 "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()},
                                 "predicted_speedup": gen.predicted_speedup}
@@ -489,16 +494,26 @@ class Engine(DraftingRules):
                 continue
             reached = gen.estimates[DRAFT_MODEL].request_reached
             first, unread = reached == 0, reached < EVIDENCE_TOKENS  # unread: fewer positions than a read shows
-            if ks[i] or unread and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior, len(decoding)):
-                if first and not self._first_read_pays(gen, len(decoding)):
-                    gen.draft_declined, ks[i] = True, 0  # this request goes on with prompt lookup alone
-                elif not first and not (ks[i] and self._reread_in_budget(gen, len(decoding)) or
-                                        unread and self._first_read_pays(gen, len(decoding))):
-                    ks[i] = 0
-                elif len(gen.tokens) - gen.prompt_len >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
-                    self._evidence.append(gen)
-                else:
-                    ks[i] = 0
+            generated = len(gen.tokens) - gen.prompt_len
+            considered = ks[i] or unread and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior,
+                                                                    len(decoding))
+            if first and not (considered and self._first_read_pays(gen, len(decoding))):
+                ks[i] = 0
+                if self._explores(gen, len(decoding)):  # the prior says no, but it has not learned for long
+                    if generated >= EVIDENCE_TOKENS:
+                        self.prior.explored(DRAFT_MODEL)
+                        self._evidence.append(gen)
+                elif considered:
+                    gen.draft_declined = True  # this request goes on with prompt lookup alone
+            elif not considered:
+                continue
+            elif not first and not (ks[i] and self._reread_in_budget(gen, len(decoding)) or
+                                    unread and self._first_read_pays(gen, len(decoding))):
+                ks[i] = 0
+            elif generated >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
+                self._evidence.append(gen)
+            else:
+                ks[i] = 0
         if self._evidence:
             self.drafter.read_evidence(self._evidence, self.synthetic_acceptance)
             candidates = [self._candidate(g) for g in decoding]

@@ -43,6 +43,11 @@ PRIOR_SPREAD_REQUESTS = 3
 # Turning drafting back on may cost at most this fraction of the plain time since it went off (a re-probe after a
 # plain stretch first catches the draft up on every token it missed). At 0.1, failed probes cost 4-5% (H200).
 PROBE_BUDGET = 0.03
+# A request reads a draft its prior says will not pay once the requests that did not read it since the prior last
+# learned decoded plain for this fraction's worth of the read (AcceptancePrior.may_explore): a prior learned low
+# would otherwise hold for good, since a request that does not read records nothing. At 0.03 a workload that never
+# accepts enough paid 0.7% (one request at a time, H100 costs, emulated).
+EXPLORE_BUDGET = 0.005
 # A draft that has not run yet in a request first takes in the prompt. It does so only when the drafting that this
 # buys is worth PROBE_VALUE_MARGIN times that catch-up: the expected time saved over the rest of the reply, with the
 # expectation over what the acceptance may be (a Beta of the prior's pseudo-counts), since the catch-up itself shows
@@ -171,6 +176,7 @@ class AcceptancePrior:
         self._requests: dict[str, int] = {}  # source -> requests recorded
         self._reply_tokens: float | None = None  # EWMA of generated tokens per request
         self._copied_share = DEFAULT_COPIED_SHARE  # EWMA of the share of a reply prompt lookup made
+        self._unread_ms: dict[str, float] = {}  # source -> plain ms of requests that never read it, since it learned
 
     def counts(self, source: str, default: tuple[float, float] = ACCEPTANCE_PRIOR) -> tuple[float, float]:
         """Pseudo-counts (accepted, drafted) a request's estimate for `source` starts from; `default` (or this
@@ -199,6 +205,7 @@ class AcceptancePrior:
                 spread = self._spread.get(source, (rate - old) ** 2)
                 self._spread[source] = spread + PRIOR_REQUEST_WEIGHT * ((rate - old) ** 2 - spread)
             self._requests[source] = self._requests.get(source, 0) + 1
+            self._unread_ms[source] = 0.0
 
     def spread_strength(self, source: str) -> float:
         """The positions a Beta of this prior's acceptance holds so as to spread as much as completed requests'
@@ -211,6 +218,22 @@ class AcceptancePrior:
             return VALUE_MIN_STRENGTH
         fitted = mean * (1.0 - mean) / max(spread, 1e-9) - 1.0
         return float(np.clip(fitted, VALUE_MIN_STRENGTH, VALUE_MAX_STRENGTH))
+
+    def note_unread(self, source: str, plain_ms: float) -> None:
+        """A completed request that never read nor drafted by `source` decoded plain for `plain_ms` (its share)."""
+        with self._lock:
+            self._unread_ms[source] = self._unread_ms.get(source, 0.0) + plain_ms
+
+    def may_explore(self, source: str, catch_up_ms: float) -> bool:
+        """Whether a read of `source` costing `catch_up_ms` is within EXPLORE_BUDGET of the plain time of the
+        requests that did not read it since it last learned."""
+        with self._lock:
+            return EXPLORE_BUDGET * self._unread_ms.get(source, 0.0) >= catch_up_ms > 0.0
+
+    def explored(self, source: str) -> None:
+        """A request reads `source` on the exploration budget: it is spent."""
+        with self._lock:
+            self._unread_ms[source] = 0.0
 
     def record_reply(self, tokens: int) -> None:
         with self._lock:
