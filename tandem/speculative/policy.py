@@ -46,7 +46,7 @@ PROBE_BUDGET = 0.03
 # A request reads a draft its prior says will not pay once the requests that did not read it since the prior last
 # learned decoded plain for this fraction's worth of the read (AcceptancePrior.may_explore): a prior learned low
 # would otherwise hold for good, since a request that does not read records nothing. A workload that never accepts
-# enough pays at most this; emulated on H100 costs, one request at a time, 0.2% (Vulkan) and 0.7% (CUDA: a 256-token
+# enough pays for it: emulated on H100 costs, one request at a time, 0.2% (Vulkan) and 0.7% (CUDA: a 256-token
 # request's plain time repays a cheap prompt read each time).
 EXPLORE_BUDGET = 0.005
 # A draft that has not run yet in a request first takes in the prompt. It does so only when the drafting that this
