@@ -24,13 +24,13 @@ import zlib
 import numpy as np
 from engine_emulation import HOST_MS, VirtualClock  # bench/
 from regime_emulation import GRAPH_MS, Emulated, costs_of
+from step_parts import iterations, iterations_traced
 
 import tandem
 from tandem.engine import Engine, Request
 from tandem.engine.sequence import DRAFT_MODEL
 from tandem.loading.synthetic import write_tiny_gguf
 from tandem.sampling import SamplingParams
-from tandem.speculative.stats import GenerationStats
 
 PROMPT_TOKENS = 48
 WARMUP_TOKENS = 16  # tandem.bench.bench's warm-up length
@@ -56,20 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         extra = max(0, rows - sequences) * args.catch_up_ms_per_token
         return step_cost(sequences, sequences) + extra
 
-    recorded = GenerationStats.record_iteration
-
-    def recording(stats: GenerationStats, k: int, n_accepted: int, source: str | None = None) -> None:
-        stats.__dict__.setdefault("steps", []).append(f"{k}:{n_accepted}" if k else ".")
-        recorded(stats, k, n_accepted, source)
-
     root = tempfile.mkdtemp(prefix="tandem-emulation-")
     target, draft = (tandem.load(write_tiny_gguf(os.path.join(root, f"{name}.gguf"), seed=seed, context_length=2048),
                                  backend="llama.cpp", n_ctx=1024) for name, seed in (("t", 1), ("d", 2)))
     draft.steady_shapes = args.graph != "none"
     clock = VirtualClock()
-    real_clock, time.perf_counter = time.perf_counter, clock  # the engine's clock; nothing else times here
-    GenerationStats.record_iteration = recording
     graph = GRAPH_MS.get(args.graph, {"target": 0.0, "draft": 0.0})
+    real_clock, time.perf_counter = time.perf_counter, clock  # the engine's clock; nothing else times here
     try:
         engine = Engine(target, draft, slots=1, n_ctx=1024, draft_max=8, synthetic_acceptance=args.acceptance,
                         prompt_lookup=False, measure_costs=False)
@@ -90,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             while engine.busy:
                 engine.step()
                 clock.advance(HOST_MS[0] + HOST_MS[1])
-            return gen.emitted / (clock.now - started), " ".join(gen.stats.__dict__.get("steps", []))
+            return gen.emitted / (clock.now - started), iterations(gen.stats)
 
         for name in args.prompts.split(","):
             prompt = rng.integers(10, target.vocab_size - 10, PROMPT_TOKENS).tolist()
@@ -99,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                 run(name, prompt, policy, k, WARMUP_TOKENS)
             for r in range(args.rounds):
                 for label, policy, k in configs:
-                    rate, steps = run(name, prompt, policy, k, args.max_tokens)
+                    with iterations_traced():
+                        rate, steps = run(name, prompt, policy, k, args.max_tokens)
                     print(f"{name} round {r} {label:9s} {rate:6.1f} tok/s (virtual, its prompt read included)  {steps}")
             print(f"  prior after {name}: {tuple(round(x, 2) for x in engine.prior.counts(DRAFT_MODEL))}")
     finally:
         time.perf_counter = real_clock
-        GenerationStats.record_iteration = recorded
     return 0
 
 

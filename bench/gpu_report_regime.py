@@ -39,7 +39,7 @@ import time
 import zlib
 from dataclasses import dataclass
 
-from step_parts import StepParts
+from step_parts import StepParts, iterations, iterations_traced, loop_learned
 
 import tandem
 from tandem.bench import doctor
@@ -47,7 +47,6 @@ from tandem.bench.bench import Bench, parse_configs
 from tandem.bench.load import PROMPTS as LOAD_PROMPTS
 from tandem.bench.suite import BenchPrompt
 from tandem.engine import Engine, Request
-from tandem.engine.sequence import DRAFT_MODEL
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import CostModel
 from tandem.speculative.stats import GenerationStats
@@ -146,23 +145,14 @@ def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> 
     decode_speedups = []  # decode tok/s alone (not the prompt's time): what the arithmetic of steps predicts
     drafting = {c.name: [0.0, 0] for c in configs}  # draft ms, drafted tokens: what a drafted token cost the loop
     seen = AcceptanceSeen()
-    trace: dict[str, list[str]] = {c.name: [] for c in configs}  # the median runs' iterations, "k:accepted" or "."
-    record = GenerationStats.record_iteration
-
-    def recording(stats: GenerationStats, k: int, n_accepted: int, source: str | None = None) -> None:
-        stats.__dict__.setdefault("steps", []).append(f"{k}:{n_accepted}" if k else ".")
-        record(stats, k, n_accepted, source)
-
+    trace: dict[str, list[str]] = {c.name: [] for c in configs}  # the median runs' iterations
     for prompt in PROMPTS[:args.prompts]:
         for config in configs:
             bench.warm_up(prompt, config)
-        GenerationStats.record_iteration = recording
-        try:  # what the kept engines had learned before each run
+        with iterations_traced():  # and what the kept engines had learned before each run
             runs, ratio = bench.measure(prompt, on_run=lambda c: log(f"    before {c.name}: {learned(target)}"))
-        finally:
-            GenerationStats.record_iteration = record
         for name, run in runs.items():
-            trace[name].append(" ".join(run.stats.__dict__.get("steps", [])))
+            trace[name].append(iterations(run.stats))
             log(f"    {prompt.name} {name} (median run): {trace[name][-1]}; belief {run.stats.belief}")
         for name in tps:
             speedups[name].append(ratio[name])
@@ -190,19 +180,8 @@ def run_generate(target, draft, acceptance: float, args: argparse.Namespace) -> 
 
 def learned(target) -> dict:
     """What tandem.generate's kept engines learned beyond their calibration (tandem.api keeps them on the target)."""
-    rows = {}
-    for key, kept in target.__dict__.get("_tandem_engines", {}).items():
-        costs = kept.engine.costs
-        if costs is not None:
-            rows[os.path.basename(str(key.draft))[:24]] = {
-                "draft_step_ms": {b: round(ms, 2) for b, ms in costs.draft_step.items()},
-                "overrun_ms": round(costs.drafting_overrun(1), 2), "yield": round(costs.yield_factor(1), 3),
-                "shape_run": round(costs.shape_run, 1), "drafting_run": round(costs.drafting_run, 1),
-                "switch_ms": round(costs.switch_ms, 2), "catch_up": (round(costs.catch_up_base_ms, 2),
-                                                                   round(costs.catch_up_ms_per_token, 3)),
-                "prior": tuple(round(x, 2) for x in kept.engine.prior.counts(DRAFT_MODEL)),
-                "reply_tokens": round(kept.engine.prior.reply_tokens)}
-    return rows
+    return {os.path.basename(str(key.draft))[:24]: loop_learned(kept.engine, 1)
+            for key, kept in target.__dict__.get("_tandem_engines", {}).items() if kept.engine.costs is not None}
 
 
 def engine_round(engine: Engine, prompts: list[list[int]], args: argparse.Namespace, seen: AcceptanceSeen | None = None
@@ -252,11 +231,8 @@ def run_engine(target, draft, acceptance: float, n: int, args: argparse.Namespac
         log(f"    feeding ahead (ahead_ms {row['ahead_ms']}): {row['adaptive_tps']:.1f} tok/s against "
             f"{row['no_ahead_tps']:.1f} without, {row['ahead_gain']:.3f}x")
     if parts is not None:
-        costs = engines["adaptive"].costs  # what the loop learned beyond the calibration
         row["step_parts"] = parts.table()
-        row["learned"] = {"draft_step_ms": costs.draft_step, "overrun_ms": costs.drafting_overrun(n),
-                          "shape_run": costs.shape_run, "drafting_run": costs.drafting_run,
-                          "switch_ms": costs.switch_ms}
+        row["learned"] = loop_learned(engines["adaptive"], n)  # what the loop learned beyond the calibration
         for line in parts.lines():
             log("    " + line)
         log(f"    learned: {row['learned']}")

@@ -12,8 +12,12 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from tandem.engine import Engine
+from tandem.engine.sequence import DRAFT_MODEL
+from tandem.speculative.stats import GenerationStats
 
 PARTS = ("step", "plan", "draft", "forward", "outcomes")
 
@@ -78,3 +82,36 @@ class StepParts:
         return [head] + [f"({e['engine']}, {e['sequences']}, {e['rows_before']}, {e['rows']}) {e['n']} " +
                          " ".join(f"{e[p]:.2f}" for p in (*PARTS, "rest")) + f"; {e['total']:.1f}"
                          for e in self.table()]
+
+
+@contextmanager
+def iterations_traced() -> Iterator[None]:
+    """While open, every request's stats keep its iterations in order (`iterations(stats)`): what the adaptive
+    policy did step by step, where the counts in GenerationStats say only how often."""
+    record = GenerationStats.record_iteration
+
+    def recording(stats: GenerationStats, k: int, n_accepted: int, source: str | None = None) -> None:
+        stats.__dict__.setdefault("steps", []).append(f"{k}:{n_accepted}" if k else ".")
+        record(stats, k, n_accepted, source)
+
+    GenerationStats.record_iteration = recording
+    try:
+        yield
+    finally:
+        GenerationStats.record_iteration = record
+
+
+def iterations(stats: GenerationStats) -> str:
+    """A traced request's iterations: "k:accepted" a drafting step, "." a plain one."""
+    return " ".join(stats.__dict__.get("steps", []))
+
+
+def loop_learned(engine: Engine, batch: int) -> dict:
+    """What an engine's loop has learned beyond its calibration, at `batch` sequences, and its shared prior."""
+    costs, prior = engine.costs, engine.prior
+    return {"draft_step_ms": {b: round(ms, 3) for b, ms in costs.draft_step.items()},
+            "overrun_ms": round(costs.drafting_overrun(batch), 3), "yield": round(costs.yield_factor(batch), 3),
+            "shape_run": round(costs.shape_run, 1), "drafting_run": round(costs.drafting_run, 1),
+            "switch_ms": round(costs.switch_ms, 3),
+            "catch_up": (round(costs.catch_up_base_ms, 3), round(costs.catch_up_ms_per_token, 3)),
+            "prior": tuple(round(x, 2) for x in prior.counts(DRAFT_MODEL)), "reply_tokens": round(prior.reply_tokens)}

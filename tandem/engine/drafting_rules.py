@@ -134,8 +134,7 @@ class DraftingRules:
         re-read every few steps, it cost 2-4% at 2 requests and acceptance 0.6 on an H100's costs (emulated,
         bench/regime_emulation.py), for reads that never switched it on."""
         idle = gen.plain_iterations - gen.estimates[DRAFT_MODEL].settled_at
-        plain_share_ms = idle * self.costs.target_ms(batch, batch) / batch
-        return self.costs.catch_up_ms(self.drafter.lag(gen)) <= PROBE_BUDGET * plain_share_ms
+        return self.costs.catch_up_ms(self.drafter.lag(gen)) <= PROBE_BUDGET * idle * self.costs.plain_share_ms(batch)
 
     def _value_of_drafting(self, gen: Generation, batch: int) -> tuple[float, float]:
         """planner.value_of_drafting for this sequence, once a step for a given estimate (sixteen plans: new

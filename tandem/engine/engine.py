@@ -452,9 +452,8 @@ class Engine(DraftingRules):
                 self.prior.record_reply(gen.emitted)  # a natural reply length: what a first catch-up is repaid over
             estimate = gen.estimates.get(DRAFT_MODEL)
             if estimate is not None and estimate.request_reached == 0 and self.costs is not None:
-                # plain time the prior did not learn from: its share of each step, as the re-read's budget counts it
-                batch = len(self.running) + 1  # with this sequence, removed above
-                self.prior.note_unread(DRAFT_MODEL, gen.emitted * self.costs.target_ms(batch, batch) / batch)
+                # plain time the prior did not learn from (the batch with this sequence, removed above)
+                self.prior.note_unread(DRAFT_MODEL, gen.emitted * self.costs.plain_share_ms(len(self.running) + 1))
             gen.stats.belief = {"acceptance": {s: gen.acceptance(s) for s in gen.estimates},
                                 "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()},
                                 "predicted_speedup": gen.predicted_speedup}

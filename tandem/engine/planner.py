@@ -139,6 +139,10 @@ class BatchCosts:
     def target_ms(self, batch: int, rows: int) -> float:
         return self.verify[self._bucket(self.verify, batch)].verify(rows)
 
+    def plain_share_ms(self, batch: int) -> float:
+        """One sequence's share of a plain step of `batch` sequences: what the probe and exploration budgets count."""
+        return self.target_ms(batch, batch) / batch
+
     def target_ms_array(self, batch: int, rows: np.ndarray) -> np.ndarray:
         """target_ms over an array of row counts at once (CostModel.verify's rule: linear between and beyond the
         measured points, never above a measured V(m) for m > n), for the planner's [K, n] grid."""
