@@ -92,7 +92,9 @@ setup)
     ;;
 vksetup)  # the Vulkan half of setup, as a call of its own (carry .vk .gl .vkserver: with .whl .xfer past 64 MiB)
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-    mkdir -p /root/vk /root/vkserver && cp -a .vk/. /root/vk/
+    mkdir -p /root/vk /root/vkserver
+    # .vkx: .vk as one xz tarball (5 MB against 34), so that it fits one call's carry beside .cuda
+    if [ -d .vk ]; then cp -a .vk/. /root/vk/; else xz -dc .vkx/llama_cpp.tar.xz | tar -C /root/vk -xf -; fi
     # llama-server built for Vulkan here (bench/results/h200-2026-12-05b-regime/README.md), on .vk's libraries
     if [ -d .vkserver ]; then
         cp -a .vkserver/. /root/vkserver/ && cp -a /root/vk/llama_cpp/lib/. /root/vkserver/

@@ -10,6 +10,8 @@
 #   run(carry=[".whs", ".xfer/qwen-tokenizer.gguf", ".vk", ".gl", ".vkserver"], "bash bench/h200_regime_session.sh v")
 #       Vulkan alone in one call (no CUDA build: llama-src stays behind), for a session with ~11 device-minutes
 #   run(same carry as v, "bash bench/h200_regime_session.sh e")  Vulkan, the regime alone (ACC, default 0.8; T1)
+#   run(carry=[".whs", ".whp", ".xfer/qwen-tokenizer.gguf", ".cuda", ".vkx", ".gl"], "bash bench/h200_regime_session.sh r")
+#       one request on CUDA, then on Vulkan, in one call (.vkx: .vk as a tarball, `tar -C .vk -cf - llama_cpp | xz`)
 #   run(same carry as v, "bash bench/h200_regime_session.sh t")  Vulkan, bench/regime_trace.py: the engine's plans
 #   run("bash bench/h200_regime_session.sh tc")  CUDA, the same, right after step 2 (its build): plans, what the loop
 #       learned, and each step's target forward apart from its host work
@@ -85,6 +87,13 @@ e) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
    ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --fixed 2" REGIME_TIMEOUT=${T1:-300} bash bench/h200.sh regimevk \
        > /dev/null 2>&1; tail -12 $OUT/regime_vulkan_*.err; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
+r) [ -f /root/m/big/T32_Q4_0.gguf ] && [ -d /root/llama/cuda-libs ] || { (CUDA_LIBS=1 bash bench/h200.sh setup  # one
+       bash bench/h200.sh regimewrite) > $OUT/setup.log 2>&1; }  # request on both builds in one call, PROMPTS of them
+   ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4}" REGIME_TIMEOUT=${T2:-200} \
+       bash bench/h200.sh regime > /dev/null 2>&1; table /root/m/big/regime_cuda_Q4_0_1.5b.json
+   bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
+   ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4} --fixed 2" REGIME_TIMEOUT=${T1:-200} \
+       bash bench/h200.sh regimevk > /dev/null 2>&1; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
 t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # the engine's plans, Vulkan
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
    export PYTHONPATH=/root/vk:$PYTHONPATH:$PWD/bench LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
@@ -130,5 +139,5 @@ P) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /r
    cp -a /root/llama-libs/llama.cpp.src/build/bin/llama-server /root/llama/cuda-libs/
    du -sh /root/llama/cuda-libs; tar -C /root/llama -cf - cuda-libs | xz -T0 -6 | split -b 15M -d -a 1 - \
        $OUT/cuda-libs.tar.xz.; ls -la $OUT ;;
-*) echo "step 1-3, v, e, t, tc, g, o, bs, ep, dp or P"; exit 2 ;;
+*) echo "step 1-3, v, e, r, t, tc, g, o, bs, ep, dp or P"; exit 2 ;;
 esac
