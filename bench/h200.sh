@@ -66,7 +66,7 @@ wheels|setup)
     ;;&
 setup)
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-    mkdir -p /root/m /root/vk && cp -a .vk/. /root/vk/
+    mkdir -p /root/m /root/vk && { [ ! -d .vk ] || cp -a .vk/. /root/vk/; }  # vksetup unpacks .vkx
     if [ -f .xfer/llama-src.tar.xz ] && [ "${CUDA_LIBS:-0}" != 1 ]; then  # llamacpp phase: the build takes 10 cores
         mkdir -p /root/llama && tar xJf .xfer/llama-src.tar.xz -C /root/llama
         setsid nohup bash -c "cd /root/llama/llama.cpp.src && cmake -S . -B build -DGGML_CUDA=on \
@@ -104,7 +104,7 @@ vksetup)  # the Vulkan half of setup, as a call of its own (carry .vk .gl .vkser
     [ -f $icd ] && export VK_DRIVER_FILES=$icd
     # No offload means no Vulkan driver was found (.gl lacking glvnd: see h200_regime_session.sh): stop here, before
     # a call's minutes go to a regime that would fail at its first load
-    PYTHONPATH=/root/vk:$PYTHONPATH python3 -c "import llama_cpp.llama_cpp as l; ok = l.llama_supports_gpu_offload(); \
+    PYTHONPATH=/root/vk:$PYTHONPATH LLAMA_CPP_LIB_PATH=/root/vk/llama_cpp/lib python3 -c "import llama_cpp.llama_cpp as l; ok = l.llama_supports_gpu_offload(); \
 print('vulkan offload', ok); raise SystemExit(0 if ok else 1)" 2>&1 | tail -2; [ "${PIPESTATUS[0]}" = 0 ] || exit 1
     LD_LIBRARY_PATH=/root/vkserver /root/vkserver/llama-server --version 2>&1 | tail -2
     ;;
@@ -259,7 +259,10 @@ regime)
     cp /root/m/big/regime_cuda_$name.json $OUT/
     ;;
 regimevk)
-    export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
+    # the Vulkan build's libraries first: after a CUDA setup LD_LIBRARY_PATH holds the CUDA build's libggml (a call
+    # that ran both found only CUDA and CPU backends here)
+    export PYTHONPATH=/root/vk:$PYTHONPATH LLAMA_CPP_LIB_PATH=/root/vk/llama_cpp/lib \
+        LD_LIBRARY_PATH=/root/vk/llama_cpp/lib:${LD_LIBRARY_PATH:-}
     icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
     [ -f $icd ] && export VK_DRIVER_FILES=$icd
     regime --device vulkan --parts ${PARTS:-costs,bench} --json /root/m/big/regime_vulkan_$name.json \

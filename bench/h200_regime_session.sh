@@ -64,7 +64,8 @@ graph() { for m in T32_Q4_0 D1.5b_Q4_0; do timeout 120 python3 bench/llamacpp_gr
     --device $1 --rows 1,2,3 --repeats 20 2>/dev/null | tee $OUT/graph_reuse_$1_$m.txt | head -7; done; }
 # cudaenv: the CUDA build's libraries (setup's, or unpacked from .cuda) for llama-cpp-python
 cudaenv() { local d=/root/llama/cuda-libs; export LLAMA_CPP_LIB_PATH=$d LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:$d; }
-vkenv() { export PYTHONPATH=/root/vk:$PYTHONPATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
+vkenv() { export PYTHONPATH=/root/vk:$PYTHONPATH LLAMA_CPP_LIB_PATH=/root/vk/llama_cpp/lib \
+    LD_LIBRARY_PATH=/root/vk/llama_cpp/lib:${LD_LIBRARY_PATH:-}
     local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd; }
 case $1 in
 1) CUDA_LIBS=1 bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4
