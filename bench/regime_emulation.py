@@ -57,9 +57,9 @@ class Emulated(Timed):
     a change of shape (rows differing from the forward before)."""
 
     def __init__(self, cache: BatchedCache, clock: VirtualClock, cost, first_ms: float, second_ms: float,
-                 excess_ms: float = 0.0, capture_ms: float | None = None) -> None:
+                 excess_ms: float = 0.0, capture_ms: float | None = None, readout_ms: float = 0.0) -> None:
         super().__init__(cache, clock, {})
-        self.cost, self.excess_ms, self.calibrating = cost, excess_ms, False
+        self.cost, self.excess_ms, self.calibrating, self.readout_ms = cost, excess_ms, False, readout_ms
         self.first_ms, self.second_ms = first_ms, second_ms
         self.capture_ms = second_ms if capture_ms is None else capture_ms
         self.rows, self.run, self.captured = None, 0, None
@@ -75,6 +75,8 @@ class Emulated(Timed):
             self.captured = kernels
         if rows > len(batch) and not self.calibrating:
             extra += self.excess_ms
+        read = sum(1 if last else len(tokens) for (_, tokens), last in zip(batch, last_only, strict=True))
+        extra += self.readout_ms * (read - len(batch))
         self.clock.advance(self.cost(len(batch), rows) + extra)
         return self.cache.forward(batch, last_only)
 
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="measured rounds after a warm-up round (median)")
     p.add_argument("--draft-max", type=int, default=8)
+    p.add_argument("--readout-ms", type=float, default=0.0, help="the draft's logits row read back, past a forward's "
+                   "last (an evidence read's; a calibration reading every row)")
     args = p.parse_args(argv)
     with open(args.regime) as f:
         regime = json.load(f)
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
           f"target +{first['target']} / +{second['target']} ms, draft +{first['draft']} / +{second['draft']} ms the "
           f"first / second forward after a change of shape (a new graph: +{capture['target']} / "
           f"+{capture['draft']}); host {HOST_MS[0]} + {HOST_MS[1]} ms a sequence a step; "
-          f"in-loop verifies +{args.verify_excess_ms} ms")
+          f"in-loop verifies +{args.verify_excess_ms} ms; a draft's logits row read back +{args.readout_ms} ms")
     print(f"{'a':>4} {'n':>3} {'plain t/s':>10} {'adaptive':>9} {'speedup':>8}  drafted  learned")
     try:
         for a in (float(x) for x in args.acceptance.split(",")):
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 second["target"], args.verify_excess_ms, capture["target"])
                     if engine.drafter is not None:
                         engine.drafter.kv = Emulated(engine.drafter.kv, clock, draft_cost, first["draft"],
-                                                     second["draft"], capture_ms=capture["draft"])
+                                                     second["draft"], capture_ms=capture["draft"],
+                                                     readout_ms=args.readout_ms)
                         engine.target_kv.calibrating = True
                         engine.calibrate()
                         engine.target_kv.calibrating = False

@@ -1109,6 +1109,51 @@ def test_a_catch_up_is_priced_as_a_forward_base_plus_its_tokens(pair64):
     assert costs.catch_up_ms(64) == pytest.approx(costs.catch_up_base_ms + 64 * costs.catch_up_ms_per_token)
 
 
+class RowsReadBack:
+    """A cache on a shared clock whose forward costs BASE ms, ROW ms a token fed and READ ms a logits row read back
+    (a GPU copying a 152k vocabulary's rows to the host)."""
+
+    BASE, ROW, READ = 2.0, 0.1, 0.5
+
+    def __init__(self, clock: list[float]) -> None:
+        self.slots, self.capacity, self.clock, self.lengths = 1, 64, clock, [0]
+
+    def forward(self, batch, last_only):
+        ms = self.BASE
+        for (slot, tokens), last in zip(batch, last_only, strict=True):
+            ms += self.ROW * len(tokens) + self.READ * (1 if last else len(tokens))
+            self.lengths[slot] += len(tokens)
+        self.clock[0] += ms / 1000.0
+        return [None] * len(batch)
+
+    def rewind(self, slot, length):
+        self.lengths[slot] = length
+
+    def overlaps(self, other):
+        return False
+
+
+def test_a_catch_up_is_priced_reading_its_last_row_and_a_read_its_evidence_rows(monkeypatch):
+    """The drafter's catch-ups read one row back, an evidence read its last EVIDENCE_ROWS: measure() prices each so.
+    Timed reading every row, a 32-token catch-up cost a 0.5B draft 35% more on this CPU (bench/catch_up_rows.py), and
+    on a GPU the rows' copy priced reads far above what they cost."""
+    from tandem.speculative.policy import EVIDENCE_ROWS
+
+    clock = [0.0]
+    monkeypatch.setattr(planner.time, "perf_counter", lambda: clock[0])
+    costs = planner.measure(RowsReadBack(clock), RowsReadBack(clock), k_max=4, synchronize=lambda: None)
+    assert costs.catch_up_ms_per_token == pytest.approx(RowsReadBack.ROW)
+    assert costs.catch_up_base_ms == pytest.approx(RowsReadBack.BASE + RowsReadBack.READ)
+    assert costs.evidence_row_ms == pytest.approx(RowsReadBack.READ)
+    # Drafter.read_evidence: past EVIDENCE_ROWS unseen tokens, a last-row forward of the head, then the tail's rows
+    for unseen in (0, 5, EVIDENCE_ROWS, 40):
+        head = max(0, unseen - EVIDENCE_ROWS)
+        tail = unseen - head
+        paid = (head > 0) * (RowsReadBack.BASE + RowsReadBack.ROW * head + RowsReadBack.READ) + \
+            (tail > 0) * (RowsReadBack.BASE + (RowsReadBack.ROW + RowsReadBack.READ) * tail)
+        assert costs.read_ms(unseen) == pytest.approx(paid), unseen
+
+
 def test_a_draft_whose_first_catch_up_cannot_pay_stays_off_and_lookup_drafts(pair64):
     """The batch-1 first switch-on test: where taking in the prompt costs more than the drafting it may buy, the
     draft never reads it (no evidence, no draft) and the request drafts by prompt lookup alone, still exact."""

@@ -21,9 +21,7 @@ from tandem.backends.base import Alongside, Model
 from tandem.engine.sequence import DRAFT_MODEL, Generation
 from tandem.sampling import argmax, probs_from_logits, sample
 from tandem.speculative.compat import draft_ids
-from tandem.speculative.policy import STEADY_CATCH_UP
-
-EVIDENCE_ROWS = 16  # an evidence catch-up reads the draft's predictions of at most this many latest tokens
+from tandem.speculative.policy import EVIDENCE_ROWS, STEADY_CATCH_UP
 
 # Draft tokens (a list, or a tensor [k] left on the device: Drafter.draft's keep_on_device), and (sampling) the
 # distributions they came from.

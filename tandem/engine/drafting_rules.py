@@ -96,7 +96,7 @@ class DraftingRules:
         would buy a few tokens."""
         gain_ms, _ = self._value_of_drafting(gen, batch)
         tokens = min(self.prior.reply_tokens, gen.request.max_tokens - gen.emitted) * (1.0 - gen.lookup_share())
-        return gain_ms * tokens >= PROBE_VALUE_MARGIN * self.costs.catch_up_ms(self.drafter.lag(gen))
+        return gain_ms * tokens >= PROBE_VALUE_MARGIN * self.costs.read_ms(self.drafter.lag(gen))
 
     def _worth_waiting(self, gen: Generation) -> bool:
         """The rule for a first switch-on: wait for generated tokens to read unless the drafting
@@ -108,11 +108,11 @@ class DraftingRules:
         gain_ms, p_no_gain = self._value_of_drafting(gen, 1)
         if gen.ngram is not None:  # or the reply copies its prompt, which lookup's hindsight would show
             p_no_gain = copied_risk(p_no_gain, self.prior)
-        catch_up_ms = self.costs.catch_up_ms(self.drafter.lag(gen))
+        read_ms = self.costs.read_ms(self.drafter.lag(gen))
         extra_row_ms = max(0.0, self.costs.target_ms(1, 2) - self.costs.target_ms(1, 1))
         learning_ms = LEARNING_ITERATIONS * (self.costs.draft_ms(1) + extra_row_ms)
         wait = EVIDENCE_TOKENS - (len(gen.tokens) - gen.prompt_len)
-        return wait * gain_ms < PROBE_VALUE_MARGIN * p_no_gain * (catch_up_ms + learning_ms)
+        return wait * gain_ms < PROBE_VALUE_MARGIN * p_no_gain * (read_ms + learning_ms)
 
     def _explores(self, gen: Generation, batch: int) -> bool:
         """Whether a request reads the draft although its prior says that will not pay: where the requests since the
@@ -123,7 +123,7 @@ class DraftingRules:
         records what the draft accepts now (emulated, Vulkan costs: after requests at acceptance 0.5, requests at
         0.8 never drafted)."""
         if self.costs is None or gen.draft_max == 0 or \
-                not self.prior.may_explore(DRAFT_MODEL, self.costs.catch_up_ms(self.drafter.lag(gen))):
+                not self.prior.may_explore(DRAFT_MODEL, self.costs.read_ms(self.drafter.lag(gen))):
             return False
         return self._drafts_at(ACCEPTANCE_PRIOR[0] / ACCEPTANCE_PRIOR[1], gen.draft_max, batch)
 
@@ -134,7 +134,7 @@ class DraftingRules:
         re-read every few steps, it cost 2-4% at 2 requests and acceptance 0.6 on an H100's costs (emulated,
         bench/regime_emulation.py), for reads that never switched it on."""
         idle = gen.plain_iterations - gen.estimates[DRAFT_MODEL].settled_at
-        return self.costs.catch_up_ms(self.drafter.lag(gen)) <= PROBE_BUDGET * idle * self.costs.plain_share_ms(batch)
+        return self.costs.read_ms(self.drafter.lag(gen)) <= PROBE_BUDGET * idle * self.costs.plain_share_ms(batch)
 
     def _value_of_drafting(self, gen: Generation, batch: int) -> tuple[float, float]:
         """planner.value_of_drafting for this sequence, once a step for a given estimate (sixteen plans: new

@@ -25,6 +25,7 @@ import numpy as np
 
 from tandem.backends.base import BatchedCache
 from tandem.speculative.policy import (
+    EVIDENCE_ROWS,
     EWMA_WEIGHT,
     VALUE_MIN_STRENGTH,
     CostModel,
@@ -95,6 +96,7 @@ class BatchCosts:
     draft_step: dict[int, float] = field(default_factory=dict)
     catch_up_ms_per_token: float = 0.0  # a draft's catch-up forward: base + tokens * per token (see measure)
     catch_up_base_ms: float = 0.0
+    evidence_row_ms: float = 0.0  # an evidence read's logits row read back, past a catch-up's one (read_ms)
     # A target forward whose rows differ from the forward before: llama.cpp rebuilds its graph (and, on CUDA,
     # re-captures it) where it reused it for an unchanged shape; what a start or stop of drafting costs
     switch_ms: float = 0.0
@@ -118,7 +120,8 @@ class BatchCosts:
         return {"verify": {str(b): {str(n): ms for n, ms in c.verify_ms.items()} for b, c in self.verify.items()},
                 "draft_step": {str(b): ms for b, ms in self.draft_step.items()},
                 "catch_up_ms_per_token": self.catch_up_ms_per_token, "catch_up_base_ms": self.catch_up_base_ms,
-                "switch_ms": self.switch_ms, "ahead_ms": {str(b): ms for b, ms in self.ahead_ms.items()}}
+                "evidence_row_ms": self.evidence_row_ms, "switch_ms": self.switch_ms,
+                "ahead_ms": {str(b): ms for b, ms in self.ahead_ms.items()}}
 
     @classmethod
     def from_measured(cls, doc: dict) -> BatchCosts:
@@ -128,7 +131,8 @@ class BatchCosts:
             raise ValueError("no verify costs")
         return cls(verify=verify, draft_step={int(b): float(ms) for b, ms in doc["draft_step"].items()},
                    catch_up_ms_per_token=float(doc["catch_up_ms_per_token"]),
-                   catch_up_base_ms=float(doc["catch_up_base_ms"]), switch_ms=float(doc["switch_ms"]),
+                   catch_up_base_ms=float(doc["catch_up_base_ms"]),
+                   evidence_row_ms=float(doc.get("evidence_row_ms", 0.0)), switch_ms=float(doc["switch_ms"]),
                    ahead_ms={int(b): float(ms) for b, ms in doc.get("ahead_ms", {}).items()}).decide_feeding_ahead()
 
     @staticmethod
@@ -157,6 +161,14 @@ class BatchCosts:
     def catch_up_ms(self, tokens: int | np.ndarray) -> float | np.ndarray:
         """One draft forward taking in `tokens` unseen tokens (of one or several sequences; 0 costs nothing)."""
         return catch_up_cost(self.catch_up_base_ms, self.catch_up_ms_per_token, tokens)
+
+    def read_ms(self, tokens: int) -> float:
+        """A draft's evidence read of `tokens` unseen tokens (Drafter.read_evidence): its catch-up, the logits of its
+        last EVIDENCE_ROWS rows read back, and past those a second forward (the head is read as a catch-up)."""
+        if tokens <= 0:
+            return 0.0
+        second = self.catch_up_base_ms if tokens > EVIDENCE_ROWS else 0.0
+        return float(self.catch_up_ms(tokens)) + self.evidence_row_ms * (min(tokens, EVIDENCE_ROWS) - 1) + second
 
     def draft_ms(self, sequences: int) -> float:
         if not self.draft_step or sequences == 0:
@@ -416,12 +428,18 @@ def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchr
     if draft is not None:
         # Two sizes, a base and a price a token: on a GPU a forward's cost hardly grows with its tokens (Vulkan, H200:
         # 2.0 ms + 0.47 a token), where an 8-token forward's price a token priced a prompt's catch-up several times
-        # over; on a CPU the base is near 0.
-        short = _time(draft, 1, CATCH_UP_ROWS[0], synchronize)
-        long = _time(draft, 1, CATCH_UP_ROWS[1], synchronize) if draft.capacity >= CONTEXT + CATCH_UP_ROWS[1] \
-            else short * CATCH_UP_ROWS[1] / CATCH_UP_ROWS[0]
+        # over; on a CPU the base is near 0. Each reading its last row, as the drafter's catch-ups do: read back
+        # whole, a 152k vocabulary's rows are 0.6 MB a token, and on this CPU cost a 0.5B draft 35% more at 32 rows
+        # (bench/catch_up_rows.py); an evidence read's rows read back are priced apart (evidence_row_ms).
+        short = _time(draft, 1, CATCH_UP_ROWS[0], synchronize, last_only=True)
+        long = _time(draft, 1, CATCH_UP_ROWS[1], synchronize, last_only=True) \
+            if draft.capacity >= CONTEXT + CATCH_UP_ROWS[1] else short * CATCH_UP_ROWS[1] / CATCH_UP_ROWS[0]
         costs.catch_up_ms_per_token = max(0.0, long - short) / (CATCH_UP_ROWS[1] - CATCH_UP_ROWS[0])
         costs.catch_up_base_ms = max(0.0, short - CATCH_UP_ROWS[0] * costs.catch_up_ms_per_token)
+        if draft.capacity >= CONTEXT + EVIDENCE_ROWS:
+            every = _time(draft, 1, EVIDENCE_ROWS, synchronize)
+            last = _time(draft, 1, EVIDENCE_ROWS, synchronize, last_only=True)
+            costs.evidence_row_ms = max(0.0, every - last) / (EVIDENCE_ROWS - 1)
     if k_max > 0:  # plain steps after a verify, and verifies after a plain step, against each repeated
         # Two forwards after the change: llama.cpp's CUDA build runs the first uncaptured and captures the second
         # (ggml-cuda's graph warm-up), replaying only from the third; elsewhere the second reuses the graph.
@@ -454,13 +472,13 @@ def _verify_costs(target: BatchedCache, batch: int, k_max: int, synchronize) -> 
 
 
 def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | None = None, calls: int = 1,
-          alongside: BatchedCache | None = None) -> float:
+          alongside: BatchedCache | None = None, last_only: bool = False) -> float:
     """Median ms of `calls` forwards in a row of `rows` tokens in each of `batch` slots, after CONTEXT tokens (the
     first run is a warm-up), each run right after as many untimed forwards of `after` rows where given (a change of
     shape, from a shape run as long: ggml-cuda has captured it, as it has a verify in the loop, and a capture must
     then instantiate a new graph where one left captured at `rows` would be updated in place), each with a row a
     slot of `alongside` fed beside it where given (BatchedCache.forward_picking), until both are done; every slot
-    is rewound to empty after."""
+    is rewound to empty after. Every row's logits are read back, as a verify reads them, unless last_only."""
     token = 0
     slots = list(range(batch))
     cache.forward([(s, [token] * CONTEXT) for s in slots], [True] * batch)
@@ -475,7 +493,7 @@ def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | 
             synchronize()
             started = time.perf_counter()
             if alongside is None:
-                cache.forward([(s, [token] * rows) for s in slots], [False] * batch)
+                cache.forward([(s, [token] * rows) for s in slots], [last_only] * batch)
             else:
                 cache.forward_picking([(s, [token] * rows) for s in slots], [False] * batch, [False] * batch,
                                       (alongside, [(s, [token]) for s in slots]))

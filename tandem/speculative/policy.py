@@ -57,6 +57,7 @@ PROBE_VALUE_MARGIN = 2.0
 # Generated tokens to wait for before that first catch-up: the draft then reads them, teacher-forced, and how many
 # it would have predicted is this request's acceptance, measured before a single draft is verified.
 EVIDENCE_TOKENS = 6
+EVIDENCE_ROWS = 16  # an evidence read reads the draft's predictions of at most this many latest tokens
 LEARNING_ITERATIONS = 4  # drafting iterations a policy without that evidence spends learning that a draft is poor
 STEADY_CATCH_UP = 2  # a draft that catches up on at most this many tokens is drafting steadily (see observe)
 DEFAULT_REPLY_TOKENS = 128  # the reply length a fresh process expects (the value of drafting is per token left)
