@@ -104,8 +104,9 @@ vksetup)  # the Vulkan half of setup, as a call of its own (carry .vk .gl .vkser
     [ -f $icd ] && export VK_DRIVER_FILES=$icd
     # No offload means no Vulkan driver was found (.gl lacking glvnd: see h200_regime_session.sh): stop here, before
     # a call's minutes go to a regime that would fail at its first load
-    PYTHONPATH=/root/vk:$PYTHONPATH LLAMA_CPP_LIB_PATH=/root/vk/llama_cpp/lib python3 -c "import llama_cpp.llama_cpp as l; ok = l.llama_supports_gpu_offload(); \
-print('vulkan offload', ok); raise SystemExit(0 if ok else 1)" 2>&1 | tail -2; [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+    PYTHONPATH=/root/vk:$PYTHONPATH LLAMA_CPP_LIB_PATH=/root/vk/llama_cpp/lib python3 -c "import llama_cpp.llama_cpp \
+as l; ok = l.llama_supports_gpu_offload(); print('vulkan offload', ok); raise SystemExit(0 if ok else 1)" \
+        2>&1 | tail -2; [ "${PIPESTATUS[0]}" = 0 ] || exit 1
     LD_LIBRARY_PATH=/root/vkserver /root/vkserver/llama-server --version 2>&1 | tail -2
     ;;
 kernels)

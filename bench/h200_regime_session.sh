@@ -97,8 +97,7 @@ r) [ -f /root/m/big/T32_Q4_0.gguf ] && [ -d /root/llama/cuda-libs ] || { (CUDA_L
        bash bench/h200.sh regimevk > /dev/null 2>&1; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
 t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # the engine's plans, Vulkan
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
-   export PYTHONPATH=/root/vk:$PYTHONPATH:$PWD/bench LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/root/vk
-   icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd
+   vkenv; export PYTHONPATH=$PYTHONPATH:$PWD/bench
    timeout ${T1:-240} python3 bench/regime_trace.py --model /root/m/big/T32_Q4_0.gguf --draft /root/m/big/D1.5b_Q4_0.gguf \
        --device vulkan --acceptance ${ACC:-0.8} --concurrency ${CONC:-1,2} --repeats 1 --prompts 2 --fixed '' \
        2>$OUT/trace.err | tee $OUT/trace.txt ;;
