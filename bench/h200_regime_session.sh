@@ -17,6 +17,9 @@
 #       learned, and each step's target forward apart from its host work
 #   run(carry=[".whl", ".whs", ".old"], "bash bench/h200_regime_session.sh o")  torch, one request (tandem bench,
 #       synthetic 32B/1.5B bf16, acceptance 0.8): this tree and an earlier one (.old) in one call
+#   run(carry=[".old"], "bash bench/h200_regime_session.sh cs")  CUDA, after regimewrite and the build:
+#       bench/calibration_spread.py (the calibration ROUNDS times, then its feed-ahead forwards one by one), this
+#       tree and .old (git archive REV tandem | tar x -C .old); and bench/catch_up_rows.py on the draft
 #   run("bash bench/h200_regime_session.sh P")  after setup with CUDA_LIBS=1: the CUDA build (libraries and
 #       llama-server) back in pieces; kept in .cuda (git-ignored, 43 MB), a later setup with CUDA_LIBS=1 unpacks it
 #       instead of compiling. With it, .whp (llama_cpp_python's wheel without its CPU libraries, 143 KB: the CUDA
@@ -134,10 +137,17 @@ dp) cudaenv  # after regimewrite, CUDA: the draft's step alone, beside the idle 
        timeout 150 python3 bench/draft_pairing.py --model /root/m/big/T32_Q4_0.gguf --draft /root/m/big/D1.5b_Q4_0.gguf \
            --device cuda --k ${K:-3} --json $OUT/draft_pairing_$v.json 2>$OUT/draft_pairing_$v.err \
            | tee $OUT/draft_pairing_$v.txt; done; unset GGML_CUDA_DISABLE_GRAPHS ;;
+cs) cudaenv; while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
+   for tree in ${TREES:-new old}; do dir=$PWD; [ $tree != new ] && dir=$PWD/.$tree
+       PYTHONPATH=/tmp/site:$dir timeout ${T1:-150} python3 bench/calibration_spread.py --model /root/m/big/T32_Q4_0.gguf \
+           --draft /root/m/big/D1.5b_Q4_0.gguf --device cuda --rounds ${ROUNDS:-4} 2>$OUT/spread_$tree.err \
+           | tee $OUT/spread_$tree.txt; done
+   timeout 60 python3 bench/catch_up_rows.py --model /root/m/big/D1.5b_Q4_0.gguf --device cuda 2>/dev/null \
+       | tee $OUT/catch_up_rows_cuda.txt ;;
 P) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log  # bring the build back
    # (setup's CUDA_LIBS=1 build, and llama-server): pieces of at most 15 MiB under $OUT, kept here in .cuda
    cp -a /root/llama-libs/llama.cpp.src/build/bin/llama-server /root/llama/cuda-libs/
    du -sh /root/llama/cuda-libs; tar -C /root/llama -cf - cuda-libs | xz -T0 -6 | split -b 15M -d -a 1 - \
        $OUT/cuda-libs.tar.xz.; ls -la $OUT ;;
-*) echo "step 1-3, v, e, r, t, tc, g, o, bs, ep, dp or P"; exit 2 ;;
+*) echo "step 1-3, v, e, r, t, tc, g, o, bs, ep, dp, cs or P"; exit 2 ;;
 esac

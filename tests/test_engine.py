@@ -1154,6 +1154,51 @@ def test_a_catch_up_is_priced_reading_its_last_row_and_a_read_its_evidence_rows(
         assert costs.read_ms(unseen) == pytest.approx(paid), unseen
 
 
+class StallingHost(RowsReadBack):
+    """RowsReadBack beside a draft fed alongside its forward (FEED ms more), on a host that stalls STALL ms a forward
+    through a window of consecutive forwards (of either cache), as a busy host does for a while."""
+
+    FEED, STALL, WINDOW = 0.7, 3.0, 6
+
+    def __init__(self, clock: list[float], forwards: list[int], stalled: range) -> None:
+        super().__init__(clock)
+        self.slots, self.forwards, self.stalled = 2, forwards, stalled
+        self.lengths = [0, 0]
+
+    def forward(self, batch, last_only, feed_ms=0.0):
+        self.clock[0] += (feed_ms + self.STALL * (self.forwards[0] in self.stalled)) / 1000.0
+        self.forwards[0] += 1
+        return super().forward(batch, last_only)
+
+    def forward_picking(self, batch, last_only, picks, alongside=None):
+        return self.forward(batch, last_only, self.FEED if alongside is not None else 0.0)
+
+    def overlaps(self, other):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def test_the_feed_beside_a_verify_is_timed_against_a_verify_alone_in_turn(monkeypatch):
+    """measure() times what feeding the draft's row beside a verify adds as differences of the two taken in turn:
+    a host stalling through several forwards, wherever in the calibration, moves both sides alike. Timed as two
+    medians apart, one H200 calibration read 4.10 ms where one minutes before read 1.05, and the engine fed nothing
+    ahead (bench/calibration_spread.py)."""
+    clock, forwards = [0.0], [0]
+    monkeypatch.setattr(planner.time, "perf_counter", lambda: clock[0])
+    calm = planner.measure(StallingHost(clock, forwards, range(0)), StallingHost(clock, forwards, range(0)),
+                           k_max=4, synchronize=lambda: None)
+    assert calm.ahead_ms == {1: pytest.approx(StallingHost.FEED), 2: pytest.approx(StallingHost.FEED)}
+    total = forwards[0]
+    for start in range(0, total, 2):  # a stall starting at every other forward of the calibration
+        clock[0], forwards[0] = 0.0, 0
+        stalled = range(start, start + StallingHost.WINDOW)
+        costs = planner.measure(StallingHost(clock, forwards, stalled), StallingHost(clock, forwards, stalled),
+                                k_max=4, synchronize=lambda: None)
+        assert costs.ahead_ms == pytest.approx(calm.ahead_ms), start
+
+
 def test_a_draft_whose_first_catch_up_cannot_pay_stays_off_and_lookup_drafts(pair64):
     """The batch-1 first switch-on test: where taking in the prompt costs more than the drafting it may buy, the
     draft never reads it (no evidence, no draft) and the request drafts by prompt lookup alone, still exact."""

@@ -37,6 +37,7 @@ from tandem.speculative.policy import (
 
 CONTEXT = 16  # tokens each timed sequence attends over
 REPEATS = 3
+AHEAD_PAIRS = 7  # feed-ahead: differences of a verify with and without the feed (_feed_ahead_ms)
 # Rows a sequence at which the target's forward is timed: 1, 2 and k_max + 1, then PROBE_ROWS; where V there is
 # off the line through the others by NONLINEAR, FINE_ROWS too. V(n) need be no straight line: on llama.cpp's Vulkan
 # build (H200/H100) 2-8 rows added 4.8 ms each and the 9th 120 ms (its matrix-vector kernel takes up to 8 columns), so
@@ -451,8 +452,7 @@ def measure(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchr
         costs.switch_ms = max(0.0, (plain_after_verify + verify_after_plain) / 2)
         if draft is not None and target.overlaps(draft):
             for b in batches:  # a typical verify, alone and with a draft row a sequence fed beside it
-                costs.ahead_ms[b] = max(0.0, _time(target, b, rows, synchronize, alongside=draft) -
-                                        _time(target, b, rows, synchronize))
+                costs.ahead_ms[b] = _feed_ahead_ms(target, draft, b, rows, synchronize)
             costs.decide_feeding_ahead()
     return costs
 
@@ -472,39 +472,59 @@ def _verify_costs(target: BatchedCache, batch: int, k_max: int, synchronize) -> 
 
 
 def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | None = None, calls: int = 1,
-          alongside: BatchedCache | None = None, last_only: bool = False) -> float:
+          last_only: bool = False) -> float:
     """Median ms of `calls` forwards in a row of `rows` tokens in each of `batch` slots, after CONTEXT tokens (the
     first run is a warm-up), each run right after as many untimed forwards of `after` rows where given (a change of
     shape, from a shape run as long: ggml-cuda has captured it, as it has a verify in the loop, and a capture must
-    then instantiate a new graph where one left captured at `rows` would be updated in place), each with a row a
-    slot of `alongside` fed beside it where given (BatchedCache.forward_picking), until both are done; every slot
-    is rewound to empty after. Every row's logits are read back, as a verify reads them, unless last_only."""
-    token = 0
+    then instantiate a new graph where one left captured at `rows` would be updated in place); every slot is
+    rewound to empty after. Every row's logits are read back, as a verify reads them, unless last_only."""
     slots = list(range(batch))
-    cache.forward([(s, [token] * CONTEXT) for s in slots], [True] * batch)
-    times = []
-    for _ in range(REPEATS + 1):
+    cache.forward([(s, [0] * CONTEXT) for s in slots], [True] * batch)
+
+    def run() -> float:
         for _ in range(calls if after is not None else 0):
-            cache.forward([(s, [token] * after) for s in slots], [False] * batch)
-            for s in slots:
-                cache.rewind(s, CONTEXT)
-        total = 0.0
-        for _ in range(calls):
-            synchronize()
-            started = time.perf_counter()
-            if alongside is None:
-                cache.forward([(s, [token] * rows) for s in slots], [last_only] * batch)
-            else:
-                cache.forward_picking([(s, [token] * rows) for s in slots], [False] * batch, [False] * batch,
-                                      (alongside, [(s, [token]) for s in slots]))
-                alongside.synchronize()
-            synchronize()
-            total += 1000.0 * (time.perf_counter() - started)
-            for s in slots:
-                cache.rewind(s, CONTEXT)
-                if alongside is not None:
-                    alongside.rewind(s, 0)
-        times.append(total)
-    for s in slots:
-        cache.rewind(s, 0)
+            cache.forward([(s, [0] * after) for s in slots], [False] * batch)
+            _rewind(cache, slots, CONTEXT)
+        return sum(_timed(cache, slots, rows, synchronize, last_only=last_only) for _ in range(calls))
+
+    times = [run() for _ in range(REPEATS + 1)]
+    _rewind(cache, slots, 0)
     return statistics.median(times[1:])
+
+
+def _feed_ahead_ms(target: BatchedCache, draft: BatchedCache, batch: int, rows: int, synchronize) -> float:
+    """What feeding a draft row a slot beside a verify of `rows` rows a slot adds to it: the median of AHEAD_PAIRS
+    differences, the verify timed alone and with the feed in turn (after two pairs untimed: ggml-cuda captures its
+    graphs on a shape's second forward). Two medians taken apart moved with the host: on an H200 one calibration
+    read 4.10 ms where one minutes before read 1.05, and the engine then fed nothing ahead
+    (bench/calibration_spread.py)."""
+    slots = list(range(batch))
+    target.forward([(s, [0] * CONTEXT) for s in slots], [True] * batch)
+    added = [_timed(target, slots, rows, synchronize, draft) - _timed(target, slots, rows, synchronize)
+             for _ in range(AHEAD_PAIRS + 2)]
+    _rewind(target, slots, 0)
+    return max(0.0, statistics.median(added[2:]))
+
+
+def _timed(cache: BatchedCache, slots: list[int], rows: int, synchronize, alongside: BatchedCache | None = None,
+           last_only: bool = False) -> float:
+    """ms of one forward of `rows` tokens a slot (with a row a slot of `alongside` fed beside it), rewound after."""
+    synchronize()
+    started = time.perf_counter()
+    if alongside is None:
+        cache.forward([(s, [0] * rows) for s in slots], [last_only] * len(slots))
+    else:
+        cache.forward_picking([(s, [0] * rows) for s in slots], [False] * len(slots), [False] * len(slots),
+                              (alongside, [(s, [0]) for s in slots]))
+        alongside.synchronize()
+    synchronize()
+    ms = 1000.0 * (time.perf_counter() - started)
+    _rewind(cache, slots, CONTEXT)
+    if alongside is not None:
+        _rewind(alongside, slots, 0)
+    return ms
+
+
+def _rewind(cache: BatchedCache, slots: list[int], length: int) -> None:
+    for s in slots:
+        cache.rewind(s, length)

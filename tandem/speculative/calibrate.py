@@ -39,9 +39,10 @@ LONG_MATCH_PRIOR = (1.0, 2.0)  # ... less so after a match of its longest n-gram
 CATCH_UP_TOKENS = 8  # a draft's forward over this many tokens prices its catch-up after plain steps
 STABLE_ROUNDS = 5  # at most this many measuring rounds ...
 STABLE_TOLERANCE = 0.05  # ... until two in a row agree within this on every figure
-COSTS_VERSION = 3  # of the on-disk format and how its figures are measured; another version is measured afresh
+COSTS_VERSION = 4  # of the on-disk format and how its figures are measured; another version is measured afresh
 # (2: a change of shape timed between a plain step and a verify, each run long enough to be captured; 3: a catch-up
-# timed reading its last row, an evidence read's rows apart)
+# timed reading its last row, an evidence read's rows apart; 4: the feed beside a verify timed as the median of
+# differences, with and without it in turn)
 RECALIBRATE_ENV = "TANDEM_RECALIBRATE"
 COSTS_DIR_ENV = "TANDEM_COSTS"  # where measured costs are kept [$TANDEM_HOME/costs]
 T = TypeVar("T")
