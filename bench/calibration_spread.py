@@ -32,7 +32,7 @@ def _summary(costs: planner.BatchCosts, k_max: int) -> str:
 
 
 def _percentiles(times: list[float]) -> str:
-    q = statistics.quantiles(times, n=10)
+    q = statistics.quantiles(times, n=10, method="inclusive")
     return f"min {min(times):.3f}  p10 {q[0]:.3f}  median {statistics.median(times):.3f}  p90 {q[-1]:.3f}  " \
            f"max {max(times):.3f}"
 

@@ -11,7 +11,9 @@
 #       Vulkan alone in one call (no CUDA build: llama-src stays behind), for a session with ~11 device-minutes
 #   run(same carry as v, "bash bench/h200_regime_session.sh e")  Vulkan, the regime alone (ACC, default 0.8; T1)
 #   run(carry=[".whs", ".whp", ".xfer/qwen-tokenizer.gguf", ".cuda", ".vkx", ".gl"], "bash bench/h200_regime_session.sh r")
-#       one request on CUDA, then on Vulkan, in one call (.vkx: .vk as a tarball, `tar -C .vk -cf - llama_cpp | xz`)
+#       one request on CUDA, then on Vulkan, in one call (.vkx: .vk as a tarball, `tar -C .vk -cf - llama_cpp | xz`);
+#       rc: CUDA alone, rv: Vulkan alone (with bench/catch_up_rows.py on the draft first; it needs no CUDA build, so
+#       it can run while setup's CUDA compile goes on in the background: carry .xfer whole, no .cuda)
 #   run(same carry as v, "bash bench/h200_regime_session.sh t")  Vulkan, bench/regime_trace.py: the engine's plans
 #   run("bash bench/h200_regime_session.sh tc")  CUDA, the same, right after step 2 (its build): plans, what the loop
 #       learned, and each step's target forward apart from its host work
@@ -91,13 +93,19 @@ e) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
    ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --fixed 2" REGIME_TIMEOUT=${T1:-300} bash bench/h200.sh regimevk \
        > /dev/null 2>&1; tail -12 $OUT/regime_vulkan_*.err; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
-r) [ -f /root/m/big/T32_Q4_0.gguf ] && [ -d /root/llama/cuda-libs ] || { (CUDA_LIBS=1 bash bench/h200.sh setup  # one
-       bash bench/h200.sh regimewrite) > $OUT/setup.log 2>&1; }  # request on both builds in one call, PROMPTS of them
+r|rc|rv) [ -f /root/m/big/T32_Q4_0.gguf ] || { (CUDA_LIBS=1 bash bench/h200.sh setup  # one request, PROMPTS
+       bash bench/h200.sh regimewrite) > $OUT/setup.log 2>&1; }  # of them: r on both builds, rc CUDA, rv Vulkan
+   ;;&
+r|rc) [ -f /root/build-libs.log ] || { echo "no CUDA build under way (setup with CUDA_LIBS=1)"; exit 1; }
+   while ! grep -q build-exit /root/build-libs.log; do sleep 3; done
    ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4}" REGIME_TIMEOUT=${T2:-200} \
-       bash bench/h200.sh regime > /dev/null 2>&1; table /root/m/big/regime_cuda_Q4_0_1.5b.json
-   bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
+       bash bench/h200.sh regime > /dev/null 2>&1; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;&
+r|rv) bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
+   (vkenv; timeout 60 python3 bench/catch_up_rows.py --model /root/m/big/D1.5b_Q4_0.gguf --device vulkan 2>/dev/null \
+       | tee $OUT/catch_up_rows_vulkan.txt)
    ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4} --fixed 2" REGIME_TIMEOUT=${T1:-200} \
        bash bench/h200.sh regimevk > /dev/null 2>&1; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
+rc) ;;
 t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # the engine's plans, Vulkan
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
    vkenv; export PYTHONPATH=$PYTHONPATH:$PWD/bench
@@ -149,5 +157,5 @@ P) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /r
    cp -a /root/llama-libs/llama.cpp.src/build/bin/llama-server /root/llama/cuda-libs/
    du -sh /root/llama/cuda-libs; tar -C /root/llama -cf - cuda-libs | xz -T0 -6 | split -b 15M -d -a 1 - \
        $OUT/cuda-libs.tar.xz.; ls -la $OUT ;;
-*) echo "step 1-3, v, e, r, t, tc, g, o, bs, ep, dp, cs or P"; exit 2 ;;
+*) echo "step 1-3, v, e, r, rc, rv, t, tc, g, o, bs, ep, dp, cs or P"; exit 2 ;;
 esac
