@@ -1191,7 +1191,7 @@ def test_the_feed_beside_a_verify_is_timed_against_a_verify_alone_in_turn(monkey
                            k_max=4, synchronize=lambda: None)
     assert calm.ahead_ms == {1: pytest.approx(StallingHost.FEED), 2: pytest.approx(StallingHost.FEED)}
     total = forwards[0]
-    for start in range(0, total, 2):  # a stall starting at every other forward of the calibration
+    for start in range(total):  # a stall starting at each forward of the calibration
         clock[0], forwards[0] = 0.0, 0
         stalled = range(start, start + StallingHost.WINDOW)
         costs = planner.measure(StallingHost(clock, forwards, stalled), StallingHost(clock, forwards, stalled),

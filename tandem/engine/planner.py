@@ -494,10 +494,10 @@ def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | 
 
 def _feed_ahead_ms(target: BatchedCache, draft: BatchedCache, batch: int, rows: int, synchronize) -> float:
     """What feeding a draft row a slot beside a verify of `rows` rows a slot adds to it: the median of AHEAD_PAIRS
-    differences, the verify timed alone and with the feed in turn (after two pairs untimed: ggml-cuda captures its
-    graphs on a shape's second forward). Two medians taken apart moved with the host: on an H200 one calibration
-    read 4.10 ms where one minutes before read 1.05, and the engine then fed nothing ahead
-    (bench/calibration_spread.py)."""
+    differences, the verify timed alone and with the feed in turn (the first two pairs dropped: ggml-cuda captures
+    its graphs on a shape's second forward). Two medians taken apart moved with the host: on an H200 one calibration
+    read 4.10 ms where one minutes before read 1.05, and the engine then fed nothing ahead; on an H100 they read
+    0.30-0.97 where the forwards one by one put it at 0.93 (bench/calibration_spread.py)."""
     slots = list(range(batch))
     target.forward([(s, [0] * CONTEXT) for s in slots], [True] * batch)
     added = [_timed(target, slots, rows, synchronize, draft) - _timed(target, slots, rows, synchronize)
