@@ -38,7 +38,8 @@
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
-# Carried paths (git-ignored, listed in .git/info/exclude), made on the CPU machine:
+# Carried paths (git-ignored, listed in .git/info/exclude), made on the CPU machine (bench/make_carries.sh makes
+# .whs, .whp, .xfer, .gl and .vkx on a fresh one):
 #   .whp       llama_cpp_python's wheel with its lib/ dirs dropped (and from RECORD): the Python package alone
 #   .whl       wheels: llama_cpp_python (CPU build; its Python package, CUDA_LIBS=1 swaps in CUDA libraries),
 #              llguidance; .whs: gguf, diskcache
