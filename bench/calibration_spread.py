@@ -55,29 +55,20 @@ def main(argv: list[str] | None = None) -> int:
         costs = planner.measure(tkv, dkv, engine.draft_max, sync)
         print(f"calibration {r + 1} ({time.perf_counter() - started:.1f} s): {_summary(costs, engine.draft_max)}")
 
+    # planner._timed, as the calibration times them: the feed at the draft's position 0, rewound after; the draft's
+    # step after CONTEXT tokens of its own
     rows = min(engine.draft_max, planner.SWITCH_DRAFTS) + 1
     tkv.forward([(0, [0] * CONTEXT)], [True])
-    dkv.forward([(0, [0] * CONTEXT)], [True])
     times: dict[str, list[float]] = {"verify": [], "verify + feed": [], "draft step": []}
-
-    def timed(name: str, run) -> None:
-        sync()
-        started = time.perf_counter()
-        run()
-        sync()
-        times[name].append(1000.0 * (time.perf_counter() - started))
-
-    for i in range(args.forwards + 2):  # two of each first, untimed: ggml-cuda captures its graph on the second
-        if i == 2:
-            times = {name: [] for name in times}
-        timed("verify", lambda: tkv.forward([(0, [0] * rows)], [False]))
-        tkv.rewind(0, CONTEXT)
-        timed("verify + feed", lambda: (tkv.forward_picking([(0, [0] * rows)], [False], [False], (dkv, [(0, [0])])),
-                                        dkv.synchronize()))
-        tkv.rewind(0, CONTEXT)
-        dkv.rewind(0, CONTEXT)
-        timed("draft step", lambda: dkv.forward([(0, [0])], [True]))
-        dkv.rewind(0, CONTEXT)
+    for i in range(args.forwards + 2):  # two of each first, dropped: ggml-cuda captures its graph on the second
+        forwards = {"verify": planner._timed(tkv, [0], rows, sync),
+                    "verify + feed": planner._timed(tkv, [0], rows, sync, dkv)}
+        dkv.forward([(0, [0] * CONTEXT)], [True])
+        forwards["draft step"] = planner._timed(dkv, [0], 1, sync, last_only=True)
+        dkv.rewind(0, 0)
+        for name, ms in forwards.items():
+            if i >= 2:
+                times[name].append(ms)
     print(f"{args.forwards} forwards each, taken in turn, ms:")
     for name, ts in times.items():
         print(f"  {name:>14}: {_percentiles(ts)}")

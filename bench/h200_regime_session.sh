@@ -70,6 +70,9 @@ graph() { for m in T32_Q4_0 D1.5b_Q4_0; do timeout 120 python3 bench/llamacpp_gr
     --device $1 --rows 1,2,3 --repeats 20 2>/dev/null | tee $OUT/graph_reuse_$1_$m.txt | head -7; done; }
 # cudaenv: the CUDA build's libraries (setup's, or unpacked from .cuda) for llama-cpp-python
 cudaenv() { local d=/root/llama/cuda-libs; export LLAMA_CPP_LIB_PATH=$d LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:$d; }
+# wait_build: until setup's CUDA build (CUDA_LIBS=1, compiled or unpacked from .cuda) is done
+wait_build() { [ -f /root/build-libs.log ] || { echo "no CUDA build under way (setup with CUDA_LIBS=1)"; exit 1; }
+    while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log; }
 vkenv() { export PYTHONPATH=/root/vk:$PYTHONPATH LLAMA_CPP_LIB_PATH=/root/vk/llama_cpp/lib \
     LD_LIBRARY_PATH=/root/vk/llama_cpp/lib:${LD_LIBRARY_PATH:-}
     local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd; }
@@ -78,7 +81,7 @@ case $1 in
    if [ "${G:-1}" = 1 ]; then bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 && (vkenv; graph vulkan); fi
    vulkan ${T1:-220} ${S1:-100}; tail -2 /root/build-libs.log ;;
 2) bash bench/h200.sh wheels
-   while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
+   wait_build
    ACCEPTANCE=${ACCS:-0.8,0.6} REGIME_ARGS="$A" REGIME_TIMEOUT=${T2:-280} bash bench/h200.sh regime > /dev/null 2>&1
    tail -3 $OUT/regime_cuda_*.err; plain_server ${S2:-120} cuda; table /root/m/big/regime_cuda_Q4_0_1.5b.json
    if [ "${G:-1}" = 1 ]; then (cudaenv; graph cuda); fi ;;  # G=0: not, and exit 0
@@ -97,8 +100,7 @@ e) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 
 r|rc|rv) [ -f /root/m/big/T32_Q4_0.gguf ] || { (CUDA_LIBS=1 bash bench/h200.sh setup  # one request, PROMPTS
        bash bench/h200.sh regimewrite) > $OUT/setup.log 2>&1; }  # of them: r on both builds, rc CUDA, rv Vulkan
    ;;&
-r|rc) [ -f /root/build-libs.log ] || { echo "no CUDA build under way (setup with CUDA_LIBS=1)"; exit 1; }
-   while ! grep -q build-exit /root/build-libs.log; do sleep 3; done
+r|rc) wait_build
    ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4}" REGIME_TIMEOUT=${T2:-200} \
        bash bench/h200.sh regime > /dev/null 2>&1; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;&
 r|rv) bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
@@ -146,14 +148,14 @@ dp) cudaenv  # after regimewrite, CUDA: the draft's step alone, beside the idle 
        timeout 150 python3 bench/draft_pairing.py --model /root/m/big/T32_Q4_0.gguf --draft /root/m/big/D1.5b_Q4_0.gguf \
            --device cuda --k ${K:-3} --json $OUT/draft_pairing_$v.json 2>$OUT/draft_pairing_$v.err \
            | tee $OUT/draft_pairing_$v.txt; done; unset GGML_CUDA_DISABLE_GRAPHS ;;
-cs) cudaenv; while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log
+cs) cudaenv; wait_build
    for tree in ${TREES:-new old}; do dir=$PWD; [ $tree != new ] && dir=$PWD/.$tree
        PYTHONPATH=/tmp/site:$dir timeout ${T1:-150} python3 bench/calibration_spread.py --model /root/m/big/T32_Q4_0.gguf \
            --draft /root/m/big/D1.5b_Q4_0.gguf --device cuda --rounds ${ROUNDS:-4} 2>$OUT/spread_$tree.err \
            | tee $OUT/spread_$tree.txt; done
    timeout 60 python3 bench/catch_up_rows.py --model /root/m/big/D1.5b_Q4_0.gguf --device cuda 2>/dev/null \
        | tee $OUT/catch_up_rows_cuda.txt ;;
-P) while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log  # bring the build back
+P) wait_build  # bring the build back
    # (setup's CUDA_LIBS=1 build, and llama-server): pieces of at most 15 MiB under $OUT, kept here in .cuda
    cp -a /root/llama-libs/llama.cpp.src/build/bin/llama-server /root/llama/cuda-libs/
    du -sh /root/llama/cuda-libs; tar -C /root/llama -cf - cuda-libs | xz -T0 -6 | split -b 15M -d -a 1 - \
