@@ -933,6 +933,47 @@ def test_planner_interpolates_costs_over_arrays_as_the_cost_model_does():
         assert c.target_ms_array(batch, rows).tolist() == [c.target_ms(batch, int(r)) for r in rows]
 
 
+def test_a_lone_drafters_plan_in_floats_is_the_array_search():
+    """plan() takes a scalar path where one sequence may draft and the rest step plain (a lone request's every step):
+    it must choose what the array search chooses, at the same rates, over random costs (verify tables bent and
+    flat, switch prices, steady drafts fed ahead or not, drafting runs, overruns, yields) and candidates (draft
+    model or lookup, lags, acceptance 0..1, prompt rows, the shape before)."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(3000):
+        batch = rng.choice([1, 1, 2, 3])
+        points = sorted(rng.sample(range(batch, batch + 24), rng.randint(1, 5)))
+        table = {batch: {n: rng.uniform(5.0, 40.0) for n in points}}
+        c = costs(table, draft_ms=rng.uniform(0.05, 6.0))
+        c.switch_ms = rng.choice([0.0, rng.uniform(0.0, 20.0)])
+        c.shape_run, c.drafting_run = rng.uniform(1.0, 16.0), rng.uniform(1.0, 16.0)
+        c.catch_up_base_ms, c.catch_up_ms_per_token = rng.uniform(0.0, 3.0), rng.uniform(0.0, 0.3)
+        c.steady_draft = rng.random() < 0.5
+        if rng.random() < 0.5:
+            c.ahead_ms = {batch: rng.uniform(0.0, 2.0) * c.draft_step[batch]}
+            c.decide_feeding_ahead()
+        if rng.random() < 0.5:  # three timings move the median of the five the window keeps
+            for _ in range(3):
+                c.observe_iteration(batch, True, 20.0, 20.0 + rng.uniform(0.0, 3.0))
+        if batch > 1 and rng.random() < 0.5:
+            c.observe_yield(batch, 40.0, rng.uniform(0.0, 60.0))
+        lookup = rng.random() < 0.3
+        lone = planner.Candidate(rng.choice([rng.random(), 1.0, 0.0]), rng.randint(1, 12),
+                                 lag=0 if lookup else rng.choice([0, 0, rng.randint(1, 40)]), lookup=lookup)
+        candidates = [None] * batch
+        candidates[rng.randrange(batch)] = lone
+        extra, before = rng.choice([0, 0, rng.randint(1, 6)]), rng.choice([None, rng.randint(1, 20)])
+        drafting = rng.random() < 0.5
+        scalar_rates, array_rates = {}, {}
+        scalar = planner.plan(candidates, c, extra, before, drafting, scalar_rates)
+        adaptive = [candidates.index(lone)]
+        arrays = planner._plan_arrays(candidates, [0] * batch, adaptive, c, extra, before, drafting, array_rates)
+        assert scalar == arrays, (trial, scalar, arrays, scalar_rates, array_rates)
+        for key in ("plain", "planned"):
+            assert abs(scalar_rates[key] - array_rates[key]) <= 1e-9 * array_rates[key], (trial, key)
+
+
 def cheap_rows(slots: int, draft_ms: float) -> planner.BatchCosts:
     """Costs under which extra rows are nearly free (a memory-bound target): drafting pays where it is accepted.
     Held fixed (the engine's timings of the tiny models do not refine them)."""
