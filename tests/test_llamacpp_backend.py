@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -343,6 +344,47 @@ def test_batched_sequences_share_one_unified_cache_on_gpus_and_stay_correct(tiny
         assert torch.allclose(got, want, atol=0.1) and torch.equal(got.argmax(-1), want.argmax(-1))
     cache.close()
     model.close()
+
+
+@pytest.mark.parametrize("repacked", [False, True])
+def test_rows_read_in_place_are_the_rows_copied(load, tiny_model_path, repacked):
+    """A forward whose rows are all read before the next one (ReusedRows: drafts, greedy verifies) reads them where
+    llama.cpp left them, when they come from one llama_decode, and copies them otherwise: either way they are the
+    rows a copying forward returns, and the argmax picked in place is the copied rows' argmax."""
+    import ctypes
+
+    import llama_cpp.llama_cpp as llc
+
+    from tandem.backends.llamacpp_core import ReusedRows
+
+    # repacked weights: a verify's rows go GEMV_ROWS a call, so that 4 + 2 rows take two calls, copied
+    model = load_llamacpp(tiny_model_path(qtype="Q4_K", **K_QUANT_SHAPES), n_ctx=64, n_threads=1) if repacked \
+        else load("qwen2", "F32")
+    copying, reading = model.new_batched_cache(2, 64), model.new_batched_cache(2, 64)
+    assert reading._rows.split == repacked
+    reused = ReusedRows()
+    prompts = [(0, IDS[:9]), (1, IDS[2:7])]
+    steps = [[(0, IDS[9:10])], [(0, IDS[10:12]), (1, IDS[12:13])], [(0, IDS[12:16]), (1, IDS[13:15])], prompts]
+    copying._rows.forward(prompts, [True, True])
+    reading._rows.forward(prompts, [True, True], reused)
+    in_place = 0
+    for batch in steps[:3]:
+        want = copying._rows.forward(batch, [False] * len(batch))
+        got = reading._rows.forward(batch, [False] * len(batch), reused)
+        address = ctypes.cast(llc.llama_get_logits(reading._rows.context.ctx), ctypes.c_void_p).value
+        in_place += got[0].ctypes.data == address
+        for g, w in zip(got, want, strict=True):
+            assert np.array_equal(g, w)
+    assert in_place >= 2  # one row, and three rows in one call (GEMV_ROWS), at least
+    copying.rewind(0, 9), reading.rewind(0, 9)
+    copying.rewind(1, 5), reading.rewind(1, 5)
+    batch = [(0, IDS[9:12]), (1, IDS[12:13])]
+    want = [r.argmax(-1) for r in copying.forward(batch, [False, False])]
+    got = reading.forward_picking(batch, [False, False], [True, True])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    copying.close(), reading.close()
+    if repacked:
+        model.close()
 
 
 def test_batch_invariance_check_catches_the_tiled_matmul(tiny_model_path):

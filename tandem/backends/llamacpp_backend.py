@@ -43,7 +43,14 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from tandem.backends.base import Alongside, BatchedCache, Model, Sequence
-from tandem.backends.llamacpp_core import BatchedForward, LlamaCppWeights, SequenceForward, argmax_rows
+from tandem.backends.llamacpp_core import (
+    BatchedForward,
+    LlamaCppWeights,
+    ReusedRows,
+    SequenceForward,
+    argmax_rows,
+    new_rows,
+)
 from tandem.backends.llamacpp_settings import (
     DEFAULT_N_BATCH,
     DEFAULT_N_CTX,
@@ -124,6 +131,7 @@ class LlamaCppBatchedCache(BatchedCache):
     def __init__(self, model: LlamaCppModel, slots: int, capacity: int, n_batch: int, exact: bool = True) -> None:
         self.model, self.slots, self.capacity = model, slots, capacity
         self._rows: BatchedForward | None = BatchedForward(model.weights, slots, capacity, n_batch, exact)
+        self._picked = ReusedRows()  # the rows of a forward whose every entry is read as its argmax
         self.prefill_align = self._rows.prefill_align
 
     def length(self, slot: int) -> int:
@@ -141,7 +149,8 @@ class LlamaCppBatchedCache(BatchedCache):
             other._check(feed)
             if self.overlaps(other):
                 beside = functools.partial(other._rows.feed, feed)
-        rows = self._rows.forward(batch, last_only, alongside=beside)
+        every = all(picks)  # then every row is read here, before the next forward (ReusedRows)
+        rows = self._rows.forward(batch, last_only, self._picked if every else new_rows, alongside=beside)
         if alongside is not None and beside is None:
             other.feed(feed)
         return [torch.from_numpy(argmax_rows(r) if pick else r) for r, pick in zip(rows, picks, strict=True)]

@@ -23,6 +23,7 @@ per-row kernel on this 2-core AVX2 CPU); without repacking (repack=False) every 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -46,12 +47,15 @@ REPACKED_BUFFER = "CPU_REPACK model buffer size"  # what llama.cpp logs when it 
 Allocator = Callable[[int, int], np.ndarray]
 
 
-def _new_rows(rows: int, vocab: int) -> np.ndarray:
+def new_rows(rows: int, vocab: int) -> np.ndarray:
     return np.empty((rows, vocab), dtype=np.float32)
 
 
 class ReusedRows:
-    """An Allocator of one buffer, grown as needed: for rows read (their argmax) before the next forward."""
+    """An Allocator of one buffer, grown as needed: for rows read (their argmax) before the next forward. A
+    BatchedForward of one llama_decode hands such a caller llama.cpp's own logits rows instead (Context.last_logits),
+    which hold until the next forward as well: a Qwen row is 608 KB, and copying it cost a drafted token ~70 us in
+    the loop on a CPU host."""
 
     def __init__(self) -> None:
         self._buffer = np.empty((0, 0), dtype=np.float32)
@@ -149,6 +153,7 @@ class Context:
         self._seq_ids = [0] * n_batch  # what batch.seq_id[i][0] holds, so a call writes only the ones that change
         for i in range(n_batch):
             self.batch.seq_id[i][0] = 0
+        self._logits_views: dict[tuple[int, int], np.ndarray] = {}  # see last_logits
 
     def decode(self, seq_ids: Seq[int], tokens: Seq[int], positions: Seq[int] | np.ndarray,
                wanted: Seq[bool] | np.ndarray, out: np.ndarray | None,
@@ -175,6 +180,19 @@ class Context:
             # [n_wanted, vocab], the flagged rows in batch order; one copy, straight into out
             ctypes.memmove(out.ctypes.data, llc.llama_get_logits(self.ctx), out.nbytes)
 
+    def last_logits(self, rows: int) -> np.ndarray:
+        """The last decode's wanted rows [rows, vocab] where llama.cpp keeps them (waiting for the device): valid
+        until the next decode, which may overwrite or move them; read them before it, never hold them."""
+        address = ctypes.cast(llc.llama_get_logits(self.ctx), ctypes.c_void_p).value
+        view = self._logits_views.get((address, rows))
+        if view is None:
+            vocab = self.weights.vocab_size
+            view = np.frombuffer((ctypes.c_float * (rows * vocab)).from_address(address), dtype=np.float32)
+            if len(self._logits_views) > 64:  # a view per (address, rows): a handful in practice
+                self._logits_views.clear()
+            view = self._logits_views[address, rows] = view.reshape(rows, vocab)
+        return view
+
     def clear(self) -> None:
         llc.llama_memory_clear(self.memory, True)
 
@@ -198,7 +216,7 @@ class SequenceForward:
         self.row_call = min(GEMV_ROWS, context.n_batch) if exact and weights.repacked else context.n_batch
         self.length = 0
 
-    def forward(self, ids: Seq[int], last: bool, allocate: Allocator = _new_rows) -> np.ndarray:
+    def forward(self, ids: Seq[int], last: bool, allocate: Allocator = new_rows) -> np.ndarray:
         """Feed ids at positions length.. and return their logits [len(ids), vocab], or [1, vocab] if last (a
         prompt: calls of n_batch rows, logits of the last row only). The caller checked the room."""
         context, vocab, n_tokens = self.context, self.weights.vocab_size, len(ids)
@@ -256,7 +274,7 @@ class BatchedForward:
         self._gemm_end = [0] * slots
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool],
-                allocate: Allocator | None = _new_rows, alongside: Callable[[], None] | None = None
+                allocate: Allocator | None = new_rows, alongside: Callable[[], None] | None = None
                 ) -> list[np.ndarray]:
         """Each entry's logits ([T, vocab], or [1, vocab] where last_only: a prompt chunk), in entry order; the
         caller checked the batch. One array from `allocate` holds them all; allocate=None reads none (and returns
@@ -264,8 +282,7 @@ class BatchedForward:
         llama_decode is launched, before its rows are read (Context.decode's before_read)."""
         vocab, n_batch = self.weights.vocab_size, self.context.n_batch
         counts = [1 if last else len(tokens) for (_, tokens), last in zip(batch, last_only, strict=True)]
-        out = allocate(sum(counts), vocab) if allocate is not None else None
-        offsets = np.cumsum([0] + counts)
+        offsets = [0, *itertools.accumulate(counts)]
         # calls: lists of (entry index, first token, end) row ranges; mixed rows go in together unless split
         calls: list[list[tuple[int, int, int]]] = []
         rows_per_call = GEMV_ROWS if self.split else n_batch
@@ -284,6 +301,9 @@ class BatchedForward:
                     pending, room = [], rows_per_call
         if pending:
             calls.append(pending)
+        # rows read before the next forward, all from one decode: read where llama.cpp put them (see ReusedRows)
+        in_place = isinstance(allocate, ReusedRows) and len(calls) == 1
+        out = allocate(offsets[-1], vocab) if allocate is not None and not in_place else None
         try:
             for call in calls:
                 seq_ids, tokens, positions, wanted, targets = [], [], [], [], []
@@ -302,11 +322,13 @@ class BatchedForward:
                 rows = out[targets[0] : targets[-1] + 1] if targets and out is not None else None
                 scratch = rows is not None and len(rows) != len(targets)  # rows not contiguous in out
                 if scratch:
-                    rows = _new_rows(len(targets), vocab)
+                    rows = new_rows(len(targets), vocab)
                 self.context.decode(seq_ids, tokens, positions, wanted, rows,
                                     alongside if call is calls[-1] else None)
                 if scratch:
                     out[targets] = rows
+            if in_place:
+                out = self.context.last_logits(offsets[-1])
         except RuntimeError:
             for slot, _ in batch:  # forget whatever part of this forward went in
                 llc.llama_memory_seq_rm(self.context.memory, slot, self.lengths[slot], -1)
