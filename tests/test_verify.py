@@ -95,3 +95,21 @@ def test_the_host_argmax_is_torchs_on_ties_nans_views_and_dtypes():
         got = argmax(x)
         assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), x.shape
     assert argmax(rows)[1] == 10 and argmax(rows)[2] == 333 and argmax(rows)[3] == 0
+
+
+def test_synthetic_verify_of_picked_tokens_draws_as_on_logits():
+    """The host's synthetic verify of tokens a backend picked (llama.cpp's greedy rows) takes the same draws from the
+    request's generator and gives the same outcome as verify_synthetic on the logits rows they were picked from."""
+    from tandem.speculative.verify import verify_synthetic, verify_synthetic_picked
+
+    outcomes = set()
+    for seed in range(200):
+        k = 1 + seed % 6
+        logits = torch.randn(k + 1, 50, generator=torch.Generator().manual_seed(seed))
+        drafts = torch.randint(0, 50, (k,), generator=torch.Generator().manual_seed(seed + 1000)).tolist()
+        rate = (0.3, 0.8, 1.0, 0.0)[seed % 4]
+        n, token = verify_synthetic(torch.tensor(drafts), logits, rate, torch.Generator().manual_seed(seed))
+        got = verify_synthetic_picked(drafts, logits.argmax(-1), rate, torch.Generator().manual_seed(seed))
+        assert got == (int(n), drafts[: int(n)] + [int(token)]), seed
+        outcomes.add(got[0])
+    assert len(outcomes) == 7  # every count from none to all six accepted was drawn

@@ -8,7 +8,7 @@ import torch
 from tandem.engine.scoring import score_rows
 from tandem.engine.sequence import Generation
 from tandem.sampling import argmax, picked, probs_from_logits
-from tandem.speculative.verify import verify_greedy, verify_sampled, verify_synthetic
+from tandem.speculative.verify import verify_greedy, verify_sampled, verify_synthetic, verify_synthetic_picked
 
 
 def reads_argmax_only(gen: Generation) -> bool:
@@ -27,10 +27,15 @@ def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[
     rows of requests that asked for them (score_rows), read back after it."""
     greedy, sampled, scored = [], [], {}  # greedy: (gen, rows); sampled: (gen, [n, token])
     on_device: list[tuple[Generation, torch.Tensor]] = []  # drafts to read back with the outcomes
+    outcomes = {}
     for gen, rows in decoding + firsts:
         if rows.dtype == torch.long and not reads_argmax_only(gen):
             raise ValueError(f"sequence {gen.id}: its rows came back picked, but its outcome reads their logits")
         drafts, draft_probs = proposals.get(gen.id, ([], None))  # a prompt just read in has none
+        if synthetic_acceptance is not None and len(drafts) and rows.dtype == torch.long and \
+                rows.device.type == "cpu" and not isinstance(drafts, torch.Tensor):
+            outcomes[gen.id] = verify_synthetic_picked(drafts, rows, synthetic_acceptance, gen.generator)
+            continue
         if isinstance(drafts, torch.Tensor):
             on_device.append((gen, drafts))
         # What the choice reads: rows adjusted for the request (bias, penalties, grammar) at each draft offset.
@@ -59,7 +64,6 @@ def read_outcomes(decoding: list[tuple[Generation, torch.Tensor]], firsts: list[
     for gen, drafts in on_device:
         host_drafts[gen.id] = values[at : at + len(drafts)]
         at += len(drafts)
-    outcomes = {}
     for gen, _ in greedy:
         drafts = host_drafts[gen.id]
         outcomes[gen.id] = verify_greedy(drafts, values[at : at + len(drafts) + 1])  # the argmax at each row
