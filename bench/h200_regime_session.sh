@@ -12,8 +12,9 @@
 #   run(same carry as v, "bash bench/h200_regime_session.sh e")  Vulkan, the regime alone (ACC, default 0.8; T1)
 #   run(carry=[".whs", ".whp", ".xfer/qwen-tokenizer.gguf", ".cuda", ".vkx", ".gl"], "bash bench/h200_regime_session.sh r")
 #       one request on CUDA, then on Vulkan, in one call (.vkx: .vk as a tarball, `tar -C .vk -cf - llama_cpp | xz`);
-#       rc: CUDA alone, rv: Vulkan alone (with bench/catch_up_rows.py on the draft first; it needs no CUDA build, so
-#       it can run while setup's CUDA compile goes on in the background: carry .xfer whole, no .cuda)
+#       rc: CUDA alone, rv: Vulkan alone (with bench/catch_up_rows.py on the draft first, CU=0: not; it needs no CUDA
+#       build, so it can run while setup's CUDA compile goes on in the background: carry .xfer whole, no .cuda);
+#       TREES="new old": this tree, then .old's tandem (carry .old), each run's files under $OUT/new and $OUT/old
 #   run(same carry as v, "bash bench/h200_regime_session.sh t")  Vulkan, bench/regime_trace.py: the engine's plans
 #   run("bash bench/h200_regime_session.sh tc")  CUDA, the same, right after step 2 (its build): plans, what the loop
 #       learned, and each step's target forward apart from its host work
@@ -73,6 +74,10 @@ cudaenv() { local d=/root/llama/cuda-libs; export LLAMA_CPP_LIB_PATH=$d LD_LIBRA
 # wait_build: until setup's CUDA build (CUDA_LIBS=1, compiled or unpacked from .cuda) is done
 wait_build() { [ -f /root/build-libs.log ] || { echo "no CUDA build under way (setup with CUDA_LIBS=1)"; exit 1; }
     while ! grep -q build-exit /root/build-libs.log; do sleep 3; done; tail -1 /root/build-libs.log; }
+# in_tree TREE CMD...: CMD run with TREE's tandem (new: this tree's; another, e.g. old: .old, made by `git archive REV
+# tandem | tar x -C .old`), this tree's bench scripts, and its outputs under $OUT/TREE
+in_tree() { local tree=$1 dir=$PWD; shift; [ $tree != new ] && { dir=$PWD/.$tree; ln -sfn $PWD/bench $dir/bench; }
+    mkdir -p $OUT/$tree; (cd $dir && OUT=$OUT/$tree "$@"); }
 vkenv() { export PYTHONPATH=/root/vk:$PYTHONPATH LLAMA_CPP_LIB_PATH=/root/vk/llama_cpp/lib \
     LD_LIBRARY_PATH=/root/vk/llama_cpp/lib:${LD_LIBRARY_PATH:-}
     local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json; [ -f $icd ] && export VK_DRIVER_FILES=$icd; }
@@ -100,14 +105,16 @@ e) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 
 r|rc|rv) [ -f /root/m/big/T32_Q4_0.gguf ] || { (CUDA_LIBS=1 bash bench/h200.sh setup  # one request, PROMPTS
        bash bench/h200.sh regimewrite) > $OUT/setup.log 2>&1; }  # of them: r on both builds, rc CUDA, rv Vulkan
    ;;&
-r|rc) wait_build
-   ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4}" REGIME_TIMEOUT=${T2:-200} \
-       bash bench/h200.sh regime > /dev/null 2>&1; table /root/m/big/regime_cuda_Q4_0_1.5b.json ;;&
+r|rc) wait_build  # TREES="new old": each tree in turn (see in_tree)
+   for tree in ${TREES:-new}; do echo "== $tree"; in_tree $tree eval 'ACCEPTANCE=${ACC:-0.8} \
+       REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4}" REGIME_TIMEOUT=${T2:-200} bash bench/h200.sh regime \
+       > /dev/null 2>&1; table /root/m/big/regime_cuda_Q4_0_1.5b.json'; done ;;&
 r|rv) bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
-   (vkenv; timeout 60 python3 bench/catch_up_rows.py --model /root/m/big/D1.5b_Q4_0.gguf --device vulkan 2>/dev/null \
-       | tee $OUT/catch_up_rows_vulkan.txt)
-   ACCEPTANCE=${ACC:-0.8} REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4} --fixed 2" REGIME_TIMEOUT=${T1:-200} \
-       bash bench/h200.sh regimevk > /dev/null 2>&1; table /root/m/big/regime_vulkan_Q4_0_1.5b.json ;;
+   [ "${CU:-1}" = 1 ] && (vkenv; timeout 60 python3 bench/catch_up_rows.py --model /root/m/big/D1.5b_Q4_0.gguf \
+       --device vulkan 2>/dev/null | tee $OUT/catch_up_rows_vulkan.txt)
+   for tree in ${TREES:-new}; do echo "== $tree"; in_tree $tree eval 'ACCEPTANCE=${ACC:-0.8} \
+       REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4} --fixed 2" REGIME_TIMEOUT=${T1:-200} \
+       bash bench/h200.sh regimevk > /dev/null 2>&1; table /root/m/big/regime_vulkan_Q4_0_1.5b.json'; done ;;
 rc) ;;
 t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # the engine's plans, Vulkan
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
