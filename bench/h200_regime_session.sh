@@ -14,7 +14,8 @@
 #       one request on CUDA, then on Vulkan, in one call (.vkx: .vk as a tarball, `tar -C .vk -cf - llama_cpp | xz`);
 #       rc: CUDA alone, rv: Vulkan alone (with bench/catch_up_rows.py on the draft first, CU=0: not; it needs no CUDA
 #       build, so it can run while setup's CUDA compile goes on in the background: carry .xfer whole, no .cuda);
-#       TREES="new old": this tree, then .old's tandem (carry .old), each run's files under $OUT/new and $OUT/old
+#       TREES="new old": this tree, then .old's tandem (carry .old), each run's files under $OUT/new and $OUT/old;
+#       DRAFT=0.5b: the 0.5B-shape draft (regimewrite writes both)
 #   run(same carry as v, "bash bench/h200_regime_session.sh t")  Vulkan, bench/regime_trace.py: the engine's plans
 #   run("bash bench/h200_regime_session.sh tc")  CUDA, the same, right after step 2 (its build): plans, what the loop
 #       learned, and each step's target forward apart from its host work
@@ -108,13 +109,13 @@ r|rc|rv) [ -f /root/m/big/T32_Q4_0.gguf ] || { (CUDA_LIBS=1 bash bench/h200.sh s
 r|rc) wait_build  # TREES="new old": each tree in turn (see in_tree)
    for tree in ${TREES:-new}; do echo "== $tree"; in_tree $tree eval 'ACCEPTANCE=${ACC:-0.8} \
        REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4}" REGIME_TIMEOUT=${T2:-200} bash bench/h200.sh regime \
-       > /dev/null 2>&1; table /root/m/big/regime_cuda_Q4_0_1.5b.json'; done ;;&
+       > /dev/null 2>&1; table /root/m/big/regime_cuda_Q4_0_${DRAFT:-1.5b}.json'; done ;;&
 r|rv) bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
    [ "${CU:-1}" = 1 ] && (vkenv; timeout 60 python3 bench/catch_up_rows.py --model /root/m/big/D1.5b_Q4_0.gguf \
        --device vulkan 2>/dev/null | tee $OUT/catch_up_rows_vulkan.txt)
    for tree in ${TREES:-new}; do echo "== $tree"; in_tree $tree eval 'ACCEPTANCE=${ACC:-0.8} \
        REGIME_ARGS="$A --concurrency 1 --prompts ${PROMPTS:-4} --fixed 2" REGIME_TIMEOUT=${T1:-200} \
-       bash bench/h200.sh regimevk > /dev/null 2>&1; table /root/m/big/regime_vulkan_Q4_0_1.5b.json'; done ;;
+       bash bench/h200.sh regimevk > /dev/null 2>&1; table /root/m/big/regime_vulkan_Q4_0_${DRAFT:-1.5b}.json'; done ;;
 rc) ;;
 t) bash bench/h200.sh setup 2>&1 | tail -3; bash bench/h200.sh regimewrite 2>&1 | tail -4  # the engine's plans, Vulkan
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
