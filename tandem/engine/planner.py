@@ -378,8 +378,8 @@ def _plan_one(candidates: list[Candidate | None], i: int, costs: BatchCosts, ext
               previous_rows: int | None, drafting: bool, rates: dict | None) -> list[int]:
     """plan() where one sequence, candidates[i], may draft and every other steps plain (a lone request's every
     step): the same arithmetic over K = 1..k_max in Python floats. plan()'s arrays cost ~40 numpy calls a step, each
-    slow in the loop, where the forwards between steps evict the host's caches: 0.3 ms a step on an H100, 0.5-0.6 on
-    an H200 (a 32B target's step: 18-20 ms); this takes ~0.05."""
+    slow in the loop, where the forwards between steps evict the host's caches: an H100's engine planned in 0.32-0.51
+    ms a step with them, 0.11-0.15 so (a 32B target's step: 17-18 ms)."""
     c, batch = candidates[i], len(candidates)
     ks = [0] * batch
     plain_rows = batch + extra_rows
