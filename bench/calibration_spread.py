@@ -1,4 +1,4 @@
-"""How far the engine's calibration (tandem.engine.planner.measure) moves between runs on one box, and why: it is
+"""How far the engine's calibration (tandem.engine.calibration.measure) moves between runs on one box, and why: it is
 run ROUNDS times on one engine's caches, each run's figures printed; then the forwards its feed-ahead decision
 rests on are timed one by one (a verify of k + 1 rows alone and with the draft's row fed beside it, taken in turn,
 and the draft's one-row step), as percentiles, to tell a noisy host from a cost that moves.
@@ -17,9 +17,9 @@ import statistics
 import time
 
 import tandem
-from tandem.engine import Engine, planner
+from tandem.engine import Engine, calibration, planner
 
-CONTEXT = planner.CONTEXT
+CONTEXT = calibration.CONTEXT
 
 
 def _summary(costs: planner.BatchCosts, k_max: int) -> str:
@@ -52,19 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{target.device}: {args.model} with {args.draft}; k_max {engine.draft_max}")
     for r in range(args.rounds):
         started = time.perf_counter()
-        costs = planner.measure(tkv, dkv, engine.draft_max, sync)
+        costs = calibration.measure(tkv, dkv, engine.draft_max, sync)
         print(f"calibration {r + 1} ({time.perf_counter() - started:.1f} s): {_summary(costs, engine.draft_max)}")
 
-    # planner._timed, as the calibration times them: the feed at the draft's position 0, rewound after; the draft's
+    # calibration._timed, as the calibration times them: the feed at the draft's position 0, rewound after; the draft's
     # step after CONTEXT tokens of its own
-    rows = min(engine.draft_max, planner.SWITCH_DRAFTS) + 1
+    rows = min(engine.draft_max, calibration.SWITCH_DRAFTS) + 1
     tkv.forward([(0, [0] * CONTEXT)], [True])
     times: dict[str, list[float]] = {"verify": [], "verify + feed": [], "draft step": []}
     for i in range(args.forwards + 2):  # two of each first, dropped: ggml-cuda captures its graph on the second
-        forwards = {"verify": planner._timed(tkv, [0], rows, sync),
-                    "verify + feed": planner._timed(tkv, [0], rows, sync, dkv)}
+        forwards = {"verify": calibration._timed(tkv, [0], rows, sync),
+                    "verify + feed": calibration._timed(tkv, [0], rows, sync, dkv)}
         dkv.forward([(0, [0] * CONTEXT)], [True])
-        forwards["draft step"] = planner._timed(dkv, [0], 1, sync, last_only=True)
+        forwards["draft step"] = calibration._timed(dkv, [0], 1, sync, last_only=True)
         dkv.rewind(0, 0)
         for name, ms in forwards.items():
             if i >= 2:

@@ -1,5 +1,5 @@
 """What a draft's catch-up forward costs reading one logits row back, as the drafter's catch-ups read, against
-reading every row back, as the engine's calibration timed it (tandem.engine.planner.measure, before): a row of a
+reading every row back, as the engine's calibration timed it (tandem.engine.calibration.measure, before): a row of a
 152k vocabulary is 0.6 MB a token to copy back (and, in tandem's worker process, to send over).
 
     python bench/catch_up_rows.py --model D.gguf --device cuda --rows 8,16,32
@@ -13,7 +13,7 @@ import time
 
 import tandem
 
-CONTEXT = 32  # tokens in the cache before each timed forward, as planner.measure
+CONTEXT = 32  # tokens in the cache before each timed forward, as calibration.measure
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ import gpu_report_regime
 from gpu_report_regime import load, parse_args, run_engine, run_generate
 from step_parts import StepParts
 
-from tandem.engine import Engine, planner
+from tandem.engine import Engine, calibration, planner
 from tandem.engine.sequence import DRAFT_MODEL
 from tandem.speculative.calibrate import shared_prior
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         observed.append((round_of.get(id(engine), -1), batch, drafting, engine._previous_rows if engine else None,
                          engine._shape_run if engine else None, predicted_ms, ms, self.drafting_overrun(batch)))
 
-    measure = planner.measure
+    measure = calibration.measure
 
     def measured(*a, **k):
         costs = measure(*a, **k) if known.replay is None else \
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
               "per token", round(costs.catch_up_ms_per_token, 3), "switch", round(costs.switch_ms, 2), flush=True)
         return costs
 
-    planner.measure = measured
+    calibration.measure = measured
     if known.replay is None:
         planner.BatchCosts.observe_iteration = observed_iteration
     if known.replay is not None:  # frozen: this machine's timings must not refine the replayed costs

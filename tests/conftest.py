@@ -81,7 +81,7 @@ def cheap_drafting(monkeypatch, costs_dir) -> None:
     the adaptive policy then drafts on acceptance alone, so what a test checks does not hang on this machine's
     timing (a same-size tiny draft never pays on measured costs). Costs are kept in `costs_dir`, apart from the
     measured ones other tests keep."""
-    from tandem.engine import planner
+    from tandem.engine import calibration, planner
     from tandem.speculative import calibrate
     from tandem.speculative.policy import CostModel
 
@@ -91,7 +91,7 @@ def cheap_drafting(monkeypatch, costs_dir) -> None:
                                   draft_step={b: 1e-3 for b in batches}, catch_up_ms_per_token=1e-3)
 
     monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(costs_dir))
-    monkeypatch.setattr(planner, "measure", measure)
+    monkeypatch.setattr(calibration, "measure", measure)
     for name in ("observe_draft", "observe_iteration", "observe_yield"):
         monkeypatch.setattr(planner.BatchCosts, name, lambda self, *args: None)
 

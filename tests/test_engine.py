@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 import tandem
 from tandem.backends.base import ContextOverflowError
-from tandem.engine import Engine, Request, planner
+from tandem.engine import Engine, Request, calibration, planner
 from tandem.engine.kv_pool import SlotTable
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import EVIDENCE_TOKENS, LOOKUP_SHARE_PRIOR_TOKENS, AcceptancePrior, CostModel
@@ -368,11 +368,11 @@ def test_the_calibrated_change_of_shape_is_what_the_loop_pays(monkeypatch):
     changing from an uncaptured forward, it found 7.2 ms on an H100 (32B Q4_0) where the loop paid 17.6: a capture
     there updated the graph in place, the loop's instantiates one for other kernels (bench/llamacpp_episode.py)."""
     cache = CapturedGraphs()
-    monkeypatch.setattr(planner.time, "perf_counter", lambda: cache.now)
-    costs = planner.measure(cache, None, k_max=4, synchronize=lambda: None)
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: cache.now)
+    costs = calibration.measure(cache, None, k_max=4, synchronize=lambda: None)
     for _ in range(3):  # the loop: runs of plain steps and of verifies of SWITCH_DRAFTS drafts, two changes a cycle
         extra = 0.0
-        for rows in [1] * 6 + [planner.SWITCH_DRAFTS + 1] * 6:
+        for rows in [1] * 6 + [calibration.SWITCH_DRAFTS + 1] * 6:
             started = cache.now
             cache.forward([(0, [0] * rows)], [False])
             extra += 1000.0 * (cache.now - started) - (10.0 + rows)
@@ -728,8 +728,8 @@ def test_the_verify_table_is_timed_finer_where_it_bends(monkeypatch, curve, rows
         return 10.0 + 3.0 * n if curve == "line" else (14.0 + 4.8 * (n - 1) if n <= 8 else 171.0)
 
     timed = []
-    monkeypatch.setattr(planner, "_time", lambda cache, b, n, sync, after=None: timed.append(n) or cost(n))
-    table = planner._verify_costs(None, 1, 8, lambda: None)
+    monkeypatch.setattr(calibration, "_time", lambda cache, b, n, sync, after=None: timed.append(n) or cost(n))
+    table = calibration._verify_costs(None, 1, 8, lambda: None)
     assert set(table.verify_ms) == rows == set(timed)
     assert table.verify(3) == pytest.approx(cost(3), rel=0.05 if curve == "line" else 1e-9)
 
@@ -1181,8 +1181,8 @@ def test_a_catch_up_is_priced_reading_its_last_row_and_a_read_its_evidence_rows(
     from tandem.speculative.policy import EVIDENCE_ROWS
 
     clock = [0.0]
-    monkeypatch.setattr(planner.time, "perf_counter", lambda: clock[0])
-    costs = planner.measure(RowsReadBack(clock), RowsReadBack(clock), k_max=4, synchronize=lambda: None)
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    costs = calibration.measure(RowsReadBack(clock), RowsReadBack(clock), k_max=4, synchronize=lambda: None)
     assert costs.catch_up_ms_per_token == pytest.approx(RowsReadBack.ROW)
     assert costs.catch_up_base_ms == pytest.approx(RowsReadBack.BASE + RowsReadBack.READ)
     assert costs.evidence_row_ms == pytest.approx(RowsReadBack.READ)
@@ -1227,15 +1227,15 @@ def test_the_feed_beside_a_verify_is_timed_against_a_verify_alone_in_turn(monkey
     medians apart, one H200 calibration read 4.10 ms where one minutes before read 1.05, and the engine fed nothing
     ahead (bench/calibration_spread.py)."""
     clock, forwards = [0.0], [0]
-    monkeypatch.setattr(planner.time, "perf_counter", lambda: clock[0])
-    calm = planner.measure(StallingHost(clock, forwards, range(0)), StallingHost(clock, forwards, range(0)),
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    calm = calibration.measure(StallingHost(clock, forwards, range(0)), StallingHost(clock, forwards, range(0)),
                            k_max=4, synchronize=lambda: None)
     assert calm.ahead_ms == {1: pytest.approx(StallingHost.FEED), 2: pytest.approx(StallingHost.FEED)}
     total = forwards[0]
     for start in range(total):  # a stall starting at each forward of the calibration
         clock[0], forwards[0] = 0.0, 0
         stalled = range(start, start + StallingHost.WINDOW)
-        costs = planner.measure(StallingHost(clock, forwards, stalled), StallingHost(clock, forwards, stalled),
+        costs = calibration.measure(StallingHost(clock, forwards, stalled), StallingHost(clock, forwards, stalled),
                                 k_max=4, synchronize=lambda: None)
         assert costs.ahead_ms == pytest.approx(calm.ahead_ms), start
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 import tandem
-from tandem.engine import planner
+from tandem.engine import calibration
 from tandem.speculative import calibrate
 
 
@@ -129,8 +129,8 @@ def test_the_engines_costs_are_kept_on_disk_for_the_next_start(tiny_model_path, 
     monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(calibrate, "machine_busy", lambda: False)  # costs timed under load are not kept
     measured = []
-    measure = planner.measure
-    monkeypatch.setattr(planner, "measure", lambda *a, **kw: measured.append(1) or measure(*a, **kw))
+    measure = calibration.measure
+    monkeypatch.setattr(calibration, "measure", lambda *a, **kw: measured.append(1) or measure(*a, **kw))
 
     def start():
         target = tandem.load(tiny_model_path(seed=0))

@@ -237,12 +237,13 @@ def batched_costs(target: Model, draft: Model | None, slots: int, k: int,
     the target's forward over B sequences of 1, 2 and k + 1 rows, the draft's one-row step over B sequences, and
     what the planner would do with them: the draft length for B sequences all at acceptance a, and the predicted
     tokens/s over B plain sequences."""
-    from tandem.engine import planner
+    from tandem.engine import calibration, planner
 
     target_kv = target.new_batched_cache(slots, min(target.n_ctx, 256))
     draft_kv = draft.new_batched_cache(slots, min(draft.n_ctx, 256), drafting=True) if draft is not None else None
     try:
-        costs = planner.measure(target_kv, draft_kv, k, lambda: (target.synchronize(), draft and draft.synchronize()))
+        costs = calibration.measure(target_kv, draft_kv, k,
+                                    lambda: (target.synchronize(), draft and draft.synchronize()))
     finally:
         target_kv.close()
         if draft_kv is not None:

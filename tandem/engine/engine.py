@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from tandem.backends.base import Alongside, ContextOverflowError, Model
-from tandem.engine import planner
+from tandem.engine import calibration, planner
 from tandem.engine.drafter import Drafter, Proposal
 from tandem.engine.drafting_rules import DraftingRules
 from tandem.engine.kv_pool import SlotTable, fit_slots
@@ -138,7 +138,7 @@ class Engine(DraftingRules):
         """The planner's costs: as kept on disk for this device, pair and engine shape (calibrate.costs_path), else
         measured on these caches (empty: their slots are scratch here) and kept. refresh: measure afresh."""
         def measure() -> planner.BatchCosts:
-            return planner.measure(self.target_kv, self.drafter and self.drafter.kv, self.draft_max,
+            return calibration.measure(self.target_kv, self.drafter and self.drafter.kv, self.draft_max,
                                    self._synchronize)
 
         path = costs_path(self.target, self.draft_model, self.draft_max, self.slots, self.n_ctx)

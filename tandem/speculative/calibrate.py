@@ -2,7 +2,7 @@
 
 - `cached_costs`: the batch-1 cost model (the draft's one-token step, the target's forward over n = 1, 2 and
   k_max + 1 tokens, affine in between), repeated until two rounds agree, for `tandem bench`'s predictions and the
-  doctor; the batched engine measures its own (`engine.planner.measure`) and keeps them through `kept_costs`.
+  doctor; the batched engine measures its own (`engine.calibration.measure`) and keeps them through `kept_costs`.
 - Either is kept on disk per device, pair and shape (`$TANDEM_HOME/costs/`, or $TANDEM_COSTS), so later starts
   decide alike (near break-even a cost read off a cold or busy device decides differently from one start to the
   next); TANDEM_RECALIBRATE=1 (or `--recalibrate`) measures afresh. The loop then refines every figure from the
