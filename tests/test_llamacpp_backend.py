@@ -376,13 +376,15 @@ def test_rows_read_in_place_are_the_rows_copied(load, tiny_model_path, repacked)
         for g, w in zip(got, want, strict=True):
             assert np.array_equal(g, w)
     assert in_place >= 2  # one row, and three rows in one call (GEMV_ROWS), at least
-    copying.rewind(0, 9), reading.rewind(0, 9)
-    copying.rewind(1, 5), reading.rewind(1, 5)
+    for cache in (copying, reading):  # back to the prompts, then a greedy verify through the cache
+        cache.rewind(0, 9)
+        cache.rewind(1, 5)
     batch = [(0, IDS[9:12]), (1, IDS[12:13])]
     want = [r.argmax(-1) for r in copying.forward(batch, [False, False])]
     got = reading.forward_picking(batch, [False, False], [True, True])
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    copying.close(), reading.close()
+    copying.close()
+    reading.close()
     if repacked:
         model.close()
 
