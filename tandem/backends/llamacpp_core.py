@@ -153,7 +153,6 @@ class Context:
         self._seq_ids = [0] * n_batch  # what batch.seq_id[i][0] holds, so a call writes only the ones that change
         for i in range(n_batch):
             self.batch.seq_id[i][0] = 0
-        self._logits_views: dict[tuple[int, int], np.ndarray] = {}  # see last_logits
 
     def decode(self, seq_ids: Seq[int], tokens: Seq[int], positions: Seq[int] | np.ndarray,
                wanted: Seq[bool] | np.ndarray, out: np.ndarray | None,
@@ -184,14 +183,8 @@ class Context:
         """The last decode's wanted rows [rows, vocab] where llama.cpp keeps them (waiting for the device): valid
         until the next decode, which may overwrite or move them; read them before it, never hold them."""
         address = ctypes.cast(llc.llama_get_logits(self.ctx), ctypes.c_void_p).value
-        view = self._logits_views.get((address, rows))
-        if view is None:
-            vocab = self.weights.vocab_size
-            view = np.frombuffer((ctypes.c_float * (rows * vocab)).from_address(address), dtype=np.float32)
-            if len(self._logits_views) > 64:  # a view per (address, rows): a handful in practice
-                self._logits_views.clear()
-            view = self._logits_views[address, rows] = view.reshape(rows, vocab)
-        return view
+        vocab = self.weights.vocab_size
+        return np.frombuffer((ctypes.c_float * (rows * vocab)).from_address(address), np.float32).reshape(rows, vocab)
 
     def clear(self) -> None:
         llc.llama_memory_clear(self.memory, True)
