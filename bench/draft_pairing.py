@@ -4,7 +4,10 @@ steps timed in phases, one process, the GPU's clocks read around each phase.
     python bench/draft_pairing.py --model T.gguf --draft D.gguf --device cuda [--k 3 --repeats 40]
 
 Phases, in this order: the draft alone; the target loaded, idle; the target verifying k + 1 rows between the
-draft's steps (paired); the target verifying one row between them (paired-1); idle again; the target closed; the
+draft's steps (paired); the target verifying one row between them (paired-1); three that tell the host from the
+device (--causes): the host sweeping SWEEP_MB of memory between the steps and no verify (flushed: the host's caches
+alone), the verify and then a sleep (paired-sleep: work the device still has under way), the verify on a thread on
+the other half of the CPUs (paired-thread: the draft's core keeps its caches); idle again; the target closed; the
 draft alone again. Each phase times `repeats` drafting steps of k tokens whole, as the engine drafts a lone greedy
 sequence (one greedy_drafts call), and the same steps forward by forward (each read before the next, as the
 doctor timed them before): the first forward after a verify against the others. A slower idle phase than alone
@@ -16,15 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 import tandem
 from tandem.sampling import argmax
 
 CONTEXT = 32
+SWEEP_MB = 256  # past a server CPU's L2 and L3: what the target's host work between two draft steps could evict
+SLEEP_S = 0.005  # longer than the device needs to finish a verify it was still running (V(4) ~ 14-22 ms, read back)
 
 
 def clocks() -> str:
@@ -35,19 +44,39 @@ def clocks() -> str:
         return "-"
 
 
-def phase(draft, target, k: int, repeats: int, verify_rows: int) -> dict:
-    """Median ms a drafted token: steps timed whole, then forward by forward (first after a verify, the rest)."""
+def halves() -> tuple[set[int], set[int]]:
+    cpus = sorted(os.sched_getaffinity(0))
+    return set(cpus[: len(cpus) // 2] or cpus), set(cpus[len(cpus) // 2:] or cpus)
+
+
+def phase(draft, target, k: int, repeats: int, verify_rows: int, between: str = "") -> dict:
+    """Median ms a drafted token: steps timed whole, then forward by forward (first after a verify, the rest).
+    between: "" the verify alone, "sweep" the host sweeping memory instead, "sleep" the verify then a sleep, "thread"
+    the verify on a thread pinned to the other half of the CPUs (this one on the first half meanwhile)."""
     token = draft.tokenizer.bos_token_id or 0
     vocab = draft.vocab_size
     draft_kv = draft.new_batched_cache(1, CONTEXT + k + 2, drafting=True)
     target_kv = target.new_batched_cache(1, CONTEXT + k + 2) if target is not None else None
     whole, first, rest = [], [], []
+    sweep = np.ones(SWEEP_MB << 18, dtype=np.float32) if between == "sweep" else None
+    pool = None
+    if between == "thread":
+        mine, other = halves()
+        os.sched_setaffinity(0, mine)
+        pool = ThreadPoolExecutor(1, initializer=os.sched_setaffinity, initargs=(0, other))
+
+    def verify_target() -> None:
+        target_kv.forward_picking([(0, [token] * verify_rows)], [False], [True])
+        target.synchronize()
+        target_kv.rewind(0, CONTEXT)
 
     def verify() -> None:
+        if sweep is not None:
+            np.multiply(sweep, 1.0, out=sweep)
         if target_kv is not None:
-            target_kv.forward_picking([(0, [token] * verify_rows)], [False], [True])
-            target.synchronize()
-            target_kv.rewind(0, CONTEXT)
+            pool.submit(verify_target).result() if pool is not None else verify_target()
+            if between == "sleep":
+                time.sleep(SLEEP_S)
         draft_kv.rewind(0, CONTEXT)
 
     try:
@@ -80,6 +109,9 @@ def phase(draft, target, k: int, repeats: int, verify_rows: int) -> dict:
         draft_kv.close()
         if target_kv is not None:
             target_kv.close()
+        if pool is not None:
+            pool.shutdown()
+            os.sched_setaffinity(0, mine | other)
     q = lambda xs: [round(statistics.quantiles(xs, n=10)[i], 3) for i in (0, 4, 8)]  # noqa: E731
     return {"whole_ms": statistics.median(whole), "whole_p10_50_90": q(whole),
             "first_ms": statistics.median(first), "rest_ms": statistics.median(rest), "first_p10_50_90": q(first),
@@ -94,15 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--isolation", default="auto", help="tandem.load's isolation")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--causes", action="store_true", help="also the flushed, paired-sleep and paired-thread phases")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     load = lambda path: tandem.load(path, backend="llama.cpp", device=args.device, n_ctx=256,  # noqa: E731
                                     isolation=args.isolation)
     rows = []
 
-    def run(name: str, draft, target, verify_rows: int = 0) -> None:
+    def run(name: str, draft, target, verify_rows: int = 0, between: str = "") -> None:
         before = clocks()
-        r = phase(draft, target, args.k, args.repeats, verify_rows)
+        r = phase(draft, target, args.k, args.repeats, verify_rows, between)
         rows.append({"phase": name, **r, "clocks_before": before, "clocks_after": clocks()})
         print(f"{name:10} whole {r['whole_ms']:.3f} ms/token {r['whole_p10_50_90']}  by forward: first "
               f"{r['first_ms']:.3f} {r['first_p10_50_90']}, rest {r['rest_ms']:.3f} {r['rest_p10_50_90']}  "
@@ -116,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     run("idle", draft, None)
     run("paired", draft, target, args.k + 1)
     run("paired-1", draft, target, 1)
+    if args.causes:
+        run("flushed", draft, None, 0, "sweep")
+        run("paired-sleep", draft, target, args.k + 1, "sleep")
+        run("paired-thread", draft, target, args.k + 1, "thread")
+        run("paired-again", draft, target, args.k + 1)
     run("idle-2", draft, None)
     target.close()
     run("alone-2", draft, None)

@@ -37,6 +37,8 @@
 #       EPISODES B:k ..., VARIANTS a comma list)
 #   run("bash bench/h200_regime_session.sh dp")  CUDA, after regimewrite: bench/draft_pairing.py (the draft step alone,
 #       beside the idle target, between verifies, alone again; CUDA graphs on and off: DP_VARIANTS)
+#   run(same carry as r, "bash bench/h200_regime_session.sh dpv")  Vulkan: bench/draft_pairing.py --causes (the host's
+#       caches swept, a sleep after the verify, the verify on a thread of its own: what makes the paired step slower)
 #   run(same carry as v, "bash bench/h200_regime_session.sh g")  Vulkan, bench/llamacpp_graph_reuse.py: what a change
 #       of forward shape costs the 32B target and the 1.5B draft (llama.cpp rebuilds its graph)
 # Each step fits one 10-minute call: the regime is cut off at REGIME_TIMEOUT and keeps every row measured.
@@ -150,6 +152,12 @@ ep) cudaenv
            --draft /root/m/big/D1.5b_Q4_0.gguf --device cuda --sequences ${bk%:*} --draft-len ${bk#*:} \
            ${VARIANTS:+--variants "$VARIANTS"} \
            2>&1 | tee $OUT/episode_${bk/:/_}.txt | head -24; done ;;
+dpv) [ -f /root/m/big/T32_Q4_0.gguf ] || { (CUDA_LIBS=1 bash bench/h200.sh setup; bash bench/h200.sh regimewrite) \
+       > $OUT/setup.log 2>&1; }  # Vulkan (carry as rv): bench/draft_pairing.py with the phases that tell host from device
+   bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
+   (vkenv; timeout ${T1:-200} python3 bench/draft_pairing.py --model /root/m/big/T32_Q4_0.gguf \
+       --draft /root/m/big/D1.5b_Q4_0.gguf --device vulkan --k ${K:-2} --causes --json $OUT/draft_pairing_vulkan.json \
+       2>$OUT/draft_pairing_vulkan.err | tee $OUT/draft_pairing_vulkan.txt) ;;
 dp) cudaenv  # after regimewrite, CUDA: the draft's step alone, beside the idle target, between verifies, by phase
    for v in ${DP_VARIANTS:-graphs nographs}; do
        [ $v = nographs ] && export GGML_CUDA_DISABLE_GRAPHS=1
@@ -168,5 +176,5 @@ P) wait_build  # bring the build back
    cp -a /root/llama-libs/llama.cpp.src/build/bin/llama-server /root/llama/cuda-libs/
    du -sh /root/llama/cuda-libs; tar -C /root/llama -cf - cuda-libs | xz -T0 -6 | split -b 15M -d -a 1 - \
        $OUT/cuda-libs.tar.xz.; ls -la $OUT ;;
-*) echo "step 1-3, v, e, r, rc, rv, t, tc, g, o, bs, ep, dp, cs or P"; exit 2 ;;
+*) echo "step 1-3, v, e, r, rc, rv, t, tc, g, o, bs, ep, dp, dpv, cs or P"; exit 2 ;;
 esac
