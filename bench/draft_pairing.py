@@ -126,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--isolation", default="auto", help="tandem.load's isolation")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp's CPU threads a decode (default: tandem's)")
     p.add_argument("--causes", action="store_true", help="also the flushed, paired-sleep and paired-thread phases")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    threads = {} if args.threads is None else {"n_threads": args.threads}
     load = lambda path: tandem.load(path, backend="llama.cpp", device=args.device, n_ctx=256,  # noqa: E731
-                                    isolation=args.isolation)
+                                    isolation=args.isolation, **threads)
     rows = []
 
     def run(name: str, draft, target, verify_rows: int = 0, between: str = "") -> None:

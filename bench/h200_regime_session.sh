@@ -155,9 +155,11 @@ ep) cudaenv
 dpv) [ -f /root/m/big/T32_Q4_0.gguf ] || { (CUDA_LIBS=1 bash bench/h200.sh setup; bash bench/h200.sh regimewrite) \
        > $OUT/setup.log 2>&1; }  # Vulkan (carry as rv): bench/draft_pairing.py with the phases that tell host from device
    bash bench/h200.sh vksetup > /tmp/vksetup.log 2>&1 || { tail -3 /tmp/vksetup.log; exit 1; }
-   (vkenv; timeout ${T1:-200} python3 bench/draft_pairing.py --model /root/m/big/T32_Q4_0.gguf \
-       --draft /root/m/big/D1.5b_Q4_0.gguf --device vulkan --k ${K:-2} --causes --json $OUT/draft_pairing_vulkan.json \
-       2>$OUT/draft_pairing_vulkan.err | tee $OUT/draft_pairing_vulkan.txt) ;;
+   for t in ${DP_THREADS:-auto 1}; do echo "== llama.cpp CPU threads: $t"  # 1: no OpenMP team beside the recording
+       (vkenv; timeout ${T1:-150} python3 bench/draft_pairing.py --model /root/m/big/T32_Q4_0.gguf \
+           --draft /root/m/big/D1.5b_Q4_0.gguf --device vulkan --k ${K:-2} --causes $([ $t = auto ] || echo --threads $t) \
+           --json $OUT/draft_pairing_vulkan_$t.json 2>$OUT/draft_pairing_vulkan_$t.err \
+           | tee $OUT/draft_pairing_vulkan_$t.txt); done ;;
 dp) cudaenv  # after regimewrite, CUDA: the draft's step alone, beside the idle target, between verifies, by phase
    for v in ${DP_VARIANTS:-graphs nographs}; do
        [ $v = nographs ] && export GGML_CUDA_DISABLE_GRAPHS=1
