@@ -7,7 +7,9 @@ Phases, in this order: the draft alone; the target loaded, idle; the target veri
 draft's steps (paired); the target verifying one row between them (paired-1); three that tell the host from the
 device (--causes): the host sweeping SWEEP_MB of memory between the steps and no verify (flushed: the host's caches
 alone), the verify and then a sleep (paired-sleep: work the device still has under way), the verify on a thread on
-the other half of the CPUs (paired-thread: the draft's core keeps its caches); idle again; the target closed; the
+the other half of the CPUs (paired-thread: the draft's core keeps its caches), the host sweeping L2_SWEEP_MB
+(swept-l2), the verify launched and the host spinning through 90% of it (paired-spin: no idle state for the core
+to fall into); idle again; the target closed; the
 draft alone again. Each phase times `repeats` drafting steps of k tokens whole, as the engine drafts a lone greedy
 sequence (one greedy_drafts call), and the same steps forward by forward (each read before the next, as the
 doctor timed them before): the first forward after a verify against the others. A slower idle phase than alone
@@ -33,6 +35,7 @@ from tandem.sampling import argmax
 
 CONTEXT = 32
 SWEEP_MB = 256  # past a server CPU's L2 and L3: what the target's host work between two draft steps could evict
+L2_SWEEP_MB = 4  # a core's L2 and no more (a server CPU's: 1-2 MB)
 SLEEP_S = 0.005  # longer than the device needs to finish a verify it was still running (V(4) ~ 14-22 ms, read back)
 
 
@@ -58,7 +61,8 @@ def phase(draft, target, k: int, repeats: int, verify_rows: int, between: str = 
     draft_kv = draft.new_batched_cache(1, CONTEXT + k + 2, drafting=True)
     target_kv = target.new_batched_cache(1, CONTEXT + k + 2) if target is not None else None
     whole, first, rest = [], [], []
-    sweep = np.ones(SWEEP_MB << 18, dtype=np.float32) if between == "sweep" else None
+    sweep = np.ones((SWEEP_MB if between == "sweep" else L2_SWEEP_MB) << 18, dtype=np.float32) \
+        if between in ("sweep", "sweep-l2") else None
     pool = None
     if between == "thread":
         mine, other = halves()
@@ -70,7 +74,19 @@ def phase(draft, target, k: int, repeats: int, verify_rows: int, between: str = 
         target.synchronize()
         target_kv.rewind(0, CONTEXT)
 
+    def launch_verify_then_spin() -> None:  # the host kept busy (no idle core state) while the device verifies
+        until = time.perf_counter() + spin_s
+        target_kv.feed([(0, [token] * verify_rows)])
+        while time.perf_counter() < until:
+            pass
+        target.synchronize()
+        target_kv.rewind(0, CONTEXT)
+
     def verify() -> None:
+        if between == "spin":
+            launch_verify_then_spin()
+            draft_kv.rewind(0, CONTEXT)
+            return
         if sweep is not None:
             np.multiply(sweep, 1.0, out=sweep)
         if target_kv is not None:
@@ -83,6 +99,16 @@ def phase(draft, target, k: int, repeats: int, verify_rows: int, between: str = 
         draft_kv.forward([(0, [token] * CONTEXT)], [True])
         if target_kv is not None:
             target_kv.forward([(0, [token] * CONTEXT)], [True])
+        spin_s = 0.0
+        if between == "spin":  # spin for 90% of a verify (median of 5), block for the rest
+            times = []
+            for _ in range(5):
+                started = time.perf_counter()
+                target_kv.feed([(0, [token] * verify_rows)])
+                target.synchronize()
+                target_kv.rewind(0, CONTEXT)
+                times.append(time.perf_counter() - started)
+            spin_s = 0.9 * statistics.median(times)
         for run in range(repeats + 2):
             draft.synchronize()
             started = time.perf_counter()
@@ -155,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         run("flushed", draft, None, 0, "sweep")
         run("paired-sleep", draft, target, args.k + 1, "sleep")
         run("paired-thread", draft, target, args.k + 1, "thread")
+        run("swept-l2", draft, None, 0, "sweep-l2")
+        run("paired-spin", draft, target, args.k + 1, "spin")
         run("paired-again", draft, target, args.k + 1)
     run("idle-2", draft, None)
     target.close()
