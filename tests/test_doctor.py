@@ -86,6 +86,21 @@ def test_flags_on_pathological_numbers():
     assert flags[2].startswith("draft is launch/overhead-bound") and "0.30" in flags[2]
 
 
+def test_the_pairing_flag_tells_the_targets_presence_from_its_forwards():
+    verify = {n: 10.0 + 0.1 * (n - 1) for n in range(1, 17)}
+    (memory,) = diagnose(paired_over_standalone=1.6, verify_ms=verify, draft_cost_ratio=0.1, idle_over_standalone=1.5)
+    (forwards,) = diagnose(paired_over_standalone=1.6, verify_ms=verify, draft_cost_ratio=0.1,
+                           idle_over_standalone=1.02)
+    (unknown,) = diagnose(paired_over_standalone=1.6, verify_ms=verify, draft_cost_ratio=0.1)
+    assert "1.50x with the target loaded and idle, so its presence costs" in memory and "memory" in memory
+    assert "1.02x with the target loaded and idle, so its forwards cost" in forwards and "host" in forwards
+    assert "queue sharing" in unknown and "idle" not in unknown
+    assert all(f.startswith("the draft slows down when the target shares the device: a draft step costs 1.60x")
+               for f in (memory, forwards, unknown))
+    # below the flag's threshold nothing is said, whatever the idle figure
+    assert diagnose(paired_over_standalone=1.1, verify_ms=verify, draft_cost_ratio=0.1, idle_over_standalone=1.1) == []
+
+
 def test_no_flags_on_a_healthy_memory_bound_device():
     verify = {n: 10.0 + 0.1 * (n - 1) for n in range(1, 17)}
     assert diagnose(paired_over_standalone=1.02, verify_ms=verify, draft_cost_ratio=0.1) == []

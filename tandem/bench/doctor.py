@@ -142,9 +142,12 @@ def break_even_acceptance(costs: CostModel, k_max: int = K_MAX) -> float | None:
 
 
 def diagnose(paired_over_standalone: float | None, verify_ms: dict[int, float], draft_cost_ratio: float,
-             weight_bytes_ratio: float | None = None, drift: float = 1.0) -> list[str]:
+             weight_bytes_ratio: float | None = None, drift: float = 1.0,
+             idle_over_standalone: float | None = None) -> list[str]:
     """Plain-words flags for the pathologies that make speculation lose, and for timings not to trust. Pure:
-    numbers in, sentences out. drift = the slower timing pass's target step over the faster one's."""
+    numbers in, sentences out. drift = the slower timing pass's target step over the faster one's;
+    idle_over_standalone = the draft's step beside the idle target over its step alone, which tells what slows a
+    paired draft: the target's presence (memory) or its forwards (the device's queue, the host's work)."""
     flags = []
     step = verify_ms[1]
     if drift > DRIFT_FLAG:
@@ -154,11 +157,18 @@ def diagnose(paired_over_standalone: float | None, verify_ms: dict[int, float], 
             f"second run of the doctor should agree with it"
         )
     if paired_over_standalone is not None and paired_over_standalone > PAIRED_SLOWDOWN_FLAG:
-        flags.append(
-            f"the draft slows down when the target shares the device: a draft step costs "
-            f"{paired_over_standalone:.2f}x its standalone time once the target is loaded and verifying "
-            f"(queue sharing, cache thrashing or extra synchronisation between the two models)"
-        )
+        slowed = (f"the draft slows down when the target shares the device: a draft step costs "
+                  f"{paired_over_standalone:.2f}x its standalone time once the target is loaded and verifying")
+        if idle_over_standalone is None:
+            why = "queue sharing, cache thrashing or extra synchronisation between the two models"
+        elif idle_over_standalone > PAIRED_SLOWDOWN_FLAG:
+            why = (f"{idle_over_standalone:.2f}x with the target loaded and idle, so its presence costs: the two "
+                   f"compete for memory (a unified-memory GPU's shared RAM, or memory the driver moves or pages)")
+        else:
+            why = (f"{idle_over_standalone:.2f}x with the target loaded and idle, so its forwards cost, not its "
+                   f"presence: the device's queue, or the host (llama.cpp's Vulkan build records every forward's "
+                   f"commands on the host, slower after the target's work: docs/vulkan.md)")
+        flags.append(f"{slowed} ({why})")
     n = 9 if 9 in verify_ms else max(verify_ms)
     marginal = (verify_ms[n] - step) / (n - 1) / step if n > 1 else 0.0
     if marginal > VERIFY_MARGINAL_FLAG:
@@ -216,6 +226,7 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
     target_bytes = weight_bytes(target)
     bytes_ratio = weight_bytes(draft) / target_bytes if draft is not None and target_bytes else None
     paired_over = paired_ms / standalone_ms if paired_ms is not None and standalone_ms else None
+    idle_over = idle_ms / standalone_ms if idle_ms is not None and standalone_ms else None
     best = {a: costs.best_draft_len(a, K_MAX) for a in ACCEPTANCES}
     predicted = {a: costs.predicted_speedup(a, K_MAX) for a in ACCEPTANCES}
     even = break_even_acceptance(costs)
@@ -225,7 +236,7 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
         draft_step_ms_target_idle=idle_ms, draft_step_ms_paired=paired_ms, paired_over_standalone=paired_over,
         target_step_ms=verify_ms[1], verify_ms=verify_ms, draft_cost_ratio=ratio, weight_bytes_ratio=bytes_ratio,
         best_draft_len=best, predicted_speedup=predicted, break_even_acceptance=even,
-        flags=diagnose(paired_over, verify_ms, ratio, bytes_ratio, drift),
+        flags=diagnose(paired_over, verify_ms, ratio, bytes_ratio, drift, idle_over),
         verdict=make_verdict(costs, even, predicted, best),
         synthetic=synthetic, shapes=shapes,
     )
