@@ -4,12 +4,11 @@ steps timed in phases, one process, the GPU's clocks read around each phase.
     python bench/draft_pairing.py --model T.gguf --draft D.gguf --device cuda [--k 3 --repeats 40]
 
 Phases, in this order: the draft alone; the target loaded, idle; the target verifying k + 1 rows between the
-draft's steps (paired); the target verifying one row between them (paired-1); three that tell the host from the
-device (--causes): the host sweeping SWEEP_MB of memory between the steps and no verify (flushed: the host's caches
-alone), the verify and then a sleep (paired-sleep: work the device still has under way), the verify on a thread on
-the other half of the CPUs (paired-thread: the draft's core keeps its caches), the host sweeping L2_SWEEP_MB
-(swept-l2), the verify launched and the host spinning through 90% of it (paired-spin: no idle state for the core
-to fall into); idle again; the target closed; the
+draft's steps (paired); the target verifying one row between them (paired-1); with --causes five that tell the
+host from the device: the host sweeping SWEEP_MB of memory between the steps and no verify (flushed), the verify
+and then a sleep (paired-sleep), the verify on a thread pinned to the other half of the CPUs (paired-thread), the
+host sweeping L2_SWEEP_MB, a core's L2 (swept-l2), the verify launched and the host spinning through 90% of it
+(paired-spin: no wait for the core to idle in), and paired once more; idle again; the target closed; the
 draft alone again. Each phase times `repeats` drafting steps of k tokens whole, as the engine drafts a lone greedy
 sequence (one greedy_drafts call), and the same steps forward by forward (each read before the next, as the
 doctor timed them before): the first forward after a verify against the others. A slower idle phase than alone
@@ -54,8 +53,9 @@ def halves() -> tuple[set[int], set[int]]:
 
 def phase(draft, target, k: int, repeats: int, verify_rows: int, between: str = "") -> dict:
     """Median ms a drafted token: steps timed whole, then forward by forward (first after a verify, the rest).
-    between: "" the verify alone, "sweep" the host sweeping memory instead, "sleep" the verify then a sleep, "thread"
-    the verify on a thread pinned to the other half of the CPUs (this one on the first half meanwhile)."""
+    between: "" the verify alone, "sweep" / "sweep-l2" the host sweeping memory instead, "sleep" the verify then a
+    sleep, "thread" the verify on a thread pinned to the other half of the CPUs (this one on the first half
+    meanwhile), "spin" the verify launched and the host spinning through most of it."""
     token = draft.tokenizer.bos_token_id or 0
     vocab = draft.vocab_size
     draft_kv = draft.new_batched_cache(1, CONTEXT + k + 2, drafting=True)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp's CPU threads a decode (default: tandem's)")
-    p.add_argument("--causes", action="store_true", help="also the flushed, paired-sleep and paired-thread phases")
+    p.add_argument("--causes", action="store_true", help="also the phases that tell the host from the device")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     threads = {} if args.threads is None else {"n_threads": args.threads}
