@@ -70,23 +70,17 @@ def phase(draft, target, k: int, repeats: int, verify_rows: int, between: str = 
         pool = ThreadPoolExecutor(1, initializer=os.sched_setaffinity, initargs=(0, other))
 
     def verify_target() -> None:
-        target_kv.forward_picking([(0, [token] * verify_rows)], [False], [True])
-        target.synchronize()
-        target_kv.rewind(0, CONTEXT)
-
-    def launch_verify_then_spin() -> None:  # the host kept busy (no idle core state) while the device verifies
-        until = time.perf_counter() + spin_s
-        target_kv.feed([(0, [token] * verify_rows)])
-        while time.perf_counter() < until:
-            pass
+        if between == "spin":  # the verify launched, the host kept busy (no wait to idle in) while the device runs it
+            until = time.perf_counter() + spin_s
+            target_kv.feed([(0, [token] * verify_rows)])
+            while time.perf_counter() < until:
+                pass
+        else:
+            target_kv.forward_picking([(0, [token] * verify_rows)], [False], [True])
         target.synchronize()
         target_kv.rewind(0, CONTEXT)
 
     def verify() -> None:
-        if between == "spin":
-            launch_verify_then_spin()
-            draft_kv.rewind(0, CONTEXT)
-            return
         if sweep is not None:
             np.multiply(sweep, 1.0, out=sweep)
         if target_kv is not None:
@@ -100,13 +94,11 @@ def phase(draft, target, k: int, repeats: int, verify_rows: int, between: str = 
         if target_kv is not None:
             target_kv.forward([(0, [token] * CONTEXT)], [True])
         spin_s = 0.0
-        if between == "spin":  # spin for 90% of a verify (median of 5), block for the rest
+        if between == "spin":  # spin for 90% of a verify (median of 5, timed without spinning), block for the rest
             times = []
             for _ in range(5):
                 started = time.perf_counter()
-                target_kv.feed([(0, [token] * verify_rows)])
-                target.synchronize()
-                target_kv.rewind(0, CONTEXT)
+                verify_target()
                 times.append(time.perf_counter() - started)
             spin_s = 0.9 * statistics.median(times)
         for run in range(repeats + 2):
