@@ -1358,3 +1358,63 @@ def test_a_lone_sequences_verify_takes_its_drafts_from_the_device(pair64, monkey
         runs[from_device] = outputs
     assert runs[True] == runs[False]
     assert runs[True][0][0] == alone(target, PROMPTS[0], max_tokens=30).tokens
+
+
+def test_rows_are_priced_as_the_backend_pads_them():
+    """A packed torch step pads to 16, 32, 64, ... rows: one lookup draft beside 64 plain rows runs a 128-row
+    forward. Priced at its padded rows the planner keeps the batch plain; priced on the line between the measured
+    V(64) and V(128) (the negative control) that draft looked nearly free and the planner drafted."""
+    def buckets(rows: int) -> int:
+        return 1 << max(4, (rows - 1).bit_length())
+
+    lookups = [planner.Candidate(0.9, 4, lookup=True)] + [None] * 63
+    on_a_line = costs({64: {64: 10.0, 128: 18.0, 320: 40.0}}, draft_ms=3.0)
+    assert on_a_line.target_ms(64, 65) < 10.2 and planner.plan(lookups, on_a_line)[0] > 0
+    padded = costs({64: {64: 10.0, 128: 18.0, 320: 40.0}}, draft_ms=3.0).pad_rows(buckets)
+    assert padded.target_ms(64, 65) == 18.0 and padded.target_ms(64, 64) == 10.0
+    assert sorted(padded.verify[64].verify_ms) == [64, 128, 512]  # 320 rows ran as a 512-row forward
+    assert planner.plan(lookups, padded) == [0] * 64
+    # Below a bucket's edge the rows are free, and drafting takes them: 48 sequences, 16 spare rows of 64.
+    forty_eight = costs({48: {48: 10.0, 96: 18.0}}, draft_ms=0.5).pad_rows(buckets)
+    assert forty_eight.target_ms(48, 64) == forty_eight.target_ms(48, 48)
+    assert planner.plan([planner.Candidate(0.7, 1, lookup=True)] * 16 + [None] * 32, forty_eight)[:16] == [1] * 16
+
+
+def test_where_no_acceptance_pays_the_draft_costs_nothing(pair64):
+    """A batch at a load where drafting cannot pay at any acceptance (the costs' floor is 1) runs no draft forward,
+    no draft prefill and no read, and plans without the per-sequence rules; its outputs are the target's."""
+    target, draft = pair64
+    engine = Engine(target, draft, slots=4, draft_max=4, measure_costs=False)
+    # a draft step dearer than a plain step, every verified row as dear as a step: nothing pays at 4 (nor at 1-3)
+    engine.costs = costs({b: {b: 1.0 * b, 9 * b: 9.0 * b} for b in (1, 2, 4)}, draft_ms=50.0)
+    engine.costs.observe_draft = engine.costs.observe_iteration = lambda *args: None
+    forwards = []
+    for name in ("forward", "forward_picking"):
+        if hasattr(engine.drafter.kv, name):
+            original = getattr(engine.drafter.kv, name)
+            setattr(engine.drafter.kv, name, lambda *a, _f=original, **kw: forwards.append(1) or _f(*a, **kw))
+    ruled = []
+    engine._candidate = lambda gen: ruled.append(gen) or None
+    reqs = requests(target, PROMPTS[:4], max_tokens=24)
+    results = engine.generate(reqs)
+    assert engine._floor(4, False) == 1.0 and engine._floor(4, True) == 1.0
+    assert forwards == [] and ruled == []
+    plain = Engine(target, None, slots=4).generate(requests(target, PROMPTS[:4], max_tokens=24))
+    assert [r.tokens for r in results] == [r.tokens for r in plain]
+    # negative control: where drafting pays, the same engine drafts and its draft runs forwards
+    engine.costs = costs({b: {b: 10.0, 9 * b: 10.5} for b in (1, 2, 4)}, draft_ms=0.1)
+    engine.costs.observe_draft = engine.costs.observe_iteration = lambda *args: None
+    del engine._candidate
+    again = engine.generate(requests(target, PROMPTS[:4], max_tokens=24))
+    assert forwards and sum(r.stats.draft_tokens for r in again) > 0
+    assert [r.tokens for r in again] == [r.tokens for r in plain]
+
+
+def test_packed_graphs_pad_rows_as_their_replays_run():
+    """PackedGraphs.padded_rows: the least bucket that holds the rows, past the largest in several replays."""
+    from tandem.backends.torch_graphs import PackedGraphs
+
+    graphs = PackedGraphs.__new__(PackedGraphs)  # the buckets alone: no model, no capture
+    graphs.buckets, graphs.max_rows = [16, 32, 64, 128], 128
+    assert [graphs.padded_rows(n) for n in (1, 16, 17, 64, 65, 128, 129, 300)] == \
+        [16, 16, 32, 64, 128, 128, 144, 320]

@@ -78,6 +78,11 @@ class BatchedCache(ABC):
     # weights compute prompt rows in groups of 4: KERNELS in llamacpp_core)
     prefill_align: int = 1
 
+    def padded_rows(self, rows: int) -> int:
+        """The rows a forward of `rows` rows in all computes: more where the backend pads to fixed shapes (the torch
+        backend's packed graphs). A forward's cost is a function of these, so the planner prices rows by them."""
+        return rows
+
     @abstractmethod
     def length(self, slot: int) -> int: ...
 

@@ -166,6 +166,9 @@ class TorchBatchedCache(BatchedCache):
     def length(self, slot: int) -> int:
         return self.lengths[slot] if self.packed is not None else self.sequences[slot].cache.length
 
+    def padded_rows(self, rows: int) -> int:
+        return self.packed.padded_rows(rows) if self.packed is not None else rows
+
     def _forward_packed(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         """Pieces of at most seq_rows rows, in rounds aligned to end together: one-piece entries (decode steps)
         and every entry's last piece run in the last replay, whose logits need no copy. A round of more rows than

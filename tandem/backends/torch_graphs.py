@@ -164,6 +164,12 @@ class PackedGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.spans = kv_spans(self.cache_slots)
 
+    def padded_rows(self, rows: int) -> int:
+        """The rows `rows` rows of one-piece entries run as: full replays of max_rows, then the least bucket that
+        holds the rest (a forward of 65 rows costs a 128-row replay)."""
+        full, rest = divmod(rows, self.max_rows)
+        return full * self.max_rows + (next(b for b in self.buckets if b >= rest) if rest else 0)
+
     def _views(self, rows: int) -> tuple[torch.Tensor, ...]:
         R, m, n_seqs = self.max_rows, self.meta, min(self.slots, rows)
         return m[:rows], m[R : R + rows], m[2 * R : 2 * R + rows], m[4 * R : 4 * R + 4 * n_seqs].view(n_seqs, 4), \

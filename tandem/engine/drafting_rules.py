@@ -26,6 +26,11 @@ from tandem.speculative.policy import (
 # prompt in, once EVIDENCE_TOKENS are generated, where that read is judged worth it. Prompts taken in on expected
 # value alone cost 2-4% at 2 and 4 requests where drafting barely paid (H100 costs, emulated).
 PREFILL_MAX_RISK = 0.2
+# The drafting floors (DraftingRules._floor): bisected to this precision, from an acceptance of FLOOR_TOP down, and
+# kept this many steps before they are bisected again from the costs as learned by then.
+FLOOR_PRECISION = 1.0 / 64
+FLOOR_TOP = 0.99
+FLOOR_STEPS = 64
 
 
 class DraftingRules:
@@ -42,12 +47,68 @@ class DraftingRules:
             return False
         if gen.request.draft_policy == "fixed" or self.costs is None:  # no costs: every draft drafts its k_max
             return True
+        if self._floor(batch, False) >= 1.0:  # no acceptance pays at this load: nothing to value
+            return False
         _, p_no_gain = self._value_of_drafting(gen, batch)
         return p_no_gain <= PREFILL_MAX_RISK and self._first_read_pays(gen, batch)
 
+    def _floor(self, batch: int, lookup: bool) -> float:
+        """The least acceptance at which some of `batch` sequences drafting alike (nothing to catch up, up to
+        draft_max tokens, by prompt lookup or by the draft model) beats plain steps by the costs; 1.0 where none does.
+        Bisected to FLOOR_PRECISION from below (a lower bound), kept FLOOR_STEPS steps (the costs learn slowly)."""
+        key = (id(self.costs), batch, lookup)
+        kept = self._floors.get(key)
+        if kept is not None and kept[1] > self._step_count:
+            return kept[0]
+
+        def pays(a: float) -> bool:
+            return planner.plan([planner.Candidate(a, self.draft_max, lookup=lookup)] * batch, self.costs)[0] > 0
+
+        low, high = 0.0, FLOOR_TOP
+        if not pays(high):
+            low = 1.0
+        while high - low > FLOOR_PRECISION:
+            middle = (low + high) / 2
+            low, high = (low, middle) if pays(middle) else (middle, high)
+        self._floors[key] = (low, self._step_count + FLOOR_STEPS)
+        return low
+
+    def _may_draft(self, decoding: list[Generation]) -> bool:
+        """Whether this step's plan could have any sequence draft or read: the cheap test that lets a batch where
+        nothing can pay skip the rules' per-sequence work (at 64 requests it cost more than the forward's host side).
+        A sequence could draft by the model where its estimate, or the estimate a read or an exploration would test,
+        reaches the model's floor at this batch size; by lookup where its text repeats at an acceptance that
+        reaches lookup's. Fixed drafters, and an engine without costs, always plan."""
+        if self.costs is None or any(g.request.draft_policy == "fixed" for g in decoding):
+            return True
+        batch = len(decoding)
+        if batch == 0:
+            return False
+        model_floor = self._floor(batch, False) if self.drafter is not None else 1.0
+        lookup_floor = self._floor(batch, True)
+        if model_floor >= 1.0 and lookup_floor >= 1.0:
+            return False  # prompt lookup's hindsight catches up when planning resumes (NgramProposer is incremental)
+        explore = ACCEPTANCE_PRIOR[0] / ACCEPTANCE_PRIOR[1]
+        for gen in decoding:
+            estimate = gen.estimates.get(DRAFT_MODEL)
+            if model_floor < 1.0 and estimate is not None and not gen.draft_declined:
+                accepted, drafted = estimate.counts(gen.plain_iterations)
+                hoped = max(accepted / drafted, (accepted + EVIDENCE_TOKENS) / (drafted + EVIDENCE_TOKENS), explore)
+                if hoped >= model_floor:
+                    return True
+            if lookup_floor < 1.0 and gen.ngram is not None:
+                source, _ = gen.ngram.match(gen.tokens)
+                if source is not None and gen.acceptance(source) >= lookup_floor:
+                    return True
+        return False
+
     def _drafts_at(self, acceptance: float, k_max: int, batch: int) -> bool:
-        """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs."""
-        return planner.plan([planner.Candidate(acceptance, k_max)] * batch, self.costs)[0] > 0
+        """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs (once a step
+        for a given question: every new request asks it at the shared prior's counts)."""
+        key = ("drafts_at", acceptance, k_max, batch)
+        if key not in self._values:
+            self._values[key] = planner.plan([planner.Candidate(acceptance, k_max)] * batch, self.costs)[0] > 0
+        return self._values[key]
 
 
     def _reading_may_pay(self, candidate: planner.Candidate, prior: tuple[float, float], batch: int) -> bool:

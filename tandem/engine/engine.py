@@ -133,6 +133,11 @@ class Engine(DraftingRules):
         self._shape_run = 0  # forwards in a row of that shape
         self._after_change: tuple | None = None  # (batch, drafting, ms over its costs) of a shape's first forward
         self._drafting_run = 0  # steps in a row that drafted
+        self._step_count = 0
+        # (batch, drafted) -> [steps, predicted ms, measured ms] summed over the steady steps (_observe_iteration):
+        # whether the planner's cost of a step is the step's (bench/engine_load.py, tandem doctor)
+        self.step_times: dict[tuple[int, bool], list] = {}
+        self._floors: dict[tuple, tuple[float, int]] = {}  # (costs, batch, lookup) -> (floor, valid until step)
 
     def calibrate(self, refresh: bool = False) -> None:
         """The planner's costs: as kept on disk for this device, pair and engine shape (calibrate.costs_path), else
@@ -145,6 +150,8 @@ class Engine(DraftingRules):
         self.costs = kept_costs(path, measure, planner.BatchCosts.measured, planner.BatchCosts.from_measured,
                                 self.target, self.draft_model, refresh)
         self.costs.steady_draft = self.drafter is not None and self.draft_model.steady_shapes
+        self.costs.pad_rows(self.target_kv.padded_rows)
+        self._floors = {}
 
     def _synchronize(self) -> None:
         for model in (self.target, self.draft_model):
@@ -220,6 +227,7 @@ class Engine(DraftingRules):
     def step(self) -> list[tuple[Generation, GenerationChunk]]:
         """Advance every running sequence by one iteration; returns the chunks produced, in no set order."""
         self._values = {}  # costs move between steps
+        self._step_count += 1
         for gen in [g for g in self.running if g.cancelled]:
             self._retire(gen)
         self._admit()
@@ -388,6 +396,8 @@ class Engine(DraftingRules):
                     self.costs.feed_ahead_ms(self._drafted[0])) if model_drafting else 0.0
         predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows)
         key = (len(decoding), any(ks))
+        seen = self.step_times.setdefault(key, [0, 0.0, 0.0])
+        seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + predicted, seen[2] + ms
         if self._shape_run == 1:
             self._after_change = (*key, ms - predicted)
             return
@@ -469,6 +479,11 @@ class Engine(DraftingRules):
         self._evidence = []
         self._planned_acceptance = {}
         batch = tuple(g.id for g in decoding)
+        if not self._may_draft(decoding):
+            for gen in decoding:
+                gen.note_prediction(1.0)
+            self._plain_plan = (batch, REPLAN_PLAIN - 1)
+            return [0] * len(decoding)
         if self._plain_plan is not None and self._plain_plan[0] == batch and self._plain_plan[1] > 0 and \
                 not self._lookup_may_pay(decoding):
             self._plain_plan = (batch, self._plain_plan[1] - 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,6 +93,10 @@ class BatchCosts:
     # whose drafts all pass needs no catch-up forward.
     ahead_ms: dict[int, float] = field(default_factory=dict)
     ahead_pays: set[int] = field(default_factory=set)  # the batch sizes of ahead_ms that feed ahead
+    # The rows a forward of R rows computes (BatchedCache.padded_rows): V is priced at those. A packed torch step
+    # pads to 16, 32, 64, ... rows, so one draft beside 64 plain rows costs a 128-row forward; priced on a line
+    # between V(64) and V(128) it looked free, and lookup's few drafts kept a 64-request batch at 0.41x plain.
+    padded: Callable[[int], int] | None = field(default=None, repr=False)
     _recent: dict = field(default_factory=dict, repr=False)  # observed_median's windows
     _overrun: dict = field(default_factory=dict, repr=False)  # (batch, drafting) -> an iteration's ms - predicted
     _yield: dict = field(default_factory=dict, repr=False)  # batch -> (extra tokens yielded, expected), decayed
@@ -121,7 +126,19 @@ class BatchCosts:
         above = [b for b in table if b >= n]
         return min(above) if above else max(table)
 
+    def pad_rows(self, padded: Callable[[int], int]) -> BatchCosts:
+        """Price forwards by the rows the backend computes (`padded`): the measured tables keyed by those too."""
+        self.padded = padded
+        for model in self.verify.values():
+            table: dict[int, list[float]] = {}
+            for rows, ms in model.verify_ms.items():
+                table.setdefault(padded(rows), []).append(ms)
+            model.verify_ms = {rows: sum(v) / len(v) for rows, v in table.items()}
+        return self
+
     def target_ms(self, batch: int, rows: int) -> float:
+        if self.padded is not None:
+            rows = self.padded(rows)
         return self.verify[self._bucket(self.verify, batch)].verify(rows)
 
     def plain_share_ms(self, batch: int) -> float:
@@ -132,6 +149,9 @@ class BatchCosts:
         """target_ms over an array of row counts at once (CostModel.verify's rule: linear between and beyond the
         measured points, never above a measured V(m) for m > n), for the planner's [K, n] grid."""
         ns, vs, later_min = _points(tuple(sorted(self.verify[self._bucket(self.verify, batch)].verify_ms.items())))
+        if self.padded is not None:
+            values, at = np.unique(rows, return_inverse=True)
+            rows = np.array([self.padded(int(r)) for r in values], dtype=float)[at].reshape(rows.shape)
         if len(ns) == 1:
             return np.full(rows.shape, vs[0])
         after = np.searchsorted(ns, rows, side="right")  # points with m > n start here
