@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from conftest import assert_speculated
-from test_server import CHAT, PROMPTS, LiveServer, assert_openai_error, health, load, wait_for
+from test_server import CHAT, PROMPTS, LiveServer, assert_openai_error, health, load, metric, metrics_of, wait_for
 from test_tools import (
     CALC_CONVERSATION,
     CALC_TOOL,
@@ -149,7 +149,14 @@ def test_served_name_is_the_file_stem_or_served_model_name_never_a_path(paths, m
 def test_n_greedy_choices_are_identical_and_batched(server):
     client = server.client()
     one = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0)
+    before = metrics_of(server)
     three = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0, n=3)
+    after = metrics_of(server)
+    # Decoded together: every engine step of the request ran its three sequences (tandem_batch_size observes the
+    # sequences in each step; nothing else runs meanwhile).
+    steps, sequences = (metric(after, name) - metric(before, name)
+                        for name in ("tandem_batch_size_count", "tandem_batch_size_sum"))
+    assert steps > 0 and sequences == 3 * steps, (steps, sequences)
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
     assert three.usage.completion_tokens == 3 * one.usage.completion_tokens

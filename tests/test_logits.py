@@ -142,12 +142,13 @@ def test_json_schema_output_validates_and_speculation_changes_nothing(pair64):
 
 def test_json_object_and_gbnf_grammar(pair64):
     target, draft = pair64
-    result = generate(target, PROMPTS[0], response_format={"type": "json_object"}, temperature=1.0, seed=3,
-                      max_tokens=60)
-    text = result.text.lstrip()
-    assert text.startswith("{")
-    if result.finish_reason == "stop":
-        assert isinstance(json.loads(text), dict)
+    # Seeds whose documents close within max_tokens: an empty object, and one with a member (142 tokens).
+    for seed, members in ((3, 0), (9, 1)):
+        result = generate(target, PROMPTS[0], response_format={"type": "json_object"}, temperature=1.0, seed=seed,
+                          max_tokens=200)
+        assert result.text.lstrip().startswith("{") and result.finish_reason == "stop", (seed, result.finish_reason)
+        document = json.loads(result.text)
+        assert isinstance(document, dict) and len(document) == members, (seed, document)
     grammar = 'root ::= "answer: " ("yes" | "no") "."'
     for source in (None, draft):
         result = generate(target, PROMPTS[1], grammar=grammar, draft=source, draft_policy="fixed", max_tokens=20)

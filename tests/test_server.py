@@ -230,11 +230,11 @@ def test_stop_and_sampling_fields(spec_server):
     client = spec_server.client()
     greedy = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0)
     text = greedy.choices[0].message.content
-    if len(text) > 4:
-        stop = text[3:5]
-        stopped = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0, stop=stop)
-        assert stopped.choices[0].message.content == text[: text.find(stop)]
-        assert stopped.choices[0].finish_reason == "stop"
+    assert len(text) > 4 and greedy.choices[0].finish_reason == "length", text  # room for a stop string inside
+    stop = text[3:5]
+    stopped = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0, stop=stop)
+    assert stopped.choices[0].message.content == text[: text.find(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
     seeded = [client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0.9, top_p=0.9,
                                              seed=7, extra_body={"top_k": 20, "min_p": 0.01}).choices[0].message.content
               for _ in range(2)]
