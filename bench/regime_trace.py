@@ -21,6 +21,7 @@ from gpu_report_regime import load, parse_args, run_engine, run_generate
 from step_parts import StepParts
 
 from tandem.engine import Engine, calibration, planner
+from tandem.engine.policy import DraftPolicy
 from tandem.engine.sequence import DRAFT_MODEL
 from tandem.speculative.calibrate import shared_prior
 
@@ -47,22 +48,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(rest)
     target, draft = load(args.model, args), load(args.draft, args)
     plans: list[tuple] = []
-    plan = Engine._plan
+    plan = DraftPolicy.plan
+    engines, made = [], []
+    init = Engine.__init__
 
-    engines = []
+    def recorded(self: Engine, *a, **k) -> None:
+        init(self, *a, **k)
+        made.append(self)
 
-    def traced(self: Engine, decoding, prefill_rows):
-        if not engines or engines[-1] is not self:
-            if all(e is not self for e in engines):
-                PARTS.instrument(self)
-            engines.append(self)
+    Engine.__init__ = recorded
+
+    def traced(self: DraftPolicy, decoding, prefill_rows):
+        engine = next(e for e in made if e.policy is self)
+        if not engines or engines[-1] is not engine:
+            if all(e is not engine for e in engines):
+                PARTS.instrument(engine)
+            engines.append(engine)
         ks = plan(self, decoding, prefill_rows)
         if self.drafter is not None:
             plans.append((tuple(ks), [(round(g.acceptance(DRAFT_MODEL), 3), self.drafter.lag(g), g.draft_prefill,
                                        g.draft_declined) for g in decoding if DRAFT_MODEL in g.estimates]))
         return ks
 
-    Engine._plan = traced
+    DraftPolicy.plan = traced
     # Every step the loop timed against its costs, by round (0: the warm-up), with the overrun it learned after:
     # which steps taught the overrun that keeps drafting off.
     observed: list[tuple] = []
@@ -79,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     def observed_iteration(self, batch, drafting, predicted_ms, ms):
         observe(self, batch, drafting, predicted_ms, ms)
         engine = next((e for e in engines if e.costs is self), None)
-        observed.append((round_of.get(id(engine), -1), batch, drafting, engine._previous_rows if engine else None,
-                         engine._shape_run if engine else None, predicted_ms, ms, self.drafting_overrun(batch)))
+        observed.append((round_of.get(id(engine), -1), batch, drafting, engine.policy.previous_rows if engine else None,
+                         engine.policy.shape_run if engine else None, predicted_ms, ms, self.drafting_overrun(batch)))
 
     measure = calibration.measure
 

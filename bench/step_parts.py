@@ -30,7 +30,7 @@ class StepParts:
 
     def instrument(self, engine: Engine) -> None:
         kind = "adaptive" if engine.drafter is not None else "plain"
-        step, plan, propose = engine.step, engine._plan, engine._propose
+        step, plan, propose = engine.step, engine.policy.plan, engine._propose
         forward, picking, outcomes = engine.target_kv.forward, engine.target_kv.forward_picking, engine._outcomes
         now: dict[str, float] = {}
         shape = {"before": None}
@@ -57,7 +57,7 @@ class StepParts:
                 shape["before"] = now["rows"]
             return out
 
-        engine.step, engine._plan, engine._propose = timed_step, timed("plan", plan), timed("draft", propose)
+        engine.step, engine.policy.plan, engine._propose = timed_step, timed("plan", plan), timed("draft", propose)
         engine.target_kv.forward, engine._outcomes = timed_forward, timed("outcomes", outcomes)
         engine.target_kv.forward_picking = functools.partial(timed_forward, forward=picking)
 

@@ -421,7 +421,7 @@ def test_planner_prices_a_change_of_shape(pair64, monkeypatch):
     fed = []
     while engine.busy:
         engine.step()
-        fed.append(engine._previous_rows)
+        fed.append(engine.policy.previous_rows)
     passed = [rows for rows in seen if rows is not None]  # (admission's hypothetical plans pass none)
     assert passed and passed[0] == gen.prompt_len and set(passed) <= set(fed)
 
@@ -572,9 +572,9 @@ def test_a_draft_back_after_a_plain_stretch_rereads_within_the_probe_budget(pair
     lag = engine.drafter.lag(gen)
     idle = int(np.ceil(lag / (PROBE_BUDGET * 10.0)))  # the plain stretch whose budget just pays the catch-up
     gen.plain_iterations = gen.estimates["draft-model"].settled_at + idle
-    assert engine._reread_in_budget(gen, 1) and not engine._reread_in_budget(gen, 2)
+    assert engine.policy._reread_in_budget(gen, 1) and not engine.policy._reread_in_budget(gen, 2)
     gen.plain_iterations -= 1
-    assert not engine._reread_in_budget(gen, 1)
+    assert not engine.policy._reread_in_budget(gen, 1)
 
 
 def test_a_draft_the_plan_keeps_off_rereads_where_the_rest_of_the_reply_repays_it(pair64):
@@ -604,13 +604,13 @@ def test_a_draft_the_plan_keeps_off_rereads_where_the_rest_of_the_reply_repays_i
     gen.plain_iterations = 20  # faded most of the way back to 0.75
 
     def reads(gen) -> bool:
-        engine._plain_plan, engine._values = None, {}
-        engine._plan([gen], 0)
-        return gen in engine._evidence
+        engine.policy.plain_plan, engine.policy._values = None, {}
+        engine.policy.plan([gen], 0)
+        return gen in engine.policy.evidence
 
-    candidate = engine._candidate(gen)
+    candidate = engine.policy._candidate(gen)
     assert candidate.lag > 0 and 0.6 < candidate.acceptance < 0.65
-    assert planner.plan([candidate], vulkan) == [0] and not engine._reread_in_budget(gen, 1)
+    assert planner.plan([candidate], vulkan) == [0] and not engine.policy._reread_in_budget(gen, 1)
     read = engine.drafter.read_evidence
     engine.drafter.read_evidence = lambda gens, synthetic=None: None  # the decision alone, nothing read
     try:
@@ -677,10 +677,9 @@ def test_a_change_of_shape_is_not_learned_as_overrun(pair64):
 
     def step(rows: int, over: float, prompts: bool = False) -> None:
         k = (rows - 2) // 2
-        engine._drafted = (2, k) if k else None
-        engine._track_shape(rows, k > 0)
-        ms = (2.0 * k) + engine.costs.target_ms(2, rows) + over + change.get(engine._shape_run, 0.0)
-        engine._observe_iteration(sequences, [k, k], [object()] if prompts else [], rows, ms)
+        engine.policy.observe_shape(rows, k > 0)
+        ms = (2.0 * k) + engine.costs.target_ms(2, rows) + over + change.get(engine.policy.shape_run, 0.0)
+        engine.policy.observe_step(sequences, [k, k], [object()] if prompts else [], rows, ms, (2, k) if k else None)
 
     for _ in range(5):
         step(2, 0.0)
@@ -1082,14 +1081,14 @@ def test_the_drafts_prompt_prefill_must_pay_for_itself_at_the_batch_it_joins(pai
     assert gen.acceptance("draft-model") == pytest.approx(0.7)
     engine.costs = costs({1: {1: 10.0, 5: 10.5}, 2: {2: 10.0, 10: 90.0}}, draft_ms=0.5)
     engine.costs.catch_up_base_ms, engine.costs.catch_up_ms_per_token = 1.0, 0.1
-    assert engine._draft_may_pay(gen, 1) and not engine._draft_may_pay(gen, 2)
+    assert engine.policy._draft_may_pay(gen, 1) and not engine.policy._draft_may_pay(gen, 2)
     marginal = costs({1: {1: 10.0, 2: 15.5, 5: 32.0}}, draft_ms=0.5)  # k = 1 pays by 6% at 0.7
     marginal.catch_up_base_ms, marginal.catch_up_ms_per_token = 1.0, 0.5
     engine.costs = marginal
     rates = {}
     assert planner.plan([planner.Candidate(gen.acceptance("draft-model"), 4)], marginal, rates=rates)[0] > 0
     assert 1.0 < rates["planned"] / rates["plain"] < 1.1
-    assert not engine._draft_may_pay(gen, 1)
+    assert not engine.policy._draft_may_pay(gen, 1)
 
 
 def test_synthetic_acceptance_draws_the_evidence_too(tiny_model_path):
@@ -1272,24 +1271,24 @@ def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves(pair
     while gen.prefilling:
         engine.step()
     gen.ngram.match = lambda tokens: (None, 0)  # no lookup match here: the draft model is the candidate
-    fresh = engine._candidate(gen)
+    fresh = engine.policy._candidate(gen)
     assert gen.lookup_share() == 0.0 and fresh.acceptance == gen.acceptance("draft-model")
     # The catch-up is priced so that the read pays for the whole reply but not for a quarter of it.
-    gain_ms, _ = engine._value_of_drafting(gen, 1)
+    gain_ms, _ = engine.policy._value_of_drafting(gen, 1)
     tokens = min(engine.prior.reply_tokens, 200 - gen.emitted)
     lag = len(gen.tokens) - engine.drafter.kv.length(gen.slot)
     engine.costs.catch_up_ms_per_token = gain_ms * tokens / (4 * 2.0 * lag)  # PROBE_VALUE_MARGIN = 2
-    assert engine._first_read_pays(gen, 1)
+    assert engine.policy._first_read_pays(gen, 1)
     for _ in range(12):  # lookup's accepted drafts make 48 of 60 tokens
         gen.stats.record_iteration(4, 4, "ngram3")
     gen.emitted = 60
     share = 48 / (60 + LOOKUP_SHARE_PRIOR_TOKENS)
     assert gen.lookup_share() == share
-    copying = engine._candidate(gen)
+    copying = engine.policy._candidate(gen)
     assert copying.acceptance == pytest.approx(gen.acceptance("draft-model") * (1 - share))
     tokens = min(engine.prior.reply_tokens, 200 - gen.emitted)
     engine.costs.catch_up_ms_per_token = gain_ms * tokens / (2 * 2.0 * lag)  # pays twice over, were it all drafted
-    assert not engine._first_read_pays(gen, 1)
+    assert not engine.policy._first_read_pays(gen, 1)
 
 
 def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt(pair64):
@@ -1305,7 +1304,7 @@ def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt(pair6
         engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False)
         engine.costs = cheap_rows(1, draft_ms=0.5)
         engine.costs.catch_up_ms_per_token = 0.2  # the whole prompt: ~9 target steps
-        engine._draft_may_pay = lambda gen, batch: False  # the prompt is left to the first read
+        engine.policy._draft_may_pay = lambda gen, batch: False  # the prompt is left to the first read
         engine.prior = AcceptancePrior()  # not what earlier tests' requests on this target taught theirs
         for _ in range(40):
             engine.prior.record_copied(share)
@@ -1394,17 +1393,17 @@ def test_where_no_acceptance_pays_the_draft_costs_nothing(pair64):
             original = getattr(engine.drafter.kv, name)
             setattr(engine.drafter.kv, name, lambda *a, _f=original, **kw: forwards.append(1) or _f(*a, **kw))
     ruled = []
-    engine._candidate = lambda gen: ruled.append(gen) or None
+    engine.policy._candidate = lambda gen: ruled.append(gen) or None
     reqs = requests(target, PROMPTS[:4], max_tokens=24)
     results = engine.generate(reqs)
-    assert engine._floor(4, False) == 1.0 and engine._floor(4, True) == 1.0
+    assert engine.policy._floor(4, False) == 1.0 and engine.policy._floor(4, True) == 1.0
     assert forwards == [] and ruled == []
     plain = Engine(target, None, slots=4).generate(requests(target, PROMPTS[:4], max_tokens=24))
     assert [r.tokens for r in results] == [r.tokens for r in plain]
     # negative control: where drafting pays, the same engine drafts and its draft runs forwards
     engine.costs = costs({b: {b: 10.0, 9 * b: 10.5} for b in (1, 2, 4)}, draft_ms=0.1)
     engine.costs.observe_draft = engine.costs.observe_iteration = lambda *args: None
-    del engine._candidate
+    del engine.policy._candidate
     again = engine.generate(requests(target, PROMPTS[:4], max_tokens=24))
     assert forwards and sum(r.stats.draft_tokens for r in again) > 0
     assert [r.tokens for r in again] == [r.tokens for r in plain]

@@ -70,7 +70,7 @@ def test_mixing_deterministic_and_sampled_drafts_keeps_the_target_distribution(t
                         lambda self, tokens: ("ngram3", 1) if len(tokens) % 2 == parity[0] else (None, 0))
     monkeypatch.setattr(NgramProposer, "continuation",
                         lambda self, tokens, k: target.logits(tokens)[-1].topk(2).indices[1:2].tolist())
-    monkeypatch.setattr(engine_module.Engine, "_lookup_beats_draft", lambda self, *args: True)
+    monkeypatch.setattr(engine_module.DraftPolicy, "_lookup_beats_draft", lambda self, *args: True)
     monkeypatch.setattr(drafter_module, "probs_from_logits", skewed_draft_probs)
     engine = Engine(target, target, slots=1, draft_max=2, measure_costs=False)  # the target drafts for itself
     counts, by_source, mixed = {}, {}, 0

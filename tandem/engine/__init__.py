@@ -1,7 +1,7 @@
 """The batched engine: many requests decoded together, each speculating on its own.
 
     engine.py          Engine: admission, one batched step (draft, verify, accept) for every running sequence
-    drafting_rules.py  when each sequence drafts, from which source, and when its draft reads first
+    policy.py          DraftPolicy: what each sequence drafts (source, length, first reads), and what steps teach
     planner.py         draft lengths from measured batched costs (pure functions), and the costs
     drafter.py         the draft model's side: its slots, catch-ups, drafts, evidence reads
     verification.py    a step's outcome per sequence, read back in one transfer

@@ -165,7 +165,7 @@ class Drafter:
 
     def prefill(self, chunks: list[tuple[Generation, int]]) -> None:
         """Take in each sequence's tokens up to `end` (a prompt chunk's end) beside the target's prefill, so that
-        its first drafts need no catch-up (DraftingRules._draft_may_pay says which sequences)."""
+        its first drafts need no catch-up (DraftPolicy._draft_may_pay says which sequences)."""
         batch = [(gen.slot, rows) for gen, end in chunks if (rows := self._unseen(gen, end))]
         if batch:
             self.kv.forward(batch, [True] * len(batch))

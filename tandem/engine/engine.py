@@ -24,8 +24,8 @@ import torch
 from tandem.backends.base import Alongside, ContextOverflowError, Model
 from tandem.engine import calibration, planner
 from tandem.engine.drafter import Drafter, Proposal
-from tandem.engine.drafting_rules import DraftingRules
 from tandem.engine.kv_pool import SlotTable, fit_slots
+from tandem.engine.policy import DraftPolicy
 from tandem.engine.run_ahead import LOOKUP_RUN_AHEAD, RUN_AHEAD, DeviceSpan, RunAhead
 from tandem.engine.scoring import token_logprobs
 from tandem.engine.sequence import (
@@ -41,10 +41,6 @@ from tandem.logits.processor import processor_for
 from tandem.sampling import make_generator
 from tandem.speculative.calibrate import costs_path, kept_costs, shared_prior
 from tandem.speculative.compat import check_compatible
-from tandem.speculative.policy import (
-    EVIDENCE_TOKENS,
-    expected_tokens,
-)
 from tandem.speculative.proposer import NgramProposer
 
 log = logging.getLogger("tandem.engine")
@@ -52,12 +48,11 @@ log = logging.getLogger("tandem.engine")
 DEFAULT_SLOTS = 4
 DEFAULT_DRAFT_MAX = 8
 PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
-REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see Engine._plan)
 IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 
 
-class Engine(DraftingRules):
+class Engine:
     """Continuous batching with speculation per sequence. `add` requests, call `step` until `busy` is False, or
     call `generate` for a list of prompts.
 
@@ -115,29 +110,33 @@ class Engine(DraftingRules):
         self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
-        # What completed requests accepted, per source, shared by every engine on this target (tandem.generate's
-        # and a server's): a new sequence's estimates start there, not at constants that may keep it drafting at
-        # no acceptance.
-        self.prior = shared_prior(target)
-        self.costs = None
+        self.policy = DraftPolicy(None, shared_prior(target), self.drafter, self.target_kv, draft_max,
+                                  synthetic_acceptance)
         if self.proposer and draft_max > 0 and measure_costs:
             self.calibrate()
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
-        self._plain_plan: tuple[tuple[int, ...], int] | None = None  # (batch, steps it still stands for)
-        self._evidence: list[Generation] = []  # sequences whose draft reads the text before drafting (see _plan)
-        self._rates = None
-        self._planned_acceptance: dict[int, float] = {}  # sequence id -> the acceptance its drafts were planned at
-        self._values: dict[tuple, tuple[float, float]] = {}
-        self._previous_rows: int | None = None  # rows of the target's last forward (a plan of others pays a switch)
-        self._shape_run = 0  # forwards in a row of that shape
-        self._after_change: tuple | None = None  # (batch, drafting, ms over its costs) of a shape's first forward
-        self._drafting_run = 0  # steps in a row that drafted
-        self._step_count = 0
-        # (batch, drafted) -> [steps, predicted ms, measured ms] summed over the steady steps (_observe_iteration):
-        # whether the planner's cost of a step is the step's (bench/engine_load.py, tandem doctor)
-        self.step_times: dict[tuple[int, bool], list] = {}
-        self._floors: dict[tuple, tuple[float, int]] = {}  # (costs, batch, lookup) -> (floor, valid until step)
+        self._drafted: tuple[int, int] | None = None  # (sequences, forwards) of a step's steady draft (_propose)
+
+    @property
+    def costs(self) -> planner.BatchCosts | None:
+        """The measured costs the policy plans from (None: drafting requests draft their draft_max)."""
+        return self.policy.costs
+
+    @costs.setter
+    def costs(self, costs: planner.BatchCosts | None) -> None:
+        self.policy.set_costs(costs)
+
+    @property
+    def prior(self):
+        """What completed requests accepted, per source, shared by every engine on this target (tandem.generate's
+        and a server's): a new sequence's estimates start there, not at constants that may keep it drafting at no
+        acceptance."""
+        return self.policy.prior
+
+    @prior.setter
+    def prior(self, prior) -> None:
+        self.policy.prior = prior
 
     def calibrate(self, refresh: bool = False) -> None:
         """The planner's costs: as kept on disk for this device, pair and engine shape (calibrate.costs_path), else
@@ -147,11 +146,10 @@ class Engine(DraftingRules):
                                    self._synchronize)
 
         path = costs_path(self.target, self.draft_model, self.draft_max, self.slots, self.n_ctx)
-        self.costs = kept_costs(path, measure, planner.BatchCosts.measured, planner.BatchCosts.from_measured,
-                                self.target, self.draft_model, refresh)
-        self.costs.steady_draft = self.drafter is not None and self.draft_model.steady_shapes
-        self.costs.pad_rows(self.target_kv.padded_rows)
-        self._floors = {}
+        costs = kept_costs(path, measure, planner.BatchCosts.measured, planner.BatchCosts.from_measured,
+                           self.target, self.draft_model, refresh)
+        costs.steady_draft = self.drafter is not None and self.draft_model.steady_shapes
+        self.costs = costs.pad_rows(self.target_kv.padded_rows)
 
     def _synchronize(self) -> None:
         for model in (self.target, self.draft_model):
@@ -226,8 +224,7 @@ class Engine(DraftingRules):
 
     def step(self) -> list[tuple[Generation, GenerationChunk]]:
         """Advance every running sequence by one iteration; returns the chunks produced, in no set order."""
-        self._values = {}  # costs move between steps
-        self._step_count += 1
+        self.policy.begin_step()
         for gen in [g for g in self.running if g.cancelled]:
             self._retire(gen)
         self._admit()
@@ -250,7 +247,7 @@ class Engine(DraftingRules):
                 prefills.append((gen, rows))
                 budget -= len(rows)
         prefill_rows = sum(len(rows) for _, rows in prefills)
-        ks = self._plan(decoding, prefill_rows)
+        ks = self.policy.plan(decoding, prefill_rows)
         if self._queued_steps is not None and len(decoding) == len(self.running) == 1 and not self.waiting and \
                 not any(ks) and decoding[0].processor is None and decoding[0].request.logprobs is None:
             return self._plain_run(decoding[0], started)
@@ -278,7 +275,7 @@ class Engine(DraftingRules):
             picks = [reads_argmax_only(g) for g in decoding + [g for g, _ in prefills]]
             logits = self.target_kv.forward_picking(batch, last_only, picks, self._ahead(decoding, proposals))
             target_rows = sum(len(rows) for _, rows in batch)
-        self._track_shape(target_rows, any(ks))
+        self.policy.observe_shape(target_rows, any(ks))
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
                   if gen.fed + len(chunk) == gen.prompt_len]
         outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
@@ -296,7 +293,6 @@ class Engine(DraftingRules):
             prefill_ms += 1000.0 * (time.perf_counter() - finished)
 
         events = []
-        expected = yielded = 0.0
         for gen in decoding:
             k = len(proposals[gen.id][0])
             source = gen.draft_source if k else None
@@ -308,9 +304,6 @@ class Engine(DraftingRules):
             if self.drafter is not None:
                 self.drafter.settle(gen)
             gen.stats.record_iteration(k, n, source)
-            if k and gen.id in self._planned_acceptance:
-                expected += expected_tokens(self._planned_acceptance[gen.id], k) - 1.0
-                yielded += n
             gen.stats.draft_ms += draft_ms if k else 0.0
             gen.stats.verify_ms += verify_ms
             gen.stats.decode_ms += step_ms
@@ -327,9 +320,9 @@ class Engine(DraftingRules):
                 if gen.ngram is not None:
                     gen.ngram.start(gen.request.prompt)
                 self._deliver(gen, gen.tokens[-1:], events, scored.get(gen.id))
-        if expected and self.costs is not None:
-            self.costs.observe_yield(len(decoding), expected, yielded)
-        self._observe_iteration(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - started))
+        self.policy.observe_yield(decoding, ks, outcomes)
+        self.policy.observe_step(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - started),
+                                 self._drafted)
         return events
 
     def _plain_run(self, gen: Generation, started: float) -> list[tuple[Generation, GenerationChunk]]:
@@ -337,7 +330,8 @@ class Engine(DraftingRules):
         (fewer where prompt lookup watches its text), its max_tokens and its context allow, each one an iteration
         of its own to the stats, the costs and the plan."""
         room = self.target_kv.capacity - self.target_kv.length(gen.slot)
-        standing = self._plain_plan[1] + 1 if self._plain_plan is not None else 1
+        plain_plan = self.policy.plain_plan
+        standing = plain_plan[1] + 1 if plain_plan is not None else 1
         steps = min(self.run_ahead, LOOKUP_RUN_AHEAD if gen.ngram is not None else self.run_ahead, standing,
                     gen.request.max_tokens - gen.emitted, room)
         length = len(gen.tokens) - 1  # the slot holds every token but the pending one
@@ -354,58 +348,14 @@ class Engine(DraftingRules):
             if gen.proposer is not None:
                 gen.observe(None, 0, 0)
             gen.note_prediction(1.0)
-            self._track_shape(1, False)
-        if self._plain_plan is not None:
-            self._plain_plan = (self._plain_plan[0], max(0, self._plain_plan[1] - len(new_tokens) + 1))
+            self.policy.observe_shape(1, False)
+        if plain_plan is not None:
+            self.policy.plain_plan = (plain_plan[0], max(0, plain_plan[1] - len(new_tokens) + 1))
         if self.costs is not None:  # a plain step's cost as the loop runs it: cheaper queued than timed alone
             self.costs.observe_iteration(1, False, self.costs.target_ms(1, 1), step_ms)
         events = []
         self._deliver(gen, new_tokens, events, None)
         return events
-
-    def _track_shape(self, rows: int, drafted: bool) -> None:
-        """Note the target's forward of `rows` rows, and whether the step drafted: how long shapes and runs of
-        drafting last prices a change and a start (BatchCosts.shape_run, drafting_run)."""
-        if drafted:
-            self._drafting_run += 1
-        elif self._drafting_run:
-            if self.costs is not None:
-                self.costs.observe_drafting_run(self._drafting_run)
-            self._drafting_run = 0
-        if rows != self._previous_rows:
-            if self.costs is not None and self._previous_rows is not None:
-                self.costs.observe_shape_run(self._shape_run)
-            self._previous_rows, self._shape_run = rows, 0
-        self._shape_run += 1
-
-    def _observe_iteration(self, decoding: list[Generation], ks: list[int], prefills: list, target_rows: int,
-                           ms: float) -> None:
-        """A whole step's time against what its costs predict (BatchCosts.drafting_overrun): its forwards' costs,
-        and for the two forwards after a change of shape, the change (llama.cpp's CUDA build runs the first
-        uncaptured and captures the second; elsewhere the first rebuilds the graph). Those two are observed as one,
-        their mean excess less the change: each alone read as overrun (H100, CUDA, 2 requests: -4 ms, then +10 and
-        a third step +11, and the median of five turned drafting off for good). Not a step that took in prompts,
-        read evidence or caught a draft up (no steady step's cost)."""
-        first_of_shape, self._after_change = self._after_change, None
-        if self.costs is None or prefills or self._evidence:
-            return
-        model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
-        if model_drafting and self._drafted is None:
-            return
-        draft_ms = (self.costs.draft_ms(self._drafted[0]) * self._drafted[1] +
-                    self.costs.feed_ahead_ms(self._drafted[0])) if model_drafting else 0.0
-        predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows)
-        key = (len(decoding), any(ks))
-        seen = self.step_times.setdefault(key, [0, 0.0, 0.0])
-        seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + predicted, seen[2] + ms
-        if self._shape_run == 1:
-            self._after_change = (*key, ms - predicted)
-            return
-        if self._shape_run == 2:
-            if first_of_shape is None or first_of_shape[:2] != key:
-                return
-            ms = predicted + (first_of_shape[2] + ms - predicted - self.costs.switch_ms) / 2
-        self.costs.observe_iteration(*key, predicted, ms)
 
     def _deliver(self, gen: Generation, new_tokens: list[int], events: list, scored: list | None) -> None:
         """Hand the caller this iteration's tokens (cut at a stop token or max_tokens), with their logprobs."""
@@ -447,98 +397,15 @@ class Engine(DraftingRules):
             self.table.occupy(slot, gen.tokens)
             self.running.append(gen)
             admitted.append(gen)
-        for gen in admitted if self.drafter is not None else ():
-            gen.draft_prefill = self._draft_may_pay(gen, len(self.running))
+        self.policy.admit(admitted, len(self.running))
 
     def _retire(self, gen: Generation) -> None:
         """The sequence leaves the batch; its slot keeps the KV of its tokens for a later prompt to reuse."""
         self.running.remove(gen)
-        if gen.proposer is not None and not gen.cancelled:
-            for source, estimate in gen.estimates.items():
-                self.prior.record(source, estimate.request_accepted, estimate.request_reached)
-            if gen.proposer == "mixed" and gen.emitted:
-                self.prior.record_copied(gen.copied_tokens / gen.emitted)
-            if gen.finish_reason == "stop":
-                self.prior.record_reply(gen.emitted)  # a natural reply length: what a first catch-up is repaid over
-            estimate = gen.estimates.get(DRAFT_MODEL)
-            if estimate is not None and estimate.request_reached == 0 and self.costs is not None:
-                # plain time the prior did not learn from (the batch with this sequence, removed above)
-                self.prior.note_unread(DRAFT_MODEL, gen.emitted * self.costs.plain_share_ms(len(self.running) + 1))
-            gen.stats.belief = {"acceptance": {s: gen.acceptance(s) for s in gen.estimates},
-                                "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()},
-                                "predicted_speedup": gen.predicted_speedup}
+        self.policy.retire(gen, len(self.running))
         self.table.release(gen.slot, self.target_kv.length(gen.slot))
 
     # --- drafting and verification -----------------------------------------------------------------------
-
-    def _plan(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
-        """Draft lengths for this step (each sequence's source in gen.draft_source). A plan of plain steps stands
-        for REPLAN_PLAIN steps while the batch stays the same and no sequence's text starts repeating (a longest
-        lookup match): estimates only drift while nobody drafts, and planning every step cost a tiny model's batch
-        as much as its forward (llama.cpp, CPU: 0.2 of 0.4 ms)."""
-        self._evidence = []
-        self._planned_acceptance = {}
-        batch = tuple(g.id for g in decoding)
-        if not self._may_draft(decoding):
-            for gen in decoding:
-                gen.note_prediction(1.0)
-            self._plain_plan = (batch, REPLAN_PLAIN - 1)
-            return [0] * len(decoding)
-        if self._plain_plan is not None and self._plain_plan[0] == batch and self._plain_plan[1] > 0 and \
-                not self._lookup_may_pay(decoding):
-            self._plain_plan = (batch, self._plain_plan[1] - 1)
-            for gen in decoding:
-                gen.note_prediction(1.0)
-            return [0] * len(decoding)
-        self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
-        candidates = [self._candidate(g) for g in decoding]
-        rates: dict[str, float] = {}
-        ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows, self._drafting_run > 0, rates)
-        # Before a draft drafts blind (first time in the request, or back after a plain stretch), it reads the text
-        # it missed, teacher-forced: how much of it it would have predicted is its acceptance on this text, known
-        # before a single draft is verified, and the plan is made again with it (a
-        # draft that cannot pay then never drafts, instead of drafting at the prior first). It waits for
-        # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks. Back after
-        # a plain stretch, it reads where the plan would draft and the catch-up is within the probe budget; a draft
-        # that has shown fewer positions than a read would (a few drafts verified, never read) also where the read
-        # passes the first read's test (a plan at its faded estimate, and a budget that a dear catch-up never
-        # meets, kept a request plain after two unlucky drafts: Vulkan, H100).
-        for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
-            if gen.draft_source != DRAFT_MODEL or not self._wants_evidence(gen, candidate):
-                continue
-            reached = gen.estimates[DRAFT_MODEL].request_reached
-            first, unread = reached == 0, reached < EVIDENCE_TOKENS  # unread: fewer positions than a read shows
-            generated = len(gen.tokens) - gen.prompt_len
-            considered = ks[i] or unread and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior,
-                                                                    len(decoding))
-            if first and not (considered and self._first_read_pays(gen, len(decoding))):
-                ks[i] = 0
-                if self._explores(gen, len(decoding)):  # the prior says no, but it has not learned for long
-                    if generated >= EVIDENCE_TOKENS:
-                        self.prior.explored(DRAFT_MODEL)
-                        self._evidence.append(gen)
-                elif considered:
-                    gen.draft_declined = True  # this request goes on with prompt lookup alone
-            elif not considered:
-                continue
-            elif not first and not (ks[i] and self._reread_in_budget(gen, len(decoding)) or
-                                    unread and self._first_read_pays(gen, len(decoding))):
-                ks[i] = 0
-            elif generated >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
-                self._evidence.append(gen)
-            else:
-                ks[i] = 0
-        if self._evidence:
-            self.drafter.read_evidence(self._evidence, self.synthetic_acceptance)
-            candidates = [self._candidate(g) for g in decoding]
-            ks = planner.plan(candidates, self.costs, prefill_rows, self._previous_rows, self._drafting_run > 0,
-                              rates)
-        self._planned_acceptance = {g.id: c.acceptance for g, c, k in zip(decoding, candidates, ks, strict=True)
-                                    if k and not c.fixed and not c.lookup}
-        for gen in decoding:
-            gen.note_prediction(rates["planned"] / rates["plain"] if rates else 1.0)
-        self._plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
-        return ks
 
     def _propose(self, decoding: list[Generation], ks: list[int], keep_on_device: bool = False) -> dict[int, Proposal]:
         """Draft tokens per sequence (and, sampling, the distributions they were drawn from): prompt lookup on the
@@ -557,7 +424,7 @@ class Engine(DraftingRules):
         if drafting:
             drafted, forwards = self.drafter.draft(drafting, keep_on_device)
             proposals.update(drafted)
-            self._drafted = None if forwards is None or self._evidence else (len(drafting), forwards)
+            self._drafted = None if forwards is None or self.policy.evidence else (len(drafting), forwards)
         return proposals
 
     def _ahead(self, decoding: list[Generation], proposals: dict[int, Proposal]) -> Alongside | None:

@@ -234,8 +234,8 @@ class Generation:
                           for s in sources}
         self.plain_iterations = 0  # estimates fade towards their priors over these (see Estimate.acceptance)
         self.draft_source: str | None = None  # the source of this iteration's drafts
-        self.draft_declined = False  # the draft model's first catch-up was judged not worth it (see Engine._plan)
-        self.draft_prefill = False  # the draft takes in the prompt beside the target (see DraftingRules._draft_may_pay)
+        self.draft_declined = False  # the draft model's first catch-up was judged not worth it (see DraftPolicy.plan)
+        self.draft_prefill = False  # the draft takes in the prompt beside the target (see DraftPolicy._draft_may_pay)
         self.processor: LogitsProcessor | None = None  # set by the engine when request.logits adjusts anything
         self._predicted = (0.0, 0)  # (sum, steps) of the speed-ups over plain its batch's plans predicted
 

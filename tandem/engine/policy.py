@@ -1,14 +1,19 @@
-"""When each decoding sequence drafts, from which source, and whether its draft first reads the text it missed:
-the per-sequence rules the engine's plan applies before the planner (tandem.engine.planner) picks draft lengths
-from the batched costs. Read with docs/batching.md ("Speculation under load").
+"""The draft policy: before each step, what each decoding sequence drafts (its source and draft length, 0 = a plain
+step) and whether its draft first reads the text it missed; after it, what the step's time and outcomes teach the
+costs. One object the engine owns, with a narrow interface (`plan`, `admit`, `retire`, `observe_*`); the batched
+arithmetic is the planner's (tandem.engine.planner), the measured costs `BatchCosts`. Read with docs/batching.md
+("Speculation under load").
 
-`DraftingRules` is the part of `Engine` that holds these rules; the state they read (the costs, the shared prior,
-the drafter, the target's cache, the per-step caches `_values` and `_rates`) is the engine's.
+The rules in order: a cheap floor test first (`_may_draft`: at a load where no acceptance pays, nothing else runs),
+then a standing plain plan, then per sequence its candidate (`_candidate`: lookup or the draft model), the planner's
+draft lengths, and the evidence rules (a first read, a re-read, exploration), planned again where a read ran.
 """
 
 from __future__ import annotations
 
+from tandem.backends.base import BatchedCache
 from tandem.engine import planner
+from tandem.engine.drafter import Drafter
 from tandem.engine.sequence import DRAFT_MODEL, Generation
 from tandem.speculative.policy import (
     ACCEPTANCE_PRIOR,
@@ -17,24 +22,98 @@ from tandem.speculative.policy import (
     PROBE_BUDGET,
     PROBE_VALUE_MARGIN,
     STEADY_CATCH_UP,
+    AcceptancePrior,
     copied_risk,
     expected_tokens,
 )
+
+REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see DraftPolicy.plan)
+
 
 # The draft takes in a prompt beside the target's prefill only where the chance that drafting gains nothing is at
 # most this (over the Beta of the request's acceptance, _draft_may_pay); elsewhere its first read takes the
 # prompt in, once EVIDENCE_TOKENS are generated, where that read is judged worth it. Prompts taken in on expected
 # value alone cost 2-4% at 2 and 4 requests where drafting barely paid (H100 costs, emulated).
 PREFILL_MAX_RISK = 0.2
-# The drafting floors (DraftingRules._floor): bisected to this precision, from an acceptance of FLOOR_TOP down, and
+# The drafting floors (DraftPolicy._floor): bisected to this precision, from an acceptance of FLOOR_TOP down, and
 # kept this many steps before they are bisected again from the costs as learned by then.
 FLOOR_PRECISION = 1.0 / 64
 FLOOR_TOP = 0.99
 FLOOR_STEPS = 64
 
 
-class DraftingRules:
-    """The rules; mixed into Engine, whose state they read."""
+class DraftPolicy:
+    """What each sequence drafts each step, from the measured costs and each sequence's acceptance estimates.
+
+    Args:
+        costs: the batched costs (None: every drafting request drafts its draft_max, as draft_policy "fixed").
+        prior: the process-wide acceptance prior that new sequences start from and completed ones teach.
+        drafter: the draft model's side (None: prompt lookup alone, or no drafting).
+        target_kv: the target's cache (a sequence's room left).
+        draft_max: the most drafts an iteration.
+        synthetic_acceptance: benchmarks: evidence reads match with this probability.
+    """
+
+    def __init__(self, costs: planner.BatchCosts | None, prior: AcceptancePrior, drafter: Drafter | None,
+                 target_kv: BatchedCache, draft_max: int, synthetic_acceptance: float | None = None) -> None:
+        self.costs, self.prior, self.drafter, self.target_kv = costs, prior, drafter, target_kv
+        self.draft_max, self.synthetic_acceptance = draft_max, synthetic_acceptance
+        self.evidence: list[Generation] = []  # sequences whose draft read the text before drafting this step
+        self.planned_acceptance: dict[int, float] = {}  # sequence id -> the acceptance its drafts were planned at
+        self.drafting_run = 0  # steps in a row that drafted
+        self.previous_rows: int | None = None  # rows of the target's last forward (a plan of others pays a switch)
+        self.shape_run = 0  # forwards in a row of that shape
+        self.plain_plan: tuple[tuple[int, ...], int] | None = None  # (batch, steps it still stands for)
+        # (batch, drafted) -> [steps, predicted ms, measured ms] summed over the steady steps (observe_step):
+        # whether the planner's cost of a step is the step's (bench/engine_load.py)
+        self.step_times: dict[tuple[int, bool], list] = {}
+        self._after_change: tuple | None = None  # (batch, drafting, ms over its costs) of a shape's first forward
+        self._step_count = 0
+        self._floors: dict[tuple, tuple[float, int]] = {}  # (costs, batch, lookup) -> (floor, valid until step)
+        self._values: dict[tuple, tuple[float, float]] = {}  # this step's values of drafting (_value_of_drafting)
+        self._rates = None
+
+    def set_costs(self, costs: planner.BatchCosts | None) -> None:
+        self.costs, self._floors = costs, {}
+
+    def begin_step(self) -> None:
+        """A new step: the costs may have moved since the last."""
+        self._values = {}
+        self._step_count += 1
+
+    def admit(self, gens: list[Generation], batch: int) -> None:
+        """Sequences that joined a batch of `batch`: whether each one's draft takes in its prompt beside the
+        target's prefill (_draft_may_pay)."""
+        for gen in gens if self.drafter is not None else ():
+            gen.draft_prefill = self._draft_may_pay(gen, batch)
+
+    def retire(self, gen: Generation, batch: int) -> None:
+        """A sequence left a batch now of `batch`: what it accepted teaches the shared prior."""
+        if gen.proposer is None or gen.cancelled:
+            return
+        for source, estimate in gen.estimates.items():
+            self.prior.record(source, estimate.request_accepted, estimate.request_reached)
+        if gen.proposer == "mixed" and gen.emitted:
+            self.prior.record_copied(gen.copied_tokens / gen.emitted)
+        if gen.finish_reason == "stop":
+            self.prior.record_reply(gen.emitted)  # a natural reply length: what a first catch-up is repaid over
+        estimate = gen.estimates.get(DRAFT_MODEL)
+        if estimate is not None and estimate.request_reached == 0 and self.costs is not None:
+            # plain time the prior did not learn from (the batch with this sequence)
+            self.prior.note_unread(DRAFT_MODEL, gen.emitted * self.costs.plain_share_ms(batch + 1))
+        gen.stats.belief = {"acceptance": {s: gen.acceptance(s) for s in gen.estimates},
+                            "prior_acceptance": {s: e.prior[0] / e.prior[1] for s, e in gen.estimates.items()},
+                            "predicted_speedup": gen.predicted_speedup}
+
+    def observe_yield(self, decoding: list[Generation], ks: list[int], outcomes: dict) -> None:
+        """What the step's planned draft-model drafts yielded against what their plans expected."""
+        expected = yielded = 0.0
+        for gen, k in zip(decoding, ks, strict=True):
+            if k and gen.id in self.planned_acceptance:
+                expected += expected_tokens(self.planned_acceptance[gen.id], k) - 1.0
+                yielded += outcomes[gen.id][0]
+        if expected and self.costs is not None:
+            self.costs.observe_yield(len(decoding), expected, yielded)
 
     def _draft_may_pay(self, gen: Generation, batch: int) -> bool:
         """Whether the draft takes in the prompt beside the target's prefill: where `batch` sequences drafting alike
@@ -253,6 +332,120 @@ class DraftingRules:
         lookup_ms, draft_ms = self._rates
         catch_up_ms = self.costs.catch_up_ms(max(0, lag - STEADY_CATCH_UP)) / self.costs.drafting_run
         return best_rate(lookup_a, lookup_ms, k_lookup) >= best_rate(draft_a, draft_ms, k_draft, catch_up_ms)
+
+
+    def plan(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
+        """Draft lengths for this step (each sequence's source in gen.draft_source). A plan of plain steps stands
+        for REPLAN_PLAIN steps while the batch stays the same and no sequence's text starts repeating (a longest
+        lookup match): estimates only drift while nobody drafts, and planning every step cost a tiny model's batch
+        as much as its forward (llama.cpp, CPU: 0.2 of 0.4 ms)."""
+        self.evidence = []
+        self.planned_acceptance = {}
+        batch = tuple(g.id for g in decoding)
+        if not self._may_draft(decoding):
+            for gen in decoding:
+                gen.note_prediction(1.0)
+            self.plain_plan = (batch, REPLAN_PLAIN - 1)
+            return [0] * len(decoding)
+        if self.plain_plan is not None and self.plain_plan[0] == batch and self.plain_plan[1] > 0 and \
+                not self._lookup_may_pay(decoding):
+            self.plain_plan = (batch, self.plain_plan[1] - 1)
+            for gen in decoding:
+                gen.note_prediction(1.0)
+            return [0] * len(decoding)
+        self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
+        candidates = [self._candidate(g) for g in decoding]
+        rates: dict[str, float] = {}
+        ks = planner.plan(candidates, self.costs, prefill_rows, self.previous_rows, self.drafting_run > 0, rates)
+        # Before a draft drafts blind (first time in the request, or back after a plain stretch), it reads the text
+        # it missed, teacher-forced: how much of it it would have predicted is its acceptance on this text, known
+        # before a single draft is verified, and the plan is made again with it (a
+        # draft that cannot pay then never drafts, instead of drafting at the prior first). It waits for
+        # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks. Back after
+        # a plain stretch, it reads where the plan would draft and the catch-up is within the probe budget; a draft
+        # that has shown fewer positions than a read would (a few drafts verified, never read) also where the read
+        # passes the first read's test (a plan at its faded estimate, and a budget that a dear catch-up never
+        # meets, kept a request plain after two unlucky drafts: Vulkan, H100).
+        for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
+            if gen.draft_source != DRAFT_MODEL or not self._wants_evidence(gen, candidate):
+                continue
+            reached = gen.estimates[DRAFT_MODEL].request_reached
+            first, unread = reached == 0, reached < EVIDENCE_TOKENS  # unread: fewer positions than a read shows
+            generated = len(gen.tokens) - gen.prompt_len
+            considered = ks[i] or unread and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior,
+                                                                    len(decoding))
+            if first and not (considered and self._first_read_pays(gen, len(decoding))):
+                ks[i] = 0
+                if self._explores(gen, len(decoding)):  # the prior says no, but it has not learned for long
+                    if generated >= EVIDENCE_TOKENS:
+                        self.prior.explored(DRAFT_MODEL)
+                        self.evidence.append(gen)
+                elif considered:
+                    gen.draft_declined = True  # this request goes on with prompt lookup alone
+            elif not considered:
+                continue
+            elif not first and not (ks[i] and self._reread_in_budget(gen, len(decoding)) or
+                                    unread and self._first_read_pays(gen, len(decoding))):
+                ks[i] = 0
+            elif generated >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
+                self.evidence.append(gen)
+            else:
+                ks[i] = 0
+        if self.evidence:
+            self.drafter.read_evidence(self.evidence, self.synthetic_acceptance)
+            candidates = [self._candidate(g) for g in decoding]
+            ks = planner.plan(candidates, self.costs, prefill_rows, self.previous_rows, self.drafting_run > 0,
+                              rates)
+        self.planned_acceptance = {g.id: c.acceptance for g, c, k in zip(decoding, candidates, ks, strict=True)
+                                    if k and not c.fixed and not c.lookup}
+        for gen in decoding:
+            gen.note_prediction(rates["planned"] / rates["plain"] if rates else 1.0)
+        self.plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
+        return ks
+
+    def observe_shape(self, rows: int, drafted: bool) -> None:
+        """Note the target's forward of `rows` rows, and whether the step drafted: how long shapes and runs of
+        drafting last prices a change and a start (BatchCosts.shape_run, drafting_run)."""
+        if drafted:
+            self.drafting_run += 1
+        elif self.drafting_run:
+            if self.costs is not None:
+                self.costs.observe_drafting_run(self.drafting_run)
+            self.drafting_run = 0
+        if rows != self.previous_rows:
+            if self.costs is not None and self.previous_rows is not None:
+                self.costs.observe_shape_run(self.shape_run)
+            self.previous_rows, self.shape_run = rows, 0
+        self.shape_run += 1
+
+    def observe_step(self, decoding: list[Generation], ks: list[int], prefills: list, target_rows: int, ms: float,
+                     drafted: tuple[int, int] | None) -> None:
+        """A whole step's time against what its costs predict (BatchCosts.drafting_overrun): its forwards' costs,
+        and for the two forwards after a change of shape, the change (llama.cpp's CUDA build runs the first
+        uncaptured and captures the second; elsewhere the first rebuilds the graph). Those two are observed as one,
+        their mean excess less the change: each alone read as overrun (H100, CUDA, 2 requests: -4 ms, then +10 and
+        a third step +11, and the median of five turned drafting off for good). Not a step that took in prompts,
+        read evidence or caught a draft up (no steady step's cost)."""
+        first_of_shape, self._after_change = self._after_change, None
+        if self.costs is None or prefills or self.evidence:
+            return
+        model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
+        if model_drafting and drafted is None:
+            return
+        draft_ms = (self.costs.draft_ms(drafted[0]) * drafted[1] +
+                    self.costs.feed_ahead_ms(drafted[0])) if model_drafting else 0.0
+        predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows)
+        key = (len(decoding), any(ks))
+        seen = self.step_times.setdefault(key, [0, 0.0, 0.0])
+        seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + predicted, seen[2] + ms
+        if self.shape_run == 1:
+            self._after_change = (*key, ms - predicted)
+            return
+        if self.shape_run == 2:
+            if first_of_shape is None or first_of_shape[:2] != key:
+                return
+            ms = predicted + (first_of_shape[2] + ms - predicted - self.costs.switch_ms) / 2
+        self.costs.observe_iteration(*key, predicted, ms)
 
 
 def best_rate(acceptance: float, ms: list[float], k_max: int, extra_ms: float = 0.0) -> float:
