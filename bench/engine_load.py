@@ -150,7 +150,7 @@ def main() -> None:
             rate = statistics.median(rates[name])
             print(f"{name:<10} {rate:>9.1f} {rate / base:>9.3f} {drafted[name]:>8.1%} {forwards[name]:>14.3f}")
         for name in configs:
-            times = engines[name].step_times
+            times = getattr(getattr(engines[name], "policy", engines[name]), "step_times", {})
             if times:
                 rows = sorted(times.items())
                 print(f"  {name}: steady steps, predicted/measured ms a step (batch, drafted: steps):  " + "  ".join(

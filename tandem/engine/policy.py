@@ -27,7 +27,7 @@ from tandem.speculative.policy import (
     expected_tokens,
 )
 
-REPLAN_PLAIN = 8  # steps a plan of plain decoding stands for while the batch does not change (see DraftPolicy.plan)
+REPLAN_PLAIN = 8  # steps a plain plan stands for while no sequence becomes hopeful (see DraftPolicy.plan)
 
 
 # The draft takes in a prompt beside the target's prefill only where the chance that drafting gains nothing is at
@@ -40,6 +40,8 @@ PREFILL_MAX_RISK = 0.2
 FLOOR_PRECISION = 1.0 / 64
 FLOOR_TOP = 0.99
 FLOOR_STEPS = 64
+VALUES_KEPT = 4096  # values of drafting kept at most before the stale ones are dropped
+VALUE_COUNTS = 0.25  # pseudo-counts an estimate's value of drafting is kept to (DraftPolicy._value_of_drafting)
 
 
 class DraftPolicy:
@@ -63,23 +65,26 @@ class DraftPolicy:
         self.drafting_run = 0  # steps in a row that drafted
         self.previous_rows: int | None = None  # rows of the target's last forward (a plan of others pays a switch)
         self.shape_run = 0  # forwards in a row of that shape
-        self.plain_plan: tuple[tuple[int, ...], int] | None = None  # (batch, steps it still stands for)
+        # (the hopeful sequences when it was made, steps it still stands for) of a plain plan (see plan)
+        self.plain_plan: tuple[frozenset[int], int] | None = None
+        self.planned = False  # whether the last plan ran in full
         # (batch, drafted) -> [steps, predicted ms, measured ms] summed over the steady steps (observe_step):
         # whether the planner's cost of a step is the step's (bench/engine_load.py)
         self.step_times: dict[tuple[int, bool], list] = {}
         self._after_change: tuple | None = None  # (batch, drafting, ms over its costs) of a shape's first forward
         self._step_count = 0
         self._floors: dict[tuple, tuple[float, int]] = {}  # (costs, batch, lookup) -> (floor, valid until step)
-        self._values: dict[tuple, tuple[float, float]] = {}  # this step's values of drafting (_value_of_drafting)
+        self._values: dict[tuple, tuple] = {}  # (value, valid until step) by estimate, and _drafts_at's answers
         self._rates = None
 
     def set_costs(self, costs: planner.BatchCosts | None) -> None:
-        self.costs, self._floors = costs, {}
+        """Plan from these costs (again, after changing them by hand): the answers kept from the old go."""
+        self.costs, self._floors, self._values = costs, {}, {}
 
     def begin_step(self) -> None:
-        """A new step: the costs may have moved since the last."""
-        self._values = {}
         self._step_count += 1
+        if len(self._values) > VALUES_KEPT:  # entries past their steps, from estimates no sequence holds now
+            self._values = {k: v for k, v in self._values.items() if v[1] > self._step_count}
 
     def admit(self, gens: list[Generation], batch: int) -> None:
         """Sequences that joined a batch of `batch`: whether each one's draft takes in its prompt beside the
@@ -152,43 +157,45 @@ class DraftPolicy:
         self._floors[key] = (low, self._step_count + FLOOR_STEPS)
         return low
 
-    def _may_draft(self, decoding: list[Generation]) -> bool:
-        """Whether this step's plan could have any sequence draft or read: the cheap test that lets a batch where
-        nothing can pay skip the rules' per-sequence work (at 64 requests it cost more than the forward's host side).
-        A sequence could draft by the model where its estimate, or the estimate a read or an exploration would test,
-        reaches the model's floor at this batch size; by lookup where its text repeats at an acceptance that
-        reaches lookup's. Fixed drafters, and an engine without costs, always plan."""
+    def _hopeful(self, decoding: list[Generation]) -> frozenset[int] | None:
+        """The sequences whose plan could draft or read this step: the cheap test that lets a batch where nothing can
+        pay skip the rules' per-sequence work (at 64 requests it cost more than the forward's host side), and lets a
+        plain plan stand while no sequence becomes hopeful. A sequence could draft by the model where its estimate,
+        or the estimate a read or an exploration would test, reaches the model's floor at this batch size; by lookup
+        where its text repeats at an acceptance that reaches lookup's. None (always plan): fixed drafters, or no
+        costs."""
         if self.costs is None or any(g.request.draft_policy == "fixed" for g in decoding):
-            return True
+            return None
         batch = len(decoding)
-        if batch == 0:
-            return False
-        model_floor = self._floor(batch, False) if self.drafter is not None else 1.0
-        lookup_floor = self._floor(batch, True)
+        model_floor = self._floor(batch, False) if self.drafter is not None and batch else 1.0
+        lookup_floor = self._floor(batch, True) if batch else 1.0
         if model_floor >= 1.0 and lookup_floor >= 1.0:
-            return False  # prompt lookup's hindsight catches up when planning resumes (NgramProposer is incremental)
+            return frozenset()  # prompt lookup's hindsight catches up when planning resumes (it is incremental)
         explore = ACCEPTANCE_PRIOR[0] / ACCEPTANCE_PRIOR[1]
+        hopeful = set()
         for gen in decoding:
             estimate = gen.estimates.get(DRAFT_MODEL)
             if model_floor < 1.0 and estimate is not None and not gen.draft_declined:
                 accepted, drafted = estimate.counts(gen.plain_iterations)
                 hoped = max(accepted / drafted, (accepted + EVIDENCE_TOKENS) / (drafted + EVIDENCE_TOKENS), explore)
                 if hoped >= model_floor:
-                    return True
+                    hopeful.add(gen.id)
+                    continue
             if lookup_floor < 1.0 and gen.ngram is not None:
                 source, _ = gen.ngram.match(gen.tokens)
                 if source is not None and gen.acceptance(source) >= lookup_floor:
-                    return True
-        return False
+                    hopeful.add(gen.id)
+        return frozenset(hopeful)
 
     def _drafts_at(self, acceptance: float, k_max: int, batch: int) -> bool:
-        """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs (once a step
-        for a given question: every new request asks it at the shared prior's counts)."""
-        key = ("drafts_at", acceptance, k_max, batch)
-        if key not in self._values:
-            self._values[key] = planner.plan([planner.Candidate(acceptance, k_max)] * batch, self.costs)[0] > 0
-        return self._values[key]
-
+        """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs (kept FLOOR_STEPS
+        steps for a given question: every new request asks it at the shared prior's counts)."""
+        key = ("drafts_at", id(self.costs), acceptance, k_max, batch)
+        kept = self._values.get(key)
+        if kept is None or kept[1] <= self._step_count:
+            drafts = planner.plan([planner.Candidate(acceptance, k_max)] * batch, self.costs)[0] > 0
+            kept = self._values[key] = (drafts, self._step_count + FLOOR_STEPS)
+        return kept[0]
 
     def _reading_may_pay(self, candidate: planner.Candidate, prior: tuple[float, float], batch: int) -> bool:
         """Whether reading could switch on a draft that the plan keeps off at its prior: would `batch` sequences
@@ -196,23 +203,6 @@ class DraftPolicy:
         this, a prior learned from requests that accepted little would keep every later request off unread, and so
         never learn otherwise."""
         return self._drafts_at((prior[0] + EVIDENCE_TOKENS) / (prior[1] + EVIDENCE_TOKENS), candidate.k_max, batch)
-
-    def _lookup_may_pay(self, decoding: list[Generation]) -> bool:
-        """Whether some sequence's text now repeats where its lookup estimate beats the least acceptance at which
-        one more row pays in this batch (a plain batch's tokens per ms times a row's cost): then a plain plan is
-        not kept. A cheap check, so that a batch of plain text is not replanned every step for 1-token matches."""
-        lookups = [g for g in decoding if g.ngram is not None]
-        if not lookups:
-            return False
-        if self.costs is None:
-            return True
-        b = len(decoding)
-        least = b / self.costs.target_ms(b, b) * max(0.0, self.costs.target_ms(b, b + 1) - self.costs.target_ms(b, b))
-        for gen in lookups:
-            source, _ = gen.ngram.match(gen.tokens)
-            if source is not None and gen.acceptance(source) > least:
-                return True
-        return False
 
     def _wants_evidence(self, gen: Generation, candidate: planner.Candidate) -> bool:
         """Whether the draft should read the text it missed before drafting: never read (nor verified) yet in
@@ -277,14 +267,18 @@ class DraftPolicy:
         return self.costs.read_ms(self.drafter.lag(gen)) <= PROBE_BUDGET * idle * self.costs.plain_share_ms(batch)
 
     def _value_of_drafting(self, gen: Generation, batch: int) -> tuple[float, float]:
-        """planner.value_of_drafting for this sequence, once a step for a given estimate (sixteen plans: new
-        requests share their prior's counts, and a burst of them would plan it each)."""
-        estimate = gen.estimates[DRAFT_MODEL]
-        key = (*estimate.counts(gen.plain_iterations), gen.draft_max, batch)
-        if (id(self.costs), key) not in self._values:
-            self._values[id(self.costs), key] = planner.value_of_drafting(
-                *key, self.costs, self.prior.spread_strength(DRAFT_MODEL))
-        return self._values[id(self.costs), key]
+        """planner.value_of_drafting for this sequence: sixteen plans, so kept FLOOR_STEPS steps per estimate, its
+        counts rounded to VALUE_COUNTS (each sequence's estimate fades a little every step, and valued afresh each
+        time a request's first-read tests cost 4 requests on an H100 1.3 ms a 3 ms step)."""
+        accepted, drafted = gen.estimates[DRAFT_MODEL].counts(gen.plain_iterations)
+        key = (id(self.costs), round(accepted / VALUE_COUNTS), round(drafted / VALUE_COUNTS), gen.draft_max, batch,
+               round(self.prior.spread_strength(DRAFT_MODEL) / VALUE_COUNTS))
+        kept = self._values.get(key)
+        if kept is None or kept[1] <= self._step_count:
+            value = planner.value_of_drafting(accepted, drafted, gen.draft_max, batch, self.costs,
+                                              self.prior.spread_strength(DRAFT_MODEL))
+            kept = self._values[key] = (value, self._step_count + FLOOR_STEPS)
+        return kept[0]
 
     def _candidate(self, gen: Generation) -> planner.Candidate | None:
         """What the planner may have this sequence draft: prompt lookup where its text repeats and lookup promises
@@ -335,24 +329,23 @@ class DraftPolicy:
 
 
     def plan(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
-        """Draft lengths for this step (each sequence's source in gen.draft_source). A plan of plain steps stands
-        for REPLAN_PLAIN steps while the batch stays the same and no sequence's text starts repeating (a longest
-        lookup match): estimates only drift while nobody drafts, and planning every step cost a tiny model's batch
-        as much as its forward (llama.cpp, CPU: 0.2 of 0.4 ms)."""
+        """Draft lengths for this step (each sequence's source in gen.draft_source). Where no sequence is hopeful
+        (_hopeful) the step is plain at once; a plan of plain steps then stands for REPLAN_PLAIN steps while no
+        sequence becomes hopeful that was not when it was made: planned in full every step, a batch where lookup
+        matched but could not pay spent 0.5 ms a step on plans that all came out plain (4 requests, tiny models, CPU),
+        more than a third of its step."""
         self.evidence = []
         self.planned_acceptance = {}
-        batch = tuple(g.id for g in decoding)
-        if not self._may_draft(decoding):
-            for gen in decoding:
-                gen.note_prediction(1.0)
-            self.plain_plan = (batch, REPLAN_PLAIN - 1)
-            return [0] * len(decoding)
-        if self.plain_plan is not None and self.plain_plan[0] == batch and self.plain_plan[1] > 0 and \
-                not self._lookup_may_pay(decoding):
-            self.plain_plan = (batch, self.plain_plan[1] - 1)
+        self.planned = False  # whether this step ran the full plan (not the floors' or a standing plan's shortcut)
+        hopeful = self._hopeful(decoding)
+        if hopeful is not None and (not hopeful or self.plain_plan is not None and self.plain_plan[1] > 0 and
+                                    hopeful <= self.plain_plan[0]):
+            steps = self.plain_plan[1] - 1 if hopeful and self.plain_plan is not None else REPLAN_PLAIN - 1
+            self.plain_plan = (hopeful, steps)
             for gen in decoding:
                 gen.note_prediction(1.0)
             return [0] * len(decoding)
+        self.planned = True
         self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
         candidates = [self._candidate(g) for g in decoding]
         rates: dict[str, float] = {}
@@ -400,7 +393,7 @@ class DraftPolicy:
                                     if k and not c.fixed and not c.lookup}
         for gen in decoding:
             gen.note_prediction(rates["planned"] / rates["plain"] if rates else 1.0)
-        self.plain_plan = (batch, REPLAN_PLAIN - 1) if not any(ks) else None
+        self.plain_plan = (hopeful or frozenset(), REPLAN_PLAIN - 1) if not any(ks) else None
         return ks
 
     def observe_shape(self, rows: int, drafted: bool) -> None:
@@ -438,6 +431,11 @@ class DraftPolicy:
         key = (len(decoding), any(ks))
         seen = self.step_times.setdefault(key, [0, 0.0, 0.0])
         seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + predicted, seen[2] + ms
+        if self.planned and not any(ks):
+            # Planned in full and plain all the same: its plan's time is neither a plain step's (which a standing
+            # plan skips) nor drafting's. Counted as plain, it hid what drafting costs over plain decoding where
+            # every step plans (a lookup candidate in the batch): 4 requests drafted at 0.77x plain (H100).
+            return
         if self.shape_run == 1:
             self._after_change = (*key, ms - predicted)
             return
