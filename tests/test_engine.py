@@ -1418,3 +1418,48 @@ def test_packed_graphs_pad_rows_as_their_replays_run():
     graphs.buckets, graphs.max_rows = [16, 32, 64, 128], 128
     assert [graphs.padded_rows(n) for n in (1, 16, 17, 64, 65, 128, 129, 300)] == \
         [16, 16, 32, 64, 128, 128, 144, 320]
+
+
+@pytest.mark.parametrize("broken_catch_up", [False, True])
+def test_drafting_resumed_after_a_pause_catches_up_exactly(tiny_model_path, broken_catch_up):
+    """A draft paused while its sequences decode plain (the plan says k = 0: it reads nothing meanwhile) catches up
+    lazily when drafting resumes, and exactly: with the target as its own draft every draft after the pause is
+    accepted, as without one, and the output is plain decoding's, 16 sequences at once. Negative control: a catch-up
+    that skips the tokens decoded during the pause makes the draft propose from a wrong context, and drafts are
+    rejected."""
+    from tandem.engine import drafter as drafter_module
+
+    path = tiny_model_path(seed=3)
+    target, draft = tandem.load(path, dtype="float64"), tandem.load(path, dtype="float64")
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
+    engine = Engine(target, draft, slots=16, draft_max=3, measure_costs=False, prompt_lookup=False)
+    plan, steps, after = engine.policy.plan, [0], {"drafted": 0, "accepted": 0}
+
+    def paused(decoding, prefill_rows):
+        ks = plan(decoding, prefill_rows)
+        steps[0] += 1
+        return [0] * len(ks) if 3 <= steps[0] < 12 else ks  # the pause: plain steps, the draft reads nothing
+
+    engine.policy.plan = paused
+    if broken_catch_up:
+        unseen = drafter_module.Drafter._unseen
+        drafter_module.Drafter._unseen = lambda self, gen, end=None: unseen(self, gen, end)[-1:]
+    try:
+        gens = [engine.add(r) for r in requests(target, prompts, max_tokens=30, draft_policy="fixed")]
+        while engine.busy:
+            before = {g.id: (g.stats.draft_tokens, g.stats.accepted_tokens) for g in gens}
+            engine.step()
+            if steps[0] >= 12:
+                for g in gens:
+                    after["drafted"] += g.stats.draft_tokens - before[g.id][0]
+                    after["accepted"] += g.stats.accepted_tokens - before[g.id][1]
+    finally:
+        if broken_catch_up:
+            drafter_module.Drafter._unseen = unseen
+    assert after["drafted"] > 100
+    plain = Engine(target, None, slots=16).generate(requests(target, prompts, max_tokens=30))
+    assert [g.tokens[g.prompt_len :][:30] for g in gens] == [r.tokens for r in plain]  # exact either way
+    if broken_catch_up:
+        assert after["accepted"] < after["drafted"]
+    else:
+        assert after["accepted"] == after["drafted"]
