@@ -18,6 +18,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +51,32 @@ DEFAULT_DRAFT_MAX = 8
 PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
 IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
+
+
+@dataclass
+class StepTimes:
+    """A step's clock readings (perf_counter seconds): the parts each generation's stats are told of."""
+
+    started: float
+    planned: float = 0.0  # after the plan
+    drafted: float = 0.0  # after the drafts (where drawn on the device: when the device had them)
+    finished: float = 0.0  # after the verify's outcomes were read
+
+    @property
+    def draft_ms(self) -> float:  # the plan and the drafts
+        return 1000.0 * (self.drafted - self.started)
+
+    @property
+    def draft_step_ms(self) -> float:  # the drafts alone
+        return 1000.0 * (self.drafted - self.planned)
+
+    @property
+    def verify_ms(self) -> float:
+        return 1000.0 * (self.finished - self.drafted)
+
+    @property
+    def step_ms(self) -> float:
+        return 1000.0 * (self.finished - self.started)
 
 
 class Engine:
@@ -223,18 +250,57 @@ class Engine:
     # --- one step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[tuple[Generation, GenerationChunk]]:
-        """Advance every running sequence by one iteration; returns the chunks produced, in no set order."""
+        """Advance every running sequence by one iteration; returns the chunks produced, in no set order.
+
+        The stages: admit waiting requests into free slots; take this step's prompt chunks; the policy plans each
+        decoding sequence's draft length; propose drafts; one target forward over every sequence's pending token,
+        drafts and prompt chunks; verify each sequence on its own rows (one host synchronisation); accept, rewinding
+        each slot past what its verifier rejected, and hand out the new tokens; the policy observes the step."""
         self.policy.begin_step()
-        for gen in [g for g in self.running if g.cancelled]:
-            self._retire(gen)
         self._admit()
         if not self.running:
             return []
-        started = time.perf_counter()
+        times = StepTimes(time.perf_counter())
         decoding = [g for g in self.running if not g.prefilling]
-        # The chunk bounds what prompts add to a step only to keep decoding streams flowing; with none decoding
-        # (a burst of arrivals) the prompts take IDLE_PREFILL_CHUNKS chunks at once, so the last of the burst
-        # does not wait a step for every chunk before it.
+        prefills = self._prompt_chunks(bool(decoding))
+        ks = self.policy.plan(decoding, sum(len(rows) for _, rows in prefills))
+        if self._queued_steps is not None and len(decoding) == len(self.running) == 1 and not self.waiting and \
+                not any(ks) and decoding[0].processor is None and decoding[0].request.logprobs is None:
+            return self._plain_run(decoding[0], times.started)
+        times.planned = time.perf_counter()  # planning is no draft step's cost
+        # A lone sequence's verify takes its drafts from the device: the host queues it while they are drawn.
+        from_device = len(decoding) == 1 and not prefills and self.target_kv.steps_on_device
+        span = DeviceSpan() if from_device and self.device.type == "cuda" else None
+        proposals = self._propose(decoding, ks, from_device)
+        if span is not None:
+            span.stop()
+        times.drafted = time.perf_counter()
+        logits, target_rows = self._forward(decoding, prefills, proposals, from_device)
+        self.policy.observe_shape(target_rows, any(ks))
+        firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
+                  if gen.fed + len(chunk) == gen.prompt_len]
+        outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
+        times.finished = time.perf_counter()
+        if span is not None:  # the host did not wait for the drafts: the device timed them
+            times.drafted = min(times.finished, times.planned + span.ms() / 1000.0)
+        if self.costs is not None and self._drafted is not None:
+            self.costs.observe_draft(*self._drafted, times.draft_step_ms)
+        # The draft's share of the prompt chunks, after the timings: it is no draft step's or verify's cost.
+        prefill_ms = times.step_ms
+        if self.drafter is not None and any(gen.draft_prefill for gen, _ in prefills):
+            self.drafter.prefill([(gen, gen.fed + len(rows)) for gen, rows in prefills if gen.draft_prefill])
+            prefill_ms += 1000.0 * (time.perf_counter() - times.finished)
+        events = self._accept(decoding, proposals, outcomes, scored, times)
+        events += self._accept_prompts(prefills, outcomes, scored, prefill_ms)
+        self.policy.observe_yield(decoding, ks, outcomes)
+        self.policy.observe_step(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - times.started),
+                                 self._drafted)
+        return events
+
+    def _prompt_chunks(self, decoding: bool) -> list[tuple[Generation, list[int]]]:
+        """This step's prompt rows per prefilling sequence, PREFILL_CHUNK in all. The chunk bounds what prompts add
+        to a step only to keep decoding streams flowing; with none decoding (a burst of arrivals) the prompts take
+        IDLE_PREFILL_CHUNKS chunks at once, so the last of the burst does not wait a step for every chunk before it."""
         prefills, align = [], self.target_kv.prefill_align
         budget = self.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)
         for gen in self.running:
@@ -246,53 +312,31 @@ class Engine:
                 rows = gen.tokens[gen.fed : gen.fed + n]
                 prefills.append((gen, rows))
                 budget -= len(rows)
-        prefill_rows = sum(len(rows) for _, rows in prefills)
-        ks = self.policy.plan(decoding, prefill_rows)
-        if self._queued_steps is not None and len(decoding) == len(self.running) == 1 and not self.waiting and \
-                not any(ks) and decoding[0].processor is None and decoding[0].request.logprobs is None:
-            return self._plain_run(decoding[0], started)
-        planned = time.perf_counter()  # planning is no draft step's cost
-        self._drafted = None  # (sequences, forwards) of a steady batched draft, set by _propose
-        # A lone sequence's verify takes its drafts from the device: the host queues it while they are drawn.
-        from_device = len(decoding) == 1 and not prefills and self.target_kv.steps_on_device
-        span = DeviceSpan() if from_device and self.device.type == "cuda" else None
-        proposals = self._propose(decoding, ks, from_device)
-        if span is not None:
-            span.stop()
-        drafted = time.perf_counter()
+        return prefills
 
+    def _forward(self, decoding: list[Generation], prefills: list, proposals: dict[int, Proposal],
+                 from_device: bool) -> tuple[list[torch.Tensor], int]:
+        """The target's forward over every decoding sequence's pending token and drafts, and the prompt chunks: each
+        entry's rows (or their argmax, where that is all its verify reads), and the rows run."""
         drafts = proposals[decoding[0].id][0] if from_device else None
-        if isinstance(drafts, torch.Tensor):  # still on the device
+        if isinstance(drafts, torch.Tensor):  # a lone sequence's drafts, still on the device
             gen = decoding[0]
             rows = torch.cat([torch.tensor(gen.tokens[-1:]).to(self.device, non_blocking=True), drafts])
-            logits, target_rows = [self.target_kv.step_on_device(gen.slot, rows, last_only=False)], len(rows)
-        else:
-            batch = [(g.slot, [g.tokens[-1]] + proposals[g.id][0]) for g in decoding]
-            batch += [(g.slot, rows) for g, rows in prefills]
-            # Prompt chunks want no logits but the last row of a prompt's last chunk. A greedy sequence's verify
-            # reads only each row's argmax, which the backend may take where the logits are (forward_picking).
-            last_only = [False] * len(decoding) + [True] * len(prefills)
-            picks = [reads_argmax_only(g) for g in decoding + [g for g, _ in prefills]]
-            logits = self.target_kv.forward_picking(batch, last_only, picks, self._ahead(decoding, proposals))
-            target_rows = sum(len(rows) for _, rows in batch)
-        self.policy.observe_shape(target_rows, any(ks))
-        firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
-                  if gen.fed + len(chunk) == gen.prompt_len]
-        outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
-        finished = time.perf_counter()
-        if span is not None:  # the host did not wait for the drafts: the device timed them
-            drafted = min(finished, planned + span.ms() / 1000.0)
-        if self.costs is not None and self._drafted is not None:
-            self.costs.observe_draft(*self._drafted, 1000.0 * (drafted - planned))
-        draft_ms, verify_ms = 1000.0 * (drafted - started), 1000.0 * (finished - drafted)
-        step_ms = 1000.0 * (finished - started)
-        # The draft's share of the prompt chunks, after the timings: it is no draft step's or verify's cost.
-        prefill_ms = step_ms
-        if self.drafter is not None and any(gen.draft_prefill for gen, _ in prefills):
-            self.drafter.prefill([(gen, gen.fed + len(rows)) for gen, rows in prefills if gen.draft_prefill])
-            prefill_ms += 1000.0 * (time.perf_counter() - finished)
+            return [self.target_kv.step_on_device(gen.slot, rows, last_only=False)], len(rows)
+        batch = [(g.slot, [g.tokens[-1]] + proposals[g.id][0]) for g in decoding]
+        batch += [(g.slot, rows) for g, rows in prefills]
+        # Prompt chunks want no logits but the last row of a prompt's last chunk. A greedy sequence's verify reads
+        # only each row's argmax, which the backend may take where the logits are (forward_picking).
+        last_only = [False] * len(decoding) + [True] * len(prefills)
+        picks = [reads_argmax_only(g) for g in decoding + [g for g, _ in prefills]]
+        logits = self.target_kv.forward_picking(batch, last_only, picks, self._ahead(decoding, proposals))
+        return logits, sum(len(rows) for _, rows in batch)
 
-        events = []
+    def _accept(self, decoding: list[Generation], proposals: dict[int, Proposal], outcomes: dict, scored: dict,
+                times: StepTimes) -> list[tuple[Generation, GenerationChunk]]:
+        """Each decoding sequence keeps its accepted drafts and the verifier's token: its slot rewound past the rest,
+        its draft's settled, its stats and estimates told, its new tokens handed out."""
+        events: list[tuple[Generation, GenerationChunk]] = []
         for gen in decoding:
             k = len(proposals[gen.id][0])
             source = gen.draft_source if k else None
@@ -304,12 +348,18 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.settle(gen)
             gen.stats.record_iteration(k, n, source)
-            gen.stats.draft_ms += draft_ms if k else 0.0
-            gen.stats.verify_ms += verify_ms
-            gen.stats.decode_ms += step_ms
+            gen.stats.draft_ms += times.draft_ms if k else 0.0
+            gen.stats.verify_ms += times.verify_ms
+            gen.stats.decode_ms += times.step_ms
             if gen.proposer is not None:
                 gen.observe(source, k, n)
             self._deliver(gen, new_tokens, events, scored.get(gen.id))
+        return events
+
+    def _accept_prompts(self, prefills: list, outcomes: dict, scored: dict, prefill_ms: float
+                        ) -> list[tuple[Generation, GenerationChunk]]:
+        """Prompt chunks taken in; a prompt read to its end gets its first token."""
+        events: list[tuple[Generation, GenerationChunk]] = []
         for gen, rows in prefills:
             gen.fed += len(rows)
             gen.stats.prefill_ms += prefill_ms
@@ -320,9 +370,6 @@ class Engine:
                 if gen.ngram is not None:
                     gen.ngram.start(gen.request.prompt)
                 self._deliver(gen, gen.tokens[-1:], events, scored.get(gen.id))
-        self.policy.observe_yield(decoding, ks, outcomes)
-        self.policy.observe_step(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - started),
-                                 self._drafted)
         return events
 
     def _plain_run(self, gen: Generation, started: float) -> list[tuple[Generation, GenerationChunk]]:
@@ -374,6 +421,10 @@ class Engine:
     # --- admission -------------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        """Cancelled sequences leave; waiting requests take the free slots, each reusing what prompt prefix a slot
+        holds (its own, or copied from another where the backend copies KV)."""
+        for gen in [g for g in self.running if g.cancelled]:
+            self._retire(gen)
         admitted = []
         while self.waiting and self.table.free:
             gen = self.waiting.popleft()
@@ -411,6 +462,7 @@ class Engine:
         """Draft tokens per sequence (and, sampling, the distributions they were drawn from): prompt lookup on the
         host; a draft model batched, one forward a draft position over every sequence still drafting (a lone
         sequence's left on the device where keep_on_device: Drafter.draft)."""
+        self._drafted = None  # (sequences, forwards) of a steady batched draft
         proposals = {g.id: ([], None) for g in decoding}
         drafting = {}
         for gen, k in zip(decoding, ks, strict=True):
