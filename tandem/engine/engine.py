@@ -378,7 +378,7 @@ class Engine:
         of its own to the stats, the costs and the plan."""
         room = self.target_kv.capacity - self.target_kv.length(gen.slot)
         plain_plan = self.policy.plain_plan
-        standing = plain_plan[1] + 1 if plain_plan is not None else 1
+        standing = plain_plan.steps + 1 if plain_plan is not None else 1
         steps = min(self.run_ahead, LOOKUP_RUN_AHEAD if gen.ngram is not None else self.run_ahead, standing,
                     gen.request.max_tokens - gen.emitted, room)
         length = len(gen.tokens) - 1  # the slot holds every token but the pending one
@@ -397,7 +397,7 @@ class Engine:
             gen.note_prediction(1.0)
             self.policy.observe_shape(1, False)
         if plain_plan is not None:
-            self.policy.plain_plan = (plain_plan[0], max(0, plain_plan[1] - len(new_tokens) + 1))
+            plain_plan.steps = max(0, plain_plan.steps - len(new_tokens) + 1)
         if self.costs is not None:  # a plain step's cost as the loop runs it: cheaper queued than timed alone
             self.costs.observe_iteration(1, False, self.costs.target_ms(1, 1), step_ms)
         events = []

@@ -11,6 +11,8 @@ draft lengths, and the evidence rules (a first read, a re-read, exploration), pl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tandem.backends.base import BatchedCache
 from tandem.engine import planner
 from tandem.engine.drafter import Drafter
@@ -26,6 +28,16 @@ from tandem.speculative.policy import (
     copied_risk,
     expected_tokens,
 )
+
+
+@dataclass
+class PlainPlan:
+    """A plan of plain steps that stands (see DraftPolicy.plan)."""
+
+    steps: int  # further steps it stands for
+    members: set[int]  # the sequences it was made for, and those that joined without being hopeful
+    hopeful: frozenset[int] = frozenset()  # those of them that could draft when it was made (the full plan said no)
+
 
 REPLAN_PLAIN = 8  # steps a plain plan stands for while no sequence becomes hopeful (see DraftPolicy.plan)
 
@@ -65,8 +77,7 @@ class DraftPolicy:
         self.drafting_run = 0  # steps in a row that drafted
         self.previous_rows: int | None = None  # rows of the target's last forward (a plan of others pays a switch)
         self.shape_run = 0  # forwards in a row of that shape
-        # (the hopeful sequences when it was made, steps it still stands for) of a plain plan (see plan)
-        self.plain_plan: tuple[frozenset[int], int] | None = None
+        self.plain_plan: PlainPlan | None = None
         self.planned = False  # whether the last plan ran in full
         # (batch, drafted) -> [steps, predicted ms, measured ms] summed over the steady steps (observe_step):
         # whether the planner's cost of a step is the step's (bench/engine_load.py)
@@ -157,7 +168,7 @@ class DraftPolicy:
         self._floors[key] = (low, self._step_count + FLOOR_STEPS)
         return low
 
-    def _hopeful(self, decoding: list[Generation]) -> frozenset[int] | None:
+    def _hopeful(self, decoding: list[Generation], batch: int | None = None) -> frozenset[int] | None:
         """The sequences whose plan could draft or read this step: the cheap test that lets a batch where nothing can
         pay skip the rules' per-sequence work (at 64 requests it cost more than the forward's host side), and lets a
         plain plan stand while no sequence becomes hopeful. A sequence could draft by the model where its estimate,
@@ -166,7 +177,7 @@ class DraftPolicy:
         costs."""
         if self.costs is None or any(g.request.draft_policy == "fixed" for g in decoding):
             return None
-        batch = len(decoding)
+        batch = len(decoding) if batch is None else batch
         model_floor = self._floor(batch, False) if self.drafter is not None and batch else 1.0
         lookup_floor = self._floor(batch, True) if batch else 1.0
         if model_floor >= 1.0 and lookup_floor >= 1.0:
@@ -330,21 +341,26 @@ class DraftPolicy:
 
     def plan(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
         """Draft lengths for this step (each sequence's source in gen.draft_source). Where no sequence is hopeful
-        (_hopeful) the step is plain at once; a plan of plain steps then stands for REPLAN_PLAIN steps while no
-        sequence becomes hopeful that was not when it was made: planned in full every step, a batch where lookup
-        matched but could not pay spent 0.5 ms a step on plans that all came out plain (4 requests, tiny models, CPU),
-        more than a third of its step."""
+        (_hopeful) the step is plain at once. A plan of plain steps stands for REPLAN_PLAIN steps while no sequence
+        that joins the batch is hopeful; the others are tested again when it lapses (a text that starts repeating
+        waits at most that long). Planned in full every step, a batch where lookup matched but could not pay spent
+        0.5 ms a step on plans that all came out plain (4 requests, tiny models, CPU), more than a third of its
+        step; tested every step, a batch of 16 spent a fifth of its plain step on the test."""
         self.evidence = []
         self.planned_acceptance = {}
         self.planned = False  # whether this step ran the full plan (not the floors' or a standing plan's shortcut)
+        standing = self.plain_plan
+        if standing is not None and standing.steps > 0:
+            # Only sequences that joined since it was made are tested: the others' hopes were when it was made.
+            joined = [g for g in decoding if g.id not in standing.members]
+            if self._hopeful(joined, len(decoding)) == frozenset():
+                standing.steps -= 1
+                standing.members.update(g.id for g in joined)
+                return self._plain(decoding)
         hopeful = self._hopeful(decoding)
-        if hopeful is not None and (not hopeful or self.plain_plan is not None and self.plain_plan[1] > 0 and
-                                    hopeful <= self.plain_plan[0]):
-            steps = self.plain_plan[1] - 1 if hopeful and self.plain_plan is not None else REPLAN_PLAIN - 1
-            self.plain_plan = (hopeful, steps)
-            for gen in decoding:
-                gen.note_prediction(1.0)
-            return [0] * len(decoding)
+        if hopeful is not None and not hopeful:
+            self.plain_plan = PlainPlan(REPLAN_PLAIN - 1, {g.id for g in decoding})
+            return self._plain(decoding)
         self.planned = True
         self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
         candidates = [self._candidate(g) for g in decoding]
@@ -393,8 +409,15 @@ class DraftPolicy:
                                     if k and not c.fixed and not c.lookup}
         for gen in decoding:
             gen.note_prediction(rates["planned"] / rates["plain"] if rates else 1.0)
-        self.plain_plan = (hopeful or frozenset(), REPLAN_PLAIN - 1) if not any(ks) else None
+        self.plain_plan = PlainPlan(REPLAN_PLAIN - 1, {g.id for g in decoding}, hopeful or frozenset()) \
+            if not any(ks) else None
         return ks
+
+    @staticmethod
+    def _plain(decoding: list[Generation]) -> list[int]:
+        for gen in decoding:
+            gen.note_prediction(1.0)
+        return [0] * len(decoding)
 
     def observe_shape(self, rows: int, drafted: bool) -> None:
         """Note the target's forward of `rows` rows, and whether the step drafted: how long shapes and runs of
