@@ -1,5 +1,6 @@
 """Shared fixtures and checks: tiny random GGUF files built once per session, the real pair pulled once through the
-registry (the `real` marker), and `assert_speculated`, which every speculative == plain test calls."""
+registry (the `real` marker), `assert_speculated`, which every speculative == plain test calls, and the drafting
+guard: a test that gave the engine a draft or prompt lookup and got no drafted token back fails (issue 51)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ REQUIRE_REAL_ENV = "TANDEM_REQUIRE_REAL"
 def pytest_configure(config: pytest.Config) -> None:
     # Also declared in pyproject.toml; repeated so the marker is known when pytest runs without it.
     config.addinivalue_line("markers", "real: needs the real model pair from the registry (slow, ~1.6 GB)")
+    config.addinivalue_line("markers", f"{NO_DRAFTS_MARK}(reason): the test may pass a draft or prompt lookup and "
+                                       "get no drafted token back (the drafting guard lets it pass)")
     # Costs the adaptive policy measures for the tests' models stay out of the user's $TANDEM_HOME.
     import tempfile
 
@@ -94,6 +97,68 @@ def cheap_drafting(monkeypatch, costs_dir) -> None:
     monkeypatch.setattr(calibration, "measure", measure)
     for name in ("observe_draft", "observe_iteration", "observe_yield"):
         monkeypatch.setattr(planner.BatchCosts, name, lambda self, *args: None)
+
+
+# --- the drafting guard ---------------------------------------------------------------------------------------
+
+NO_DRAFTS_MARK = "no_drafts_expected"
+
+
+class DraftLedger:
+    """The engine's generations that a test started and could have drafted (a draft model or prompt lookup, a
+    draft length above 0, room for a draft, at least one decoding step), and the draft tokens they got."""
+
+    def __init__(self) -> None:
+        self.could_draft = 0
+        self.drafted = 0
+
+    def retire(self, gen) -> None:
+        if gen.finish_reason is None or gen.proposer is None or gen.draft_max == 0 or gen.stats.iterations == 0:
+            return  # cancelled, or it had nothing to draft with or no step to draft in
+        if gen.request.max_tokens <= 2:
+            return  # the prefill's token and one more: no room for a draft and the target's token after it
+        self.could_draft += 1
+        self.drafted += gen.stats.draft_tokens
+
+
+@pytest.fixture(autouse=True)
+def draft_ledger(request: pytest.FixtureRequest):
+    """Counts, for the drafting guard (pytest_runtest_call below), what the engine drafted for this test's
+    generations. Generations are tagged with the test's ledger when added, so a server thread retiring an earlier
+    test's request, or this test's after it ended, counts for no one."""
+    from tandem.engine import engine as engine_module
+
+    ledger = DraftLedger()
+    add, retire = engine_module.Engine.add, engine_module.Engine._retire
+
+    def tagging_add(self, req):
+        gen = add(self, req)
+        gen.draft_ledger = ledger
+        return gen
+
+    def counting_retire(self, gen):
+        if getattr(gen, "draft_ledger", None) is ledger:
+            ledger.retire(gen)
+        return retire(self, gen)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module.Engine, "add", tagging_add)
+        patch.setattr(engine_module.Engine, "_retire", counting_retire)
+        request.node.draft_ledger = ledger
+        yield ledger
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    result = yield  # a test that failed fails as it did
+    ledger = getattr(item, "draft_ledger", None)
+    if ledger is not None and ledger.could_draft and not ledger.drafted and \
+            item.get_closest_marker(NO_DRAFTS_MARK) is None:
+        pytest.fail(f"{ledger.could_draft} generation(s) had a draft or prompt lookup and drafted no token: this "
+                    f"compared plain decoding with itself. Make it draft (draft_policy='fixed', "
+                    f"measure_costs=False, cheap_drafting) or mark it @pytest.mark.{NO_DRAFTS_MARK}(reason).",
+                    pytrace=False)
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,7 @@ def test_generate_refuses_a_draft_with_another_tokenizer(tiny_model_path, target
         tandem.generate(tandem.load(target_path), prompt="hi", draft=draft_path, max_tokens=4)
 
 
+@pytest.mark.no_drafts_expected("compatibility only: the adaptive policy may keep another model's weights off")
 def test_a_draft_with_the_same_tokenizer_passes(tiny_model_path, target_path, capsys):
     # Padding within 128 ids (Qwen2.5-32B pads to 152064, its small drafts to 151936) and other weights are fine.
     target = tandem.load(target_path)

@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from conftest import exact_distribution
+from conftest import assert_speculated, cheap_drafting, exact_distribution
 from test_lossless import N_SAMPLES, TARGET_SAMPLING, chi_square_pvalue, skewed_draft_probs
 
 import tandem
@@ -21,8 +21,12 @@ PROMPTS = ["abc abc abc abc xyz def abc", "def add(a, b):\n    return a + b\n\nd
 
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_mixed_greedy_equals_plain(pair64, policy):
+def test_mixed_greedy_equals_plain(pair64, policy, monkeypatch, tmp_path):
     target, draft = pair64
+    if policy == "adaptive":  # costs under which it drafts on acceptance alone, whatever this machine's timing
+        cheap_drafting(monkeypatch, tmp_path)
+    target.__dict__.pop("_tandem_engines", None)  # engines built under these costs, and none kept after
+    stats = []
     for prompt in PROMPTS:
         plain = tandem.generate(target, prompt=prompt, max_tokens=32)
         mixed = tandem.generate(target, prompt=prompt, draft=draft, draft_max=4, draft_policy=policy,
@@ -30,6 +34,9 @@ def test_mixed_greedy_equals_plain(pair64, policy):
         assert mixed.tokens == plain.tokens, (policy, prompt)
         # a fixed draft length is the draft model's; the adaptive policy picks a source per iteration
         assert mixed.stats.proposer == ("mixed" if policy == "adaptive" else "draft-model")
+        stats.append(mixed.stats)
+    target.__dict__.pop("_tandem_engines", None)
+    assert_speculated(*stats, rejected=True)
 
 
 def test_mixed_uses_both_sources(pair64):
@@ -150,6 +157,7 @@ def test_measure_costs_repeats_until_stable(pair64, monkeypatch):
     assert next(rounds) == 9.0
 
 
+@pytest.mark.no_drafts_expected("the prompt that fits is 'hi': nothing for prompt lookup to copy")
 def test_bench_skips_a_prompt_that_does_not_fit(tiny_model_path, tmp_path, capsys):
     from tandem.cli import main
 
