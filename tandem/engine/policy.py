@@ -49,9 +49,9 @@ REPLAN_PLAIN = 8  # steps a plain plan stands for while no sequence becomes hope
 PREFILL_MAX_RISK = 0.2
 # The drafting floors (DraftPolicy._floor): bisected to this precision, from an acceptance of FLOOR_TOP down, and
 # kept this many steps before they are bisected again from the costs as learned by then.
-FLOOR_PRECISION = 1.0 / 64
+FLOOR_PRECISION = 1.0 / 32
 FLOOR_TOP = 0.99
-FLOOR_STEPS = 64
+FLOOR_STEPS = 256
 VALUES_KEPT = 4096  # values of drafting kept at most before the stale ones are dropped
 VALUE_COUNTS = 0.25  # pseudo-counts an estimate's value of drafting is kept to (DraftPolicy._value_of_drafting)
 
