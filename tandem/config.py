@@ -12,6 +12,18 @@ SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "gemma4")
 # and KV head counts, values shared with keys, per-layer token embeddings, layers that reuse another layer's KV).
 LLAMACPP_ONLY_ARCHITECTURES = ("gemma4",)
 
+# How a model loads when nothing else is asked for: the defaults of `tandem.load`, the CLI and the server alike (a
+# Python caller got torch in float32 where the CLI got llama.cpp: 1.4 tok/s in 12.4 GB against 20-25 in 2.8 GB on a
+# 2-core CPU with the default pair, issue 47).
+BACKENDS = ("torch", "llama.cpp", "auto")
+DEFAULT_BACKEND = "auto"  # llama.cpp for quantised GGUF off CUDA/MPS where it is installed, else torch (pick_backend)
+DEFAULT_DEVICE = "cpu"
+
+
+def default_dtype(device: str) -> str:
+    """The torch backend's compute dtype where none is asked for: bfloat16 on CUDA, float32 elsewhere."""
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -481,7 +481,7 @@ def test_tool_calls_parsed_and_streamed_as_deltas(family, tool_paths):
                 got, finish = answer.choices[0].message.tool_calls, [answer.choices[0].finish_reason]
             assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == EXPECTED_CALLS[:1]
             assert finish == ["tool_calls"]
-        assert health(live) == {"status": "ok", "queue_depth": 0, "active": 0}
+        assert health(live).items() >= {"status": "ok", "queue_depth": 0, "active": 0}.items()
         raw = client.chat.completions.create(tool_choice="none", **kw).choices[0]
         assert raw.message.content == CALL_TEXTS[family] and raw.message.tool_calls is None
         assert raw.finish_reason == "stop"

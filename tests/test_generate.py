@@ -136,7 +136,7 @@ def test_the_engines_costs_are_kept_on_disk_for_the_next_start(tiny_model_path, 
     """A second process (here: new models of the same files) reads what the first measured; --recalibrate
     (TANDEM_RECALIBRATE) measures afresh."""
     monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(calibrate, "machine_busy", lambda: False)  # costs timed under load are not kept
+    monkeypatch.setattr(calibrate, "machine_busy", lambda *a: False)  # busy: measured again when quiet
     measured = []
     measure = calibration.measure
     monkeypatch.setattr(calibration, "measure", lambda *a, **kw: measured.append(1) or measure(*a, **kw))
@@ -152,3 +152,49 @@ def test_the_engines_costs_are_kept_on_disk_for_the_next_start(tiny_model_path, 
     monkeypatch.setenv(calibrate.RECALIBRATE_ENV, "1")
     start()
     assert measured == [1, 1]
+
+
+def dear_drafts(monkeypatch, tmp_path) -> None:
+    """Costs as a 2-core CPU's with the default pair: a verify of 2 tokens 1.8 plain steps, a draft step 0.4."""
+    from tandem.engine import planner
+    from tandem.speculative.policy import CostModel
+
+    def measure(target, draft, k_max, synchronize):
+        batches = calibration.batch_sizes(target.slots)
+        return planner.BatchCosts(
+            verify={b: CostModel(0.0, {b: 40.0 * b, 2 * b: 72.0 * b, b * (k_max + 1): 40.0 * b * (k_max + 1)})
+                    for b in batches}, draft_step={b: 16.0 * b for b in batches}, catch_up_ms_per_token=8.0)
+
+    monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(calibration, "measure", measure)
+
+
+@pytest.mark.no_drafts_expected(reason="the costs say drafting never pays; the test is the line saying so")
+def test_a_generation_that_drafted_nothing_says_why(pair64, monkeypatch, tmp_path, capsys, tiny_model_path):
+    target, draft = pair64
+    dear_drafts(monkeypatch, tmp_path)
+    result = fresh(target, prompt="The quick brown fox", draft=draft, max_tokens=8, ignore_eos=True)
+    assert result.stats.draft_tokens == 0
+    line = tandem.api.why_no_drafts(target, result.stats)
+    assert "a verify of 2 tokens takes 1.8x a plain step (72 vs 40 ms) and a draft step 16 ms" in line
+    assert "no acceptance pays" in line or "drafting pays only where over" in line
+    assert line.endswith("see `tandem doctor`")
+    assert tandem.api.why_no_drafts(target, fresh(target, prompt="abc", max_tokens=4).stats) is None  # no draft
+    from tandem.cli import main
+
+    assert main(["generate", "--model", tiny_model_path(seed=0), "--draft", tiny_model_path(qtype="Q4_0", seed=0),
+                 "--dtype", "float64", "--prompt", "abc", "--max-tokens", "4"]) == 0
+    assert "why nothing was drafted: here a verify of 2 tokens takes 1.8x" in capsys.readouterr().err
+
+
+def test_least_paying_acceptance_is_where_the_planner_starts_drafting():
+    from tandem.engine import planner
+    from tandem.speculative.policy import CostModel
+
+    costs = planner.BatchCosts(verify={1: CostModel(0.0, {1: 10.0, 2: 11.0, 9: 18.0})}, draft_step={1: 1.0})
+    floor = tandem.api.least_paying_acceptance(costs, 8)
+    assert 0.0 < floor < 0.5
+    assert planner.plan([planner.Candidate(floor, 8)], costs)[0] > 0
+    assert planner.plan([planner.Candidate(floor - 0.02, 8)], costs)[0] == 0
+    dear = planner.BatchCosts(verify={1: CostModel(0.0, {1: 10.0, 2: 20.0, 9: 90.0})}, draft_step={1: 10.0})
+    assert tandem.api.least_paying_acceptance(dear, 8) == 1.0

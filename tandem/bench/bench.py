@@ -32,6 +32,7 @@ import tandem
 from tandem.api import default_draft, forget_prompts
 from tandem.backends.base import Model
 from tandem.bench.suite import BenchPrompt, load_suite
+from tandem.config import default_dtype
 from tandem.speculative.policy import CostModel, expected_tokens
 from tandem.speculative.stats import GenerationStats
 
@@ -101,7 +102,7 @@ class PromptResult:
 
 
 def compute_dtype(args: argparse.Namespace) -> str:
-    return args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return args.dtype or default_dtype(args.device)
 
 
 def synthetic_shapes(args: argparse.Namespace) -> dict[str, str] | None:
@@ -126,9 +127,9 @@ def load_target(args: argparse.Namespace) -> Model:
 
         _check_synthetic_backend(args)
         return random_model(shapes["target"], args.device, compute_dtype(args), n_ctx=args.ctx or SYNTHETIC_CTX, seed=0)
-    return tandem.load(args.model, device=args.device, dtype=compute_dtype(args), backend=args.backend,
+    return tandem.load(args.model, device=args.device, dtype=args.dtype, backend=args.backend,
                        n_ctx=args.ctx, progress=sys.stderr.isatty(),
-                       isolation=getattr(args, "llamacpp_isolation", "auto"))
+                       isolation=getattr(args, "llamacpp_isolation", "auto"), threads=getattr(args, "threads", None))
 
 
 def load_draft(args: argparse.Namespace, backend: str | None) -> Model | str | None:
@@ -145,9 +146,9 @@ def load_draft(args: argparse.Namespace, backend: str | None) -> Model | str | N
     name = default_draft(args.model, args.draft, getattr(args, "no_draft", False))
     if name is None or name == "ngram":
         return name
-    return tandem.load(name, device=device, dtype=compute_dtype(args), backend=backend or args.backend,
+    return tandem.load(name, device=device, dtype=args.dtype, backend=backend or args.backend,
                        n_ctx=args.ctx, progress=sys.stderr.isatty(),
-                       isolation=getattr(args, "llamacpp_isolation", "auto"))
+                       isolation=getattr(args, "llamacpp_isolation", "auto"), threads=getattr(args, "threads", None))
 
 
 def environment(target: Model) -> dict:

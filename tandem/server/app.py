@@ -13,7 +13,10 @@ long; otherwise max_tokens is clamped to the room left (as llama-server does), a
 the context is full" (as OpenAI does). `usage` and `finish_reason: "length"` show what happened.
 
 Lifecycle: `tandem serve` listens before it loads, so /health answers 503 with {"status": "loading"}, then
-"warming", then 200 {"status": "ok"}; generation endpoints answer 503 (Retry-After) until then. On SIGTERM it drains:
+"warming", then 200 {"status": "ok"}; generation endpoints answer 503 (Retry-After) until then. The body says what it
+is doing ("stage") and for how long ("elapsed_s"), and, with the adaptive policy, what the costs it plans from are
+("costs": kept from an earlier start, a few seconds' estimate, or measured in full while the server is idle: the
+server answers on the first two and refines them, engine.calibration.Calibrator). On SIGTERM it drains:
 the listener closes, /health and new requests get 503 "shutting_down", and the streams in flight finish within
 --shutdown-timeout before the process exits 0. Behind a gateway (docs/deployment.md) this is what lets the gateway
 retry elsewhere instead of losing requests.
@@ -42,6 +45,7 @@ from tandem.api import DEFAULT_DRAFT_MAX
 from tandem.backends.base import Model
 from tandem.engine import Engine
 from tandem.engine import Request as EngineRequest
+from tandem.engine.calibration import Calibrator
 from tandem.sampling import SamplingParams
 from tandem.server import openapi, protocol
 from tandem.server.asgi import BodyTooLargeError, RequestGuard, too_large_body
@@ -51,6 +55,7 @@ from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRe
 from tandem.server.safety import BrowserGuard
 from tandem.server.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError
 from tandem.server.tools import FORCED_FORMAT, detect_format, template_supports_tools
+from tandem.speculative.calibrate import machine_busy, model_threads
 
 log = logging.getLogger("tandem.server")
 
@@ -67,6 +72,7 @@ NOT_READY = {  # status -> what a request gets while the server is not ready
 Draft = Model | str | None
 Loader = Callable[[], tuple[Model, Draft]]
 WarmUp = Callable[[Engine], None]  # runs on the engine that will serve
+IdleWork = Callable[[], float | None]  # Scheduler.when_idle's tasks
 
 
 class Server:
@@ -88,6 +94,10 @@ class Server:
         self.api_key = api_key
         self.created = int(time.time())
         self.status = "loading"
+        self.stage = "loading the models"  # what it is doing now, for /health and the log
+        self.started = time.monotonic()
+        self.idle_work: list[IdleWork] = []  # handed to the scheduler once ready (warm_up may add some)
+        self.calibrator: Calibrator | None = None  # the adaptive policy's costs (attach)
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
         self.slots, self.kv_budget_bytes = slots, kv_budget_bytes
@@ -107,19 +117,62 @@ class Server:
         file_name = os.path.basename(str(target.path)).removesuffix(".gguf")
         self.model_names |= {file_name, str(target.path)}
         self.target, self.draft = target, draft
+        # The costs come from the Calibrator, not the engine's own start-up measurement: kept or estimated now,
+        # measured in full once the server is ready and idle.
         self.engine = Engine(target, draft, slots=self.slots, draft_max=self.draft_max,
                              kv_budget_bytes=self.kv_budget_bytes, prompt_lookup=self.prompt_lookup,
-                             measure_costs=draft is not None and self.draft_policy == "adaptive")
+                             measure_costs=False)
+        threads = model_threads(target)
+        if str(target.device).startswith("cpu") and threads and machine_busy(threads):
+            # ggml's threads wait on each other at every operation: one descheduled, the rest spin (a 2-core machine
+            # beside one busy process: 200 ms a step on 2 threads, 73 on 1, 35 quiet).
+            log.warning("other work is running on the cores this server's %d threads compute on: its forwards may take "
+                        "several times as long beside it; --threads %d leaves that work a core", threads,
+                        max(1, threads - 1))
+        if draft is not None and self.draft_policy == "adaptive" and self.engine.draft_max > 0:
+            self.set_stage("timing the pair's costs")
+            self.calibrator = Calibrator(self.engine)
+            self.calibrator.start()
+            log.info("costs: %s (%s)", self.calibrator.source, self.costs_summary())
+            self.idle_work.append(lambda: self.calibrator.step(hurry=self.scheduler.has_waiting))
         self.scheduler.attach(self.engine)
+
+    def set_stage(self, stage: str) -> None:
+        self.stage = stage
+        log.info("%s (%.1f s since start)", stage, time.monotonic() - self.started)
+
+    def costs_summary(self) -> str:
+        costs = self.engine.costs if self.engine is not None else None
+        if costs is None:
+            return "none"
+        return (f"plain step {costs.target_ms(1, 1):.1f} ms, verify of 2 tokens {costs.target_ms(1, 2):.1f} ms, "
+                f"draft step {costs.draft_ms(1):.1f} ms")
+
+    def ready(self) -> None:
+        """Take generations; the work that can wait runs while the server is idle (Scheduler.when_idle)."""
+        self.status, self.stage = "ready", "serving"
+        for task in self.idle_work:
+            self.scheduler.when_idle(task)
+        self.idle_work = []
+
+    def health(self) -> dict:
+        body = {"status": "ok" if self.status == "ready" else self.status, "queue_depth": self.scheduler.queue_depth,
+                "active": self.scheduler.active_count, "stage": self.stage,
+                "elapsed_s": round(time.monotonic() - self.started, 1)}
+        if self.calibrator is not None:
+            body["costs"] = self.calibrator.progress()
+        return body
 
     def prepare(self, load: Loader | None, warm_up: WarmUp | None) -> None:
         """Load the models (when none are attached), warm them up, then take requests. Runs on its own thread;
         no generation runs meanwhile, since none is admitted before "ready"."""
         try:
             if self.target is None:
+                self.set_stage("loading the models")
                 self.attach(*load())
             self.status = "warming"
             if warm_up is not None:
+                self.set_stage("warming up")
                 warm_up(self.engine)
         except BaseException as e:  # noqa: BLE001  (reported through load_error; serve() exits with it)
             self.status, self.load_error = "failed", e
@@ -129,8 +182,9 @@ class Server:
                 self.on_load_error(e)
             return
         if self.status == "warming":  # not draining meanwhile
-            self.status = "ready"
-            log.info("ready: serving %s (draft: %s)", self.model_name, _draft_name(self.draft))
+            self.ready()
+            log.info("ready after %.1f s: serving %s (draft: %s)", time.monotonic() - self.started, self.model_name,
+                     _draft_name(self.draft))
 
     def drain(self) -> None:
         """Stop admitting: /health and new requests get 503; what is queued or streaming carries on."""
@@ -294,7 +348,10 @@ def create_app(
                     kv_usage, accept_any_model, kv_budget_bytes, prompt_lookup)
     if target is not None:
         server.attach(target, draft)
-        server.status = "warming" if warm_up is not None else "ready"
+        if warm_up is None:
+            server.ready()
+        else:
+            server.status = "warming"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -399,10 +456,9 @@ def create_app(
              summary="Readiness")
     async def health() -> JSONResponse:
         """200 {"status": "ok"} when generations are taken; 503 with the status (loading, warming, draining,
-        failed) otherwise, which is what gateways and orchestrators probe."""
-        ready = server.status == "ready"
-        return JSONResponse({"status": "ok" if ready else server.status, "queue_depth": server.scheduler.queue_depth,
-                             "active": server.scheduler.active_count}, status_code=200 if ready else 503)
+        failed) otherwise, which is what gateways and orchestrators probe. "stage" and "elapsed_s" say what it
+        is doing and since when; "costs", what the adaptive policy plans from (see the module docstring)."""
+        return JSONResponse(server.health(), status_code=200 if server.status == "ready" else 503)
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text exposition"}})

@@ -149,6 +149,11 @@ class Health(BaseModel):
     status: Literal["ok", "loading", "warming", "draining", "failed"]
     queue_depth: int
     active: int
+    stage: str  # what the server is doing: loading the models, timing the pair's costs, warming up, serving
+    elapsed_s: float  # since the server started
+    # The adaptive policy's costs: {"source": kept | estimate | measured (...), "measuring": what it times next,
+    # "timings_done": n} while a full measurement runs in the background
+    costs: dict | None = None
 
 
 ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in (

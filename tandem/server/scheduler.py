@@ -8,6 +8,9 @@ jobs may wait for a slot, one more is refused (the server answers 503).
 
 Chunks go back to the event loop with `loop.call_soon_threadsafe` into the job's asyncio.Queue; a client that goes
 away marks its job cancelled, and the worker drops it from the batch at its next step.
+
+Work that can wait (`when_idle`: measuring the engine's costs in full, building the grammar library's view of the
+vocabulary) runs a piece at a time while no job waits or runs, so a server answers before it is done.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from tandem.speculative.stats import GenerationStats
 log = logging.getLogger("tandem.server")
 
 IDLE_WAIT_S = 1.0  # the worker re-checks for shutdown this often when there is nothing to do
+
+IdleTask = Callable[[], float | None]  # one piece of work; seconds until the next piece is due, None when done
 
 
 class QueueFullError(Exception):
@@ -85,6 +90,8 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._calls: deque[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = deque()
         self._active: dict[int, tuple[Job, Generation]] = {}  # touched only by the worker; others read its length
+        self._idle: deque[IdleTask] = deque()  # run by the worker while nothing else is to do (when_idle)
+        self._idle_due = 0.0  # time.monotonic() at which the first of them is due
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -104,6 +111,10 @@ class Scheduler:
     @property
     def active_count(self) -> int:
         return len(self._active)
+
+    def has_waiting(self) -> bool:
+        """Whether a job or a call waits for the worker (what idle work, running on it, holds back)."""
+        return bool(self._waiting or self._calls)
 
     def start(self) -> None:
         self._stopping = False
@@ -145,6 +156,13 @@ class Scheduler:
             self._cond.notify()
         return future
 
+    def when_idle(self, task: IdleTask) -> None:
+        """Run task() on the worker, a piece a call, while no job waits or runs (and no `call`); tasks run one after
+        another in the order given. A task that raises is logged and dropped."""
+        with self._cond:
+            self._idle.append(task)
+            self._cond.notify()
+
     def cancel(self, job: Job) -> None:
         """The client is gone: drop the job if it still waits, else the worker drops it at its next step."""
         if job.cancelled.is_set():
@@ -162,21 +180,54 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and (self.engine is None or not (self._waiting or self._active
-                                                                           or self._calls)):
-                    self._cond.wait(IDLE_WAIT_S)
+                while not self._stopping and not self._has_work():
+                    wait = self._idle_wait()
+                    if wait == 0.0:
+                        break
+                    self._cond.wait(wait)
                 if self._stopping:
                     break
+                idle = not self._has_work()
                 admitted = []
                 while self._waiting and len(self._active) + len(admitted) < self.slots:
                     admitted.append(self._waiting.popleft())
                 calls, self._calls = list(self._calls), deque()
+            if idle:
+                self._run_idle()
+                continue
             for fn, future, loop in calls:
                 self._run_call(fn, future, loop)
             for job in admitted:
                 self._admit(job)
             self._step()
         self._shutdown()
+
+    def _has_work(self) -> bool:
+        return self.engine is not None and bool(self._waiting or self._active or self._calls)
+
+    def _idle_wait(self) -> float:
+        """Seconds to wait for a job before the first idle task is due (0: it is due), at most IDLE_WAIT_S."""
+        if self.engine is None or not self._idle:
+            return IDLE_WAIT_S
+        return min(IDLE_WAIT_S, max(0.0, self._idle_due - time.monotonic()))
+
+    def _run_idle(self) -> None:
+        """A piece of the first idle task. Sequences the engine still holds were cancelled (a job leaves the
+        scheduler at once, the engine at its next step): one step retires them first, freeing their slots."""
+        if self.engine.busy:
+            self.engine.step()
+        task = self._idle[0]
+        try:
+            wait = task()
+        except Exception:  # noqa: BLE001  (idle work must never take the worker down)
+            log.exception("background work failed; the server carries on without it")
+            wait = None
+        with self._cond:
+            if wait is None:
+                self._idle.popleft()
+                self._idle_due = 0.0
+            else:
+                self._idle_due = time.monotonic() + wait
 
     @staticmethod
     def _run_call(fn: Callable[[], Any], future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:

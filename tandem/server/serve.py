@@ -18,15 +18,18 @@ log = logging.getLogger("tandem.server")
 
 
 def warm_up(engine: Engine, draft_policy: str) -> None:
-    """One short generation on the engine that will serve (which measured its costs when it was built): kernels and
-    graphs warm up before any client waits."""
-    target = engine.target
-    first = target.tokenizer.bos_token_id or 0
+    """One short generation on the engine that will serve: kernels and graphs warm up before any client waits."""
+    first = engine.target.tokenizer.bos_token_id or 0
     engine.generate([Request([first], max_tokens=2, draft_policy=draft_policy)])
-    # The grammar library's view of the vocabulary (~1 s for 152k tokens), or the first structured request would
-    # stall every running stream while the engine builds it.
+
+
+def grammar_vocabulary(server: Server) -> None:
+    """The grammar library's view of the vocabulary (~1 s for 152k tokens), built at the server's first idle moment
+    (Scheduler.when_idle), not before it answers: else the first structured request would stall every running
+    stream while the engine builds it."""
     from tandem.logits.grammar import ll_tokenizer
 
+    target = server.target
     try:
         ll_tokenizer(target.tokenizer, target.vocab_size)
     except Exception:  # noqa: BLE001  (structured requests then fail with the reason; the rest are unaffected)
@@ -81,7 +84,7 @@ def serve(args) -> int:
     app = create_app(
         load=lambda: load_pair(args.model, args.draft, args.no_draft, args.device, args.dtype, args.backend,
                                args.ctx, args.draft_device, progress=sys.stderr.isatty(),
-                               isolation=getattr(args, "llamacpp_isolation", "auto")),
+                               isolation=getattr(args, "llamacpp_isolation", "auto"), threads=args.threads),
         warm_up=lambda engine: warm_up(engine, args.draft_policy),
         model_name=served_names[0], aliases=[*served_names[1:], args.model],
         draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,
@@ -92,6 +95,7 @@ def serve(args) -> int:
         prompt_lookup=args.prompt_lookup is not False,
     )
     server: Server = app.state.server
+    server.idle_work.append(lambda: grammar_vocabulary(server))
     config = uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
     http = DrainingServer(config, server)
     server.on_load_error = lambda _: setattr(http, "should_exit", True)

@@ -3,10 +3,13 @@
 - `cached_costs`: the batch-1 cost model (the draft's one-token step, the target's forward over n = 1, 2 and
   k_max + 1 tokens, affine in between), repeated until two rounds agree, for `tandem bench`'s predictions and the
   doctor; the batched engine measures its own (`engine.calibration.measure`) and keeps them through `kept_costs`.
-- Either is kept on disk per device, pair and shape (`$TANDEM_HOME/costs/`, or $TANDEM_COSTS), so later starts
-  decide alike (near break-even a cost read off a cold or busy device decides differently from one start to the
-  next); TANDEM_RECALIBRATE=1 (or `--recalibrate`) measures afresh. The loop then refines every figure from the
-  iterations it really runs.
+- Either is kept on disk per device (with its thread count), pair (each file's path, size and time) and shape
+  (`$TANDEM_HOME/costs/`, or $TANDEM_COSTS), so later starts decide alike (near break-even a cost read off a cold or
+  busy device decides differently from one start to the next) and a changed file is measured afresh, never read
+  stale; TANDEM_RECALIBRATE=1 (or `--recalibrate`) measures afresh. Costs measured while other work took the cores
+  are kept marked so (`Kept.quiet`): a start on a busy machine uses them rather than pay a measurement that busy
+  (minutes: a real-pair server took ~10.5 min to answer beside another job), and a start on a quiet one measures
+  them again. The loop then refines every figure from the iterations it really runs.
 - `shared_prior`: the process-wide acceptance prior of a target's requests.
 """
 
@@ -22,8 +25,8 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
-from typing import TypeVar
+from dataclasses import asdict, dataclass
+from typing import Generic, TypeVar
 
 from tandem.backends.base import Model, Sequence
 from tandem.speculative.policy import AcceptancePrior, CostModel
@@ -39,6 +42,8 @@ LONG_MATCH_PRIOR = (1.0, 2.0)  # ... less so after a match of its longest n-gram
 CATCH_UP_TOKENS = 8  # a draft's forward over this many tokens prices its catch-up after plain steps
 STABLE_ROUNDS = 5  # at most this many measuring rounds ...
 STABLE_TOLERANCE = 0.05  # ... until two in a row agree within this on every figure
+BUSY_SAMPLES = 3  # machine_busy: runnable tasks read this many times ...
+BUSY_SAMPLE_S = 0.01  # ... this far apart, the fewest counted (a burst is not a busy machine)
 COSTS_VERSION = 4  # of the on-disk format and how its figures are measured; another version is measured afresh
 # (2: a change of shape timed between a plain step and a verify, each run long enough to be captured; 3: a catch-up
 # timed reading its last row, an evidence read's rows apart; 4: the feed beside a verify timed as the median of
@@ -133,11 +138,22 @@ def _file_id(path: str) -> str | None:
         st = os.stat(path)
     except (OSError, TypeError):
         return None
-    return f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
+    return f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def model_threads(model: Model) -> int | None:
+    """The CPU threads a model's forward runs on: llama.cpp's n_threads, torch's intra-op threads."""
+    threads = getattr(model, "n_threads", None)
+    if threads is None and getattr(model, "backend", None) == "torch":
+        import torch
+
+        threads = torch.get_num_threads()
+    return threads
 
 
 def device_id(model: Model) -> str:
-    """The device a model runs on, as specific as we can name it cheaply (a CPU's model, a GPU's name)."""
+    """The device a model runs on, as specific as we can name it cheaply (a CPU's model, a GPU's name), and the
+    threads it runs on (a forward on one thread costs about twice one on two)."""
     device = str(getattr(model, "device", "cpu"))
     name = platform.processor() or platform.machine()
     try:
@@ -150,7 +166,11 @@ def device_id(model: Model) -> str:
                 name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except (OSError, RuntimeError, AssertionError):
         pass
-    return f"{model.backend}:{device}:{getattr(model, 'dtype', '')}:{name}:{os.cpu_count()}"
+    return f"{model.backend}:{device}:{getattr(model, 'dtype', '')}:{name}:{os.cpu_count()}:{model_threads(model)}"
+
+
+def _pair_ids(target: Model, draft: Model | None) -> tuple[str | None, str | None]:
+    return _file_id(getattr(target, "path", None)), "ngram" if draft is None else _file_id(getattr(draft, "path", None))
 
 
 def costs_path(target: Model, draft: Model | None, k_max: int, slots: int | None = None,
@@ -159,8 +179,7 @@ def costs_path(target: Model, draft: Model | None, k_max: int, slots: int | None
     tokens), or None where a model is not a file (random weights, tests)."""
     from tandem.loading.registry import tandem_home
 
-    target_id = _file_id(getattr(target, "path", None))
-    draft_id = "ngram" if draft is None else _file_id(getattr(draft, "path", None))
+    target_id, draft_id = _pair_ids(target, draft)
     if target_id is None or draft_id is None:
         return None
     fields = [COSTS_VERSION, device_id(target), target_id, draft_id, n_ctx or target.n_ctx, k_max]
@@ -169,7 +188,18 @@ def costs_path(target: Model, draft: Model | None, k_max: int, slots: int | None
     return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
-def _read(path: str | None, decode: Callable[[dict], T]) -> T | None:
+@dataclass
+class Kept(Generic[T]):
+    """Costs as kept on disk, and how they were taken."""
+
+    costs: T
+    quiet: bool  # measured with no other work taking the cores (machine_busy); else to be measured again when quiet
+    estimate: bool = False  # a quick estimate (engine.calibration.estimate), not a full measurement
+
+
+def read_kept(path: str | None, decode: Callable[[dict], T], target: Model, draft: Model | None) -> Kept[T] | None:
+    """The costs kept at `path` for this pair, or None: none kept, another format version, files that are not the
+    ones they were measured on (their ids are in the key too: this guards a reused name), or TANDEM_RECALIBRATE."""
     if path is None or os.environ.get(RECALIBRATE_ENV, "") not in ("", "0"):
         return None
     try:
@@ -177,16 +207,21 @@ def _read(path: str | None, decode: Callable[[dict], T]) -> T | None:
             doc = json.load(f)
         if doc.get("version") != COSTS_VERSION:
             return None
-        return decode(doc["costs"])
+        if "files" in doc and doc["files"] != list(_pair_ids(target, draft)):
+            return None
+        return Kept(decode(doc["costs"]), bool(doc.get("quiet", True)), bool(doc.get("estimate", False)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def _write(path: str | None, costs: dict, target: Model, draft: Model | None) -> None:
+def keep(path: str | None, costs: dict, target: Model, draft: Model | None, quiet: bool = True,
+         estimate: bool = False) -> None:
+    """Write `costs` (encoded) to `path` for the next start, atomically; a read-only home keeps nothing."""
     if path is None:
         return
     doc = {"version": COSTS_VERSION, "device": device_id(target), "target": target.path,
-           "draft": "ngram" if draft is None else draft.path, "costs": costs,
+           "draft": "ngram" if draft is None else draft.path, "files": list(_pair_ids(target, draft)),
+           "quiet": quiet, "estimate": estimate, "costs": costs,
            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -198,26 +233,51 @@ def _write(path: str | None, costs: dict, target: Model, draft: Model | None) ->
         pass  # a read-only home costs a measurement per start, nothing else
 
 
-def machine_busy() -> bool:
-    """More runnable threads than cores over the last minute (Unix load average; False where there is none)."""
+def _runnable_besides_us() -> int | None:
+    """Tasks runnable now besides the one reading (Linux's /proc/loadavg, its fourth field), the fewest of
+    BUSY_SAMPLES reads; None where there is no such file."""
+    counts = []
+    for i in range(BUSY_SAMPLES):
+        try:
+            with open("/proc/loadavg", encoding="ascii") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return None
+        if i + 1 < BUSY_SAMPLES:
+            time.sleep(BUSY_SAMPLE_S)
+    return min(counts)
+
+
+def machine_busy(threads: int | None = None) -> bool:
+    """Whether other work takes cores a forward on `threads` threads (default: every core) would run on, now: the
+    tasks runnable besides this one and those threads more than the cores. (Where /proc/loadavg is missing, the
+    1-minute load average over the cores; it lags, and counts this process's own forwards.)"""
+    cores = os.cpu_count() or 1
+    others = _runnable_besides_us()
+    if others is not None:
+        return others + min(threads or cores, cores) > cores
     try:
-        return os.getloadavg()[0] > (os.cpu_count() or 1)
+        return os.getloadavg()[0] > cores
     except (AttributeError, OSError):
         return False
 
 
 def kept_costs(path: str | None, measure: Callable[[], T], encode: Callable[[T], dict], decode: Callable[[dict], T],
                target: Model, draft: Model | None, refresh: bool = False) -> T:
-    """Costs read from `path` (see costs_path), else measured and kept there for the next start. refresh: measure
-    again, and replace what is there."""
-    costs = None if refresh else _read(path, decode)
-    if costs is None:
-        costs = measure()
-        if machine_busy():  # ratios read under contention (V(2) at 2.4 steps, not 1.3) would outlive it
-            log.warning("costs measured while the machine was busy (load average %.1f on %d cores) are used by "
-                        "this process only; the next start measures again", os.getloadavg()[0], os.cpu_count() or 1)
-        else:
-            _write(path, encode(costs), target, draft)
+    """Costs read from `path` (see costs_path), else measured and kept there for the next start. Costs kept from a
+    busy machine are used as they are while it is busy still, and measured again (and replaced) once it is quiet;
+    costs measured now while it is busy are kept marked so. refresh: measure again, and replace what is there."""
+    threads = model_threads(target)
+    kept = None if refresh else read_kept(path, decode, target, draft)
+    if kept is not None and not kept.estimate and (kept.quiet or machine_busy(threads)):
+        return kept.costs
+    quiet = not machine_busy(threads)
+    costs = measure()
+    quiet = quiet and not machine_busy(threads)
+    if not quiet:  # ratios read under contention (V(2) at 2.4 steps, not 1.3) would outlive it
+        log.warning("costs measured while other work took the cores are kept as measured on a busy machine: a start "
+                    "on a quiet machine measures them again")
+    keep(path, encode(costs), target, draft, quiet)
     return costs
 
 
