@@ -94,8 +94,7 @@ class BatchCosts:
     ahead_ms: dict[int, float] = field(default_factory=dict)
     ahead_pays: set[int] = field(default_factory=set)  # the batch sizes of ahead_ms that feed ahead
     # The rows a forward of R rows computes (BatchedCache.padded_rows): V is priced at those. A packed torch step
-    # pads to 16, 32, 64, ... rows, so one draft beside 64 plain rows costs a 128-row forward; priced on a line
-    # between V(64) and V(128) it looked free, and lookup's few drafts kept a 64-request batch at 0.41x plain.
+    # pads to 16, 32, 64, ... rows, so one draft beside 64 plain rows costs a 128-row forward, not a 65th row.
     padded: Callable[[int], int] | None = field(default=None, repr=False)
     _recent: dict = field(default_factory=dict, repr=False)  # observed_median's windows
     _overrun: dict = field(default_factory=dict, repr=False)  # (batch, drafting) -> an iteration's ms - predicted
@@ -128,7 +127,7 @@ class BatchCosts:
 
     def pad_rows(self, padded: Callable[[int], int]) -> BatchCosts:
         """Price forwards by the rows the backend computes (`padded`): the measured tables keyed by those too."""
-        self.padded = padded
+        self.padded = functools.lru_cache(maxsize=4096)(padded)  # asked for every plan's every row count
         for model in self.verify.values():
             table: dict[int, list[float]] = {}
             for rows, ms in model.verify_ms.items():

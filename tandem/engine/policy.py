@@ -4,7 +4,7 @@ costs. One object the engine owns, with a narrow interface (`plan`, `admit`, `re
 arithmetic is the planner's (tandem.engine.planner), the measured costs `BatchCosts`. Read with docs/batching.md
 ("Speculation under load").
 
-The rules in order: a cheap floor test first (`_may_draft`: at a load where no acceptance pays, nothing else runs),
+The rules in order: a cheap floor test first (`_hopeful`: at a load where no acceptance pays, nothing else runs),
 then a standing plain plan, then per sequence its candidate (`_candidate`: lookup or the draft model), the planner's
 draft lengths, and the evidence rules (a first read, a re-read, exploration), planned again where a read ran.
 """
@@ -36,7 +36,6 @@ class PlainPlan:
 
     steps: int  # further steps it stands for
     members: set[int]  # the sequences it was made for, and those that joined without being hopeful
-    hopeful: frozenset[int] = frozenset()  # those of them that could draft when it was made (the full plan said no)
 
 
 REPLAN_PLAIN = 8  # steps a plain plan stands for while no sequence becomes hopeful (see DraftPolicy.plan)
@@ -156,25 +155,21 @@ class DraftPolicy:
         if kept is not None and kept[1] > self._step_count:
             return kept[0]
 
-        def pays(a: float) -> bool:
-            return planner.plan([planner.Candidate(a, self.draft_max, lookup=lookup)] * batch, self.costs)[0] > 0
-
         low, high = 0.0, FLOOR_TOP
-        if not pays(high):
+        if not self._pays(high, self.draft_max, batch, lookup):
             low = 1.0
         while high - low > FLOOR_PRECISION:
             middle = (low + high) / 2
-            low, high = (low, middle) if pays(middle) else (middle, high)
+            low, high = (low, middle) if self._pays(middle, self.draft_max, batch, lookup) else (middle, high)
         self._floors[key] = (low, self._step_count + FLOOR_STEPS)
         return low
 
     def _hopeful(self, decoding: list[Generation], batch: int | None = None) -> frozenset[int] | None:
         """The sequences whose plan could draft or read this step: the cheap test that lets a batch where nothing can
-        pay skip the rules' per-sequence work (at 64 requests it cost more than the forward's host side), and lets a
-        plain plan stand while no sequence becomes hopeful. A sequence could draft by the model where its estimate,
-        or the estimate a read or an exploration would test, reaches the model's floor at this batch size; by lookup
-        where its text repeats at an acceptance that reaches lookup's. None (always plan): fixed drafters, or no
-        costs."""
+        pay skip the rules' per-sequence work, and lets a plain plan stand while no joining sequence is hopeful. A
+        sequence could draft by the model where its estimate, or the estimate a read or an exploration would test,
+        reaches the model's floor at this batch size; by lookup where its text repeats at an acceptance that reaches
+        lookup's. None (always plan): fixed drafters, or no costs."""
         if self.costs is None or any(g.request.draft_policy == "fixed" for g in decoding):
             return None
         batch = len(decoding) if batch is None else batch
@@ -204,9 +199,12 @@ class DraftPolicy:
         key = ("drafts_at", id(self.costs), acceptance, k_max, batch)
         kept = self._values.get(key)
         if kept is None or kept[1] <= self._step_count:
-            drafts = planner.plan([planner.Candidate(acceptance, k_max)] * batch, self.costs)[0] > 0
-            kept = self._values[key] = (drafts, self._step_count + FLOOR_STEPS)
+            kept = self._values[key] = (self._pays(acceptance, k_max, batch), self._step_count + FLOOR_STEPS)
         return kept[0]
+
+    def _pays(self, acceptance: float, k_max: int, batch: int, lookup: bool = False) -> bool:
+        """Whether some of `batch` sequences at this acceptance, nothing to catch up, draft by the costs."""
+        return planner.plan([planner.Candidate(acceptance, k_max, lookup=lookup)] * batch, self.costs)[0] > 0
 
     def _reading_may_pay(self, candidate: planner.Candidate, prior: tuple[float, float], batch: int) -> bool:
         """Whether reading could switch on a draft that the plan keeps off at its prior: would `batch` sequences
@@ -279,8 +277,8 @@ class DraftPolicy:
 
     def _value_of_drafting(self, gen: Generation, batch: int) -> tuple[float, float]:
         """planner.value_of_drafting for this sequence: sixteen plans, so kept FLOOR_STEPS steps per estimate, its
-        counts rounded to VALUE_COUNTS (each sequence's estimate fades a little every step, and valued afresh each
-        time a request's first-read tests cost 4 requests on an H100 1.3 ms a 3 ms step)."""
+        counts rounded to VALUE_COUNTS: each sequence's estimate fades a little every step, and valued afresh each
+        time it was most of a small batch's plan (docs/decisions/0001)."""
         accepted, drafted = gen.estimates[DRAFT_MODEL].counts(gen.plain_iterations)
         key = (id(self.costs), round(accepted / VALUE_COUNTS), round(drafted / VALUE_COUNTS), gen.draft_max, batch,
                round(self.prior.spread_strength(DRAFT_MODEL) / VALUE_COUNTS))
@@ -343,9 +341,8 @@ class DraftPolicy:
         """Draft lengths for this step (each sequence's source in gen.draft_source). Where no sequence is hopeful
         (_hopeful) the step is plain at once. A plan of plain steps stands for REPLAN_PLAIN steps while no sequence
         that joins the batch is hopeful; the others are tested again when it lapses (a text that starts repeating
-        waits at most that long). Planned in full every step, a batch where lookup matched but could not pay spent
-        0.5 ms a step on plans that all came out plain (4 requests, tiny models, CPU), more than a third of its
-        step; tested every step, a batch of 16 spent a fifth of its plain step on the test."""
+        waits at most that long): planning, or even testing, every sequence every step cost a batch much of a
+        plain step (docs/decisions/0001)."""
         self.evidence = []
         self.planned_acceptance = {}
         self.planned = False  # whether this step ran the full plan (not the floors' or a standing plan's shortcut)
@@ -409,8 +406,7 @@ class DraftPolicy:
                                     if k and not c.fixed and not c.lookup}
         for gen in decoding:
             gen.note_prediction(rates["planned"] / rates["plain"] if rates else 1.0)
-        self.plain_plan = PlainPlan(REPLAN_PLAIN - 1, {g.id for g in decoding}, hopeful or frozenset()) \
-            if not any(ks) else None
+        self.plain_plan = PlainPlan(REPLAN_PLAIN - 1, {g.id for g in decoding}) if not any(ks) else None
         return ks
 
     @staticmethod
@@ -456,8 +452,7 @@ class DraftPolicy:
         seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + predicted, seen[2] + ms
         if self.planned and not any(ks):
             # Planned in full and plain all the same: its plan's time is neither a plain step's (which a standing
-            # plan skips) nor drafting's. Counted as plain, it hid what drafting costs over plain decoding where
-            # every step plans (a lookup candidate in the batch): 4 requests drafted at 0.77x plain (H100).
+            # plan skips) nor drafting's; counted as plain, it hid what drafting costs (docs/decisions/0001).
             return
         if self.shape_run == 1:
             self._after_change = (*key, ms - predicted)
