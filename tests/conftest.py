@@ -17,6 +17,60 @@ torch.set_num_threads(1)
 K_QUANT_SHAPES = dict(d_model=256, d_ffn=512, n_heads=4, n_kv_heads=2, head_dim=64)
 
 
+# A JSON schema with every value bounded (string lengths, an integer range, enums, an array's length), so even a
+# random-weight model finishes the object well within a few hundred tokens: a test can require a complete document.
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
+
+
+def count_batches(engine) -> list[int]:
+    """Records the number of sequences in every target forward the engine runs (a list that grows as it runs)."""
+    sizes, forward = [], engine.target_kv.forward_picking
+
+    def recording(batch, *args, **kwargs):
+        sizes.append(len(batch))
+        return forward(batch, *args, **kwargs)
+
+    engine.target_kv.forward_picking = recording
+    return sizes
+
+
+def record_verifies(monkeypatch, verify) -> dict[tuple[int, int], int]:
+    """Routes the engine's sampled verification through `verify`, counting each call's (drafts, accepted): the dict
+    it returns fills as the engine runs."""
+    from tandem.engine import verification
+
+    outcomes: dict[tuple[int, int], int] = {}
+
+    def recording(draft_tokens, draft_probs, target_probs, generator):
+        n_accepted, token = verify(draft_tokens, draft_probs, target_probs, generator)
+        key = (draft_tokens.shape[0], int(n_accepted))
+        outcomes[key] = outcomes.get(key, 0) + 1
+        return n_accepted, token
+
+    monkeypatch.setattr(verification, "verify_sampled", recording)
+    return outcomes
+
+
+def load_llamacpp_pair(tiny_model_path, seed: int, n_ctx: int):
+    """A tiny Q8_0 target and the same weights in Q4_0 as its draft, both on llama.cpp (one thread each)."""
+    import tandem
+
+    target, draft = (tandem.load(tiny_model_path(qtype=qtype, seed=seed, **K_QUANT_SHAPES), backend="llama.cpp",
+                                 n_ctx=n_ctx, n_threads=1) for qtype in ("Q8_0", "Q4_0"))
+    assert target.backend == draft.backend == "llama.cpp"
+    return target, draft
+
+
 # Set by .ci/run: where the real pair cannot be pulled, its tests fail instead of skipping (CI must run them).
 REQUIRE_REAL_ENV = "TANDEM_REQUIRE_REAL"
 

@@ -23,7 +23,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_speculated
+from conftest import assert_speculated, count_batches
 
 import tandem
 from tandem.engine import Engine, Request
@@ -149,18 +149,6 @@ def test_speculative_greedy_is_the_references_argmax(fp32, k):
     results = run_alone(target, draft, references, k)
     assert_matches_reference(results, references)
     assert_speculated(*(r.stats for r in results), rejected=True)
-
-
-def count_batches(engine: Engine) -> list[int]:
-    """Records the number of sequences of every target forward the engine runs."""
-    sizes, forward = [], engine.target_kv.forward_picking
-
-    def recording(batch, *args, **kwargs):
-        sizes.append(len(batch))
-        return forward(batch, *args, **kwargs)
-
-    engine.target_kv.forward_picking = recording
-    return sizes
 
 
 @pytest.mark.parametrize("drafting", [True, False])

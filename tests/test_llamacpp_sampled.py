@@ -12,11 +12,10 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
 
-from conftest import K_QUANT_SHAPES, assert_speculated  # noqa: E402
+from conftest import assert_speculated, load_llamacpp_pair  # noqa: E402
 from sampling_reference import exact_distribution  # noqa: E402
 from test_lossless import chi_square_pvalue, residual_from_target, residual_from_target_after_an_accept  # noqa: E402
 
-import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
 from tandem.engine import verification as verification_module  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
@@ -34,11 +33,7 @@ SLOTS = 4
 
 @pytest.fixture(scope="module")
 def llamacpp_setup(tiny_model_path):
-    target = tandem.load(tiny_model_path(qtype="Q8_0", seed=SEED, **K_QUANT_SHAPES), backend="llama.cpp",
-                         n_ctx=64, n_threads=1)
-    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=SEED, **K_QUANT_SHAPES), backend="llama.cpp",
-                        n_ctx=64, n_threads=1)
-    assert target.backend == draft.backend == "llama.cpp"
+    target, draft = load_llamacpp_pair(tiny_model_path, SEED, n_ctx=64)
     prompt_ids = target.tokenizer.encode(PROMPT)
     dist, _ = exact_distribution(lambda ids: target.logits(ids)[-1].numpy(), prompt_ids, N_GENERATED, **SAMPLING)
     yield target, draft, prompt_ids, dist

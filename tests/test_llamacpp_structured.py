@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
 
-from conftest import K_QUANT_SHAPES, assert_speculated  # noqa: E402
+from conftest import BOUNDED_SCHEMA, K_QUANT_SHAPES, assert_speculated, count_batches, load_llamacpp_pair  # noqa: E402
 
 import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
@@ -31,18 +31,7 @@ from tandem.sampling import SamplingParams  # noqa: E402
 # Seed 9's Q8_0 target with the same weights in Q4_0 as its draft: about half its drafts accepted here, and every
 # document below closes well within MAX_TOKENS (~150 tokens with free whitespace, ~60 compact).
 SEED = 9
-# Every value bounded, so even a random-weight model finishes the object: the test can require a complete document.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "ok": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "ok", "tags"],
-    "additionalProperties": False,
-}
+SCHEMA = BOUNDED_SCHEMA
 SCHEMAS = [SCHEMA, {**SCHEMA, "x-guidance": COMPACT_JSON}]  # bounded free whitespace, and none
 PROMPTS = ["Tell me about Ada.", "def add(a, b):\n    return", "The quick brown fox"]
 MAX_TOKENS = 300
@@ -53,26 +42,10 @@ TOLERANCE = 1e-5  # float32 log-softmax against float64's: measured 4e-7 apart
 
 @pytest.fixture(scope="module")
 def pair(tiny_model_path):
-    target = tandem.load(tiny_model_path(qtype="Q8_0", seed=SEED, **K_QUANT_SHAPES), backend="llama.cpp",
-                         n_ctx=512, n_threads=1)
-    draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=SEED, **K_QUANT_SHAPES), backend="llama.cpp",
-                        n_ctx=512, n_threads=1)
-    assert target.backend == draft.backend == "llama.cpp"
+    target, draft = load_llamacpp_pair(tiny_model_path, SEED, n_ctx=512)
     yield target, draft
     target.close()
     draft.close()
-
-
-def count_batches(engine: Engine) -> list[int]:
-    """Records the number of sequences in every target forward the engine runs."""
-    sizes, forward = [], engine.target_kv.forward_picking
-
-    def recording(batch, *args, **kwargs):
-        sizes.append(len(batch))
-        return forward(batch, *args, **kwargs)
-
-    engine.target_kv.forward_picking = recording
-    return sizes
 
 
 def run(target, draft, requests: list[Request], slots: int) -> tuple[list, list[int]]:

@@ -12,7 +12,7 @@ import jsonschema
 import llguidance
 import pytest
 import torch
-from conftest import assert_speculated
+from conftest import BOUNDED_SCHEMA, assert_speculated
 from scipy.stats import chisquare
 from test_server import LiveServer, assert_openai_error, load, stream_text
 
@@ -25,19 +25,7 @@ from tandem.logits.processor import LogitsError, LogitsSettings
 from tandem.sampling import SamplingParams, probs_from_logits
 from tandem.server.app import create_app
 
-# Every value bounded (string lengths, integer range, enums, array length), so even a random-weight model finishes
-# the object well within max_tokens: the test can require a complete, valid document.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "ok": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "ok", "tags"],
-    "additionalProperties": False,
-}
+SCHEMA = BOUNDED_SCHEMA
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
 PENALTIES = dict(frequency_penalty=0.7, presence_penalty=0.4, repeat_penalty=1.3, repeat_last_n=16)
 PROMPTS = ["Tell me about Ada.", "def add(a, b):\n    return", "The quick brown fox"]

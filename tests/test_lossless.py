@@ -5,14 +5,13 @@ import math
 
 import pytest
 import torch
-from conftest import K_QUANT_SHAPES, assert_speculated, exact_distribution
+from conftest import K_QUANT_SHAPES, assert_speculated, exact_distribution, record_verifies
 from scipy.stats import chisquare
 
 import tandem
 from tandem.backends.base import ContextOverflowError
 from tandem.engine import Engine, Request
 from tandem.engine import drafter as drafter_module
-from tandem.engine import verification as verification_module
 from tandem.sampling import SamplingParams, probs_from_logits
 from tandem.speculative.proposer import NgramProposer
 from tandem.speculative.verify import verify_sampled
@@ -150,15 +149,7 @@ def sample_sequences(target, prompt_ids, n, monkeypatch, verify=verify_sampled):
     """n speculative generations on the engine under `verify`, the target drafting for itself through
     skewed_draft_probs, draft lengths cycling through DRAFT_LENGTHS (each capped at the room left, so shorter ones
     happen too): ({sequence: count}, {(k, n_accepted): verifies})."""
-    outcomes = {}
-
-    def recording(draft_tokens, draft_probs, target_probs, generator):
-        n_accepted, token = verify(draft_tokens, draft_probs, target_probs, generator)
-        key = (draft_tokens.shape[0], int(n_accepted))
-        outcomes[key] = outcomes.get(key, 0) + 1
-        return n_accepted, token
-
-    monkeypatch.setattr(verification_module, "verify_sampled", recording)
+    outcomes = record_verifies(monkeypatch, verify)
     monkeypatch.setattr(drafter_module, "probs_from_logits", skewed_draft_probs)
     engine = Engine(target, target, slots=1, draft_max=max(DRAFT_LENGTHS), measure_costs=False)
     counts = {}

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import assert_speculated
+from conftest import assert_speculated, record_verifies
 from sampling_reference import CUT_MARGIN, exact_distribution, group_totals, reference_probs, reference_probs_row
 from scipy.stats import chi2, ncx2
 from test_lossless import MIN_EXPECTED, chi_square_pvalue
@@ -215,15 +215,7 @@ def sample_sequences(target, prompt_ids, monkeypatch, target_temperature=None):
     """N_SAMPLES generations on an engine of 4 slots (4 requests at a time, each on its own seed), the target drafting
     for itself through ranked_draft_probs: ({sequence: count}, {(k, n_accepted): verifies}). target_temperature:
     the verifier's p at this temperature instead of the request's (a planted bug)."""
-    outcomes = {}
-
-    def recording(draft_tokens, draft_probs, target_probs, generator):
-        n_accepted, token = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
-        key = (draft_tokens.shape[0], int(n_accepted))
-        outcomes[key] = outcomes.get(key, 0) + 1
-        return n_accepted, token
-
-    monkeypatch.setattr(verification_module, "verify_sampled", recording)
+    outcomes = record_verifies(monkeypatch, verify_sampled)
     monkeypatch.setattr(drafter_module, "probs_from_logits", ranked_draft_probs)
     if target_temperature is not None:
         monkeypatch.setattr(verification_module, "probs_from_logits", lambda logits, params: probs_from_logits(
