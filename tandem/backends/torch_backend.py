@@ -106,8 +106,8 @@ class TorchSequence(Sequence):
             # sequence: compile_prompt_forward). Without graphs (model.logits, an eager reference): eager.
             forward = self.model.step if self.graphs is not None else self.model.transformer
             rows = []
-            for start in range(0, n, PREFILL_CHUNK):
-                chunk = tokens[start : start + PREFILL_CHUNK]
+            for start, stop in prefill_chunks(n):
+                chunk = tokens[start:stop]
                 begin, end = self.cache.length, self.cache.length + chunk.shape[0]
                 positions = torch.arange(begin, end, device=self.model.torch_device)
                 rows.append(forward(chunk, positions, self.cache.k, self.cache.v, kv_len=end,
@@ -217,8 +217,8 @@ class TorchBatchedCache(BatchedCache):
         tokens = torch.as_tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
         forward = self.model.step if self.model.use_graphs else self.model.transformer
         rows = []
-        for start in range(0, tokens.shape[0], PREFILL_CHUNK):
-            chunk = tokens[start : start + PREFILL_CHUNK]
+        for start, stop in prefill_chunks(tokens.shape[0]):
+            chunk = tokens[start:stop]
             begin = self.lengths[slot]
             end = begin + chunk.shape[0]
             rows.append(forward(chunk, torch.arange(begin, end, device=device), row.k, row.v, kv_len=end,
@@ -319,10 +319,10 @@ class TorchModel(Model):
         on_cuda = self.torch_device.type == "cuda"
         self.use_graphs = graphs if graphs is not None else on_cuda and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
         self.step = self.transformer.forward  # what graphs capture; compiled on CUDA (see _compile_step)
-        self.prompt_forward_compiled = True  # nothing to compile where the step is not compiled
+        self.compiled_caches: set[bool] | None = None  # kinds of cache (is a view) compiled for; None: eager
         if on_cuda and self.use_graphs and os.environ.get("TANDEM_COMPILE", "1") != "0":
             self.step = _compile_step(self.transformer)
-            self.prompt_forward_compiled = False
+            self.compiled_caches = set()
         self._free: dict[int, list[TorchSequence]] = {}  # capacity -> closed sequences ready for reuse
 
     @classmethod
@@ -367,13 +367,13 @@ class TorchModel(Model):
 
     def compile_prompt_forward(self, cache: KVCache) -> None:
         """Compile the step for prompts longer than the graphs replay (one forward of GRAPH_CHUNKS_MAX + 1 tokens
-        into a cache that holds nothing yet), once a model, with its first sequence: else the first long prompt
-        waits for it (46 s on an H200). Dynamic shapes: every longer prompt reuses it (H200, 1.5B: 9-11 ms for
-        65-448 tokens, against 26-31 ms eager and 69 ms of graph replays at 448; bench/gpu_prefill.py)."""
-        n = GRAPH_CHUNKS_MAX + 1
-        if self.prompt_forward_compiled or cache.k[0].shape[2] < n:
+        into a cache that holds nothing yet), once per kind of cache (a pool's row, a view, and a cache of its own
+        are guarded apart), with the model's first sequence of that kind: else the first long prompt waits for it
+        (46 s on an H200). Dynamic shapes: every longer prompt reuses it."""
+        n, kind = GRAPH_CHUNKS_MAX + 1, cache.k[0]._base is not None
+        if self.compiled_caches is None or kind in self.compiled_caches or cache.k[0].shape[2] < n:
             return
-        self.prompt_forward_compiled = True
+        self.compiled_caches.add(kind)
         with torch.inference_mode():
             self.step(torch.zeros(n, dtype=torch.long, device=self.torch_device),
                       torch.arange(n, device=self.torch_device), cache.k, cache.v, kv_len=n, last_only=True)
@@ -392,27 +392,55 @@ class TorchModel(Model):
 def _compile_step(transformer: Transformer):
     """The forward as Inductor compiles it: rms_norm, rope, residual adds and the softmax fuse into a few kernels,
     a third of the launches an eager step makes. Falls back to the eager forward when Triton is missing or
-    compilation fails."""
+    compilation fails.
+
+    One compilation serves every call: only the layers are compiled (the last_only choice, a Python bool, would
+    be a guard and a variant each), shapes are dynamic without duck sizing (a prompt of exactly head_dim or
+    n_kv_heads tokens would otherwise specialise on it) and no chunk is one token long (sizes 0 and 1 are always
+    specialised; see prefill_chunks). What is left, at most 8 variants, all compiled at start: the target and
+    the draft (the same code, guarded on their layer counts) x a pool's row or a cache of its own x prompt
+    pieces or StepGraph's rows. Past dynamo's recompile limit (raised to 16 for them) a step would fall back to
+    eager with a warning: a conversation turn then prefilled several times slower."""
     try:
         import triton  # noqa: F401  (Inductor's GPU code generator)
     except ImportError:
         return transformer.forward
-    # dynamic=True: one compilation serves every row count and attention span (a static one costs ~40 s each).
-    compiled = torch.compile(transformer.forward, dynamic=True)
+    import torch.fx.experimental._config as shapes_config
 
-    def step(*args, **kwargs):
-        nonlocal compiled
+    from tandem.loading.registry import tandem_home
+
+    # Compiled kernels kept beside tandem's other state, so a restart reuses them (Inductor and Triton key their
+    # caches by source, shapes, device and versions); a user's own setting wins.
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ.setdefault(var, os.path.join(tandem_home(), "compiled", sub))
+    shapes_config.use_duck_shape = False  # read when a compilation starts; tandem's compilations are all dynamic
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)  # see the docstring
+    hidden = torch.compile(transformer.hidden, dynamic=True)
+
+    def step(tokens, positions, cache_k, cache_v, kv_len=None, last_only=False):
+        nonlocal hidden
         try:
-            return compiled(*args, **kwargs)
+            x = hidden(tokens, positions, cache_k, cache_v, kv_len)
         except Exception as error:  # a compiler bug must cost speed, never a request
-            if compiled is transformer.forward:
+            if hidden is transformer.hidden:
                 raise
             warnings.warn(f"torch.compile failed ({type(error).__name__}: {error}); running the step eagerly",
                           stacklevel=2)
-            compiled = transformer.forward
-            return compiled(*args, **kwargs)
+            hidden = transformer.hidden
+            x = hidden(tokens, positions, cache_k, cache_v, kv_len)
+        return transformer.project(x[-1:] if last_only else x)
 
     return step
+
+
+def prefill_chunks(n: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
+    """[start, end) pieces of at most `chunk` tokens covering n, the last no shorter than the first compiled
+    prompt (GRAPH_CHUNKS_MAX + 1, or n): a short tail would take the forward's decode branch, or specialise on one
+    token, and compile the step anew (see _compile_step)."""
+    bounds = list(range(0, n, chunk)) + [n]
+    if len(bounds) > 2:
+        bounds[-2] = min(bounds[-2], n - GRAPH_CHUNKS_MAX - 1)
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def load_torch(path: str, device: str = "cpu", dtype: str = "float32", n_ctx: int | None = None,

@@ -177,6 +177,22 @@ class Transformer(torch.nn.Module):
         kv_len: int | None = None,  # attend over cache slots [0, kv_len); None = all of them
         last_only: bool = False,  # project only the last row to logits
     ) -> torch.Tensor:  # [T or 1, V] float32 (float64 for float64 models)
+        x = self.hidden(tokens, positions, cache_k, cache_v, kv_len)
+        return self.project(x[-1:] if last_only else x)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] hidden states -> [T, V] logits
+        x = rms_norm(x, self.w["output_norm.weight"], self.config.rms_eps)
+        logits = F.linear(x, self.output)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def hidden(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        cache_k: list[torch.Tensor],
+        cache_v: list[torch.Tensor],
+        kv_len: int | None = None,
+    ) -> torch.Tensor:  # [T, d]: the last layer's output, before the final norm (what forward projects)
         c, w = self.config, self.w
         kv_len = cache_k[0].shape[2] if kv_len is None else kv_len
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [B=1, T, d]
@@ -217,10 +233,7 @@ class Transformer(torch.nn.Module):
             x, sum_sq = self.add_projection(x, act, w[p + "ffn_down.weight"], p + "post_ffw_norm.weight", split_k,
                                             fused_projection)
 
-        x = x[0, -1:] if last_only else x[0]  # [T, d]
-        x = rms_norm(x, w["output_norm.weight"], c.rms_eps)
-        logits = F.linear(x, self.output)
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return x[0]
 
 
     def forward_ragged(
