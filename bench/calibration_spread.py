@@ -17,12 +17,13 @@ import statistics
 import time
 
 import tandem
-from tandem.engine import Engine, calibration, planner
+from tandem.engine import Engine, calibration
+from tandem.engine.costs import AHEAD_PAYS, BatchCosts
 
 CONTEXT = calibration.CONTEXT
 
 
-def _summary(costs: planner.BatchCosts, k_max: int) -> str:
+def _summary(costs: BatchCosts, k_max: int) -> str:
     v = costs.verify[1].verify_ms
     return (f"V(1) {v.get(1, float('nan')):.2f}  V({k_max + 1}) {v.get(k_max + 1, float('nan')):.2f}  "
             f"draft step {costs.draft_step.get(1, float('nan')):.3f}  ahead {costs.ahead_ms.get(1, float('nan')):.3f}"
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:>14}: {_percentiles(ts)}")
     added = [w - a for w, a in zip(times["verify + feed"], times["verify"], strict=True)]
     print(f"  {'feed added':>14}: {_percentiles(added)}  (half the draft step's median: "
-          f"{planner.AHEAD_PAYS * statistics.median(times['draft step']):.3f})")
+          f"{AHEAD_PAYS * statistics.median(times['draft step']):.3f})")
     return 0
 
 

@@ -33,8 +33,8 @@ import torch
 import tandem
 from tandem.backends.base import BatchedCache
 from tandem.bench.suite import load_suite
-from tandem.engine import Engine, Request, planner
-from tandem.speculative.policy import CostModel
+from tandem.engine import Engine, Request
+from tandem.engine.costs import BatchCosts, CostModel
 
 # H200, Qwen2.5-1.5B target / 0.5B draft shapes, bf16, the packed graphed step (bench/results/h200-2026-12-04f-
 # batching): 1.59 ms for 1 row, 1.93 for 16, 3.89 for 64; the points past 64 rows are extrapolated (assumed).
@@ -144,8 +144,8 @@ class OracleCache(BatchedCache):
         pass
 
 
-def emulated_costs(slots: int, draft_max: int) -> planner.BatchCosts:
-    costs = planner.BatchCosts()
+def emulated_costs(slots: int, draft_max: int) -> BatchCosts:
+    costs = BatchCosts()
     b = 1
     while True:
         costs.verify[b] = CostModel(0.0, {b * n: interpolate(TARGET_MS, b * n) for n in (1, 2, draft_max + 1)})

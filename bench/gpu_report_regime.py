@@ -47,8 +47,8 @@ from tandem.bench.bench import Bench, parse_configs
 from tandem.bench.load import PROMPTS as LOAD_PROMPTS
 from tandem.bench.suite import BenchPrompt
 from tandem.engine import Engine, Request
+from tandem.engine.costs import CostModel
 from tandem.sampling import SamplingParams
-from tandem.speculative.policy import CostModel
 from tandem.speculative.stats import GenerationStats
 
 H200_BANDWIDTH_GBS = 4800.0

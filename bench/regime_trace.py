@@ -20,20 +20,21 @@ import gpu_report_regime
 from gpu_report_regime import load, parse_args, run_engine, run_generate
 from step_parts import StepParts
 
-from tandem.engine import Engine, calibration, planner
+from tandem.engine import Engine, calibration
+from tandem.engine.costs import BatchCosts
 from tandem.engine.policy import DraftPolicy
 from tandem.engine.sequence import DRAFT_MODEL
-from tandem.speculative.calibrate import shared_prior
+from tandem.speculative.policy import shared_prior
 
 STEPS_SHOWN = 12  # the first plans of each engine run, and every one that drafted
 PARTS = StepParts()
 
 
-def replayed(path: str, switch_ms: float, catch_up: tuple[float, float]) -> planner.BatchCosts:
+def replayed(path: str, switch_ms: float, catch_up: tuple[float, float]) -> BatchCosts:
     """The costs of a regime run's JSON as the engine's BatchCosts (what measure would have found there)."""
-    from tandem.speculative.policy import CostModel
+    from tandem.engine.costs import BatchCosts, CostModel
     batched = json.load(open(path))["costs"]["batched"]
-    return planner.BatchCosts(
+    return BatchCosts(
         verify={int(b): CostModel(0.0, {int(n): v for n, v in c["verify_ms"].items()}) for b, c in batched.items()},
         draft_step={int(b): c["draft_step_ms"] for b, c in batched.items()},
         catch_up_base_ms=catch_up[0], catch_up_ms_per_token=catch_up[1], switch_ms=switch_ms)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return engine_round(engine, *a, **k)
 
     gpu_report_regime.engine_round = counted_round
-    observe = planner.BatchCosts.observe_iteration
+    observe = BatchCosts.observe_iteration
 
     def observed_iteration(self, batch, drafting, predicted_ms, ms):
         observe(self, batch, drafting, predicted_ms, ms)
@@ -103,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 
     calibration.measure = measured
     if known.replay is None:
-        planner.BatchCosts.observe_iteration = observed_iteration
+        BatchCosts.observe_iteration = observed_iteration
     if known.replay is not None:  # frozen: this machine's timings must not refine the replayed costs
-        planner.BatchCosts.observe_draft = lambda *a, **k: None
-        planner.BatchCosts.observe_iteration = lambda *a, **k: None
+        BatchCosts.observe_draft = lambda *a, **k: None
+        BatchCosts.observe_iteration = lambda *a, **k: None
     prior = shared_prior(target)
     for a in args.acceptance:
         print("generate", run_generate(target, draft, a, args), flush=True)

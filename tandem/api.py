@@ -248,7 +248,7 @@ FLOOR_PRECISION = 0.01  # why_no_drafts: the least paying acceptance, bisected t
 
 def least_paying_acceptance(costs, k_max: int, lookup: bool = False) -> float:
     """The least acceptance (to FLOOR_PRECISION, from above) at which one sequence drafting up to k_max tokens, by
-    the draft model or by prompt lookup, beats plain steps by `costs` (a planner.BatchCosts); 1.0 where none does."""
+    the draft model or by prompt lookup, beats plain steps by `costs` (a costs.BatchCosts); 1.0 where none does."""
     from tandem.engine import planner
 
     def pays(acceptance: float) -> bool:

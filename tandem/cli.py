@@ -44,12 +44,12 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
 
 
 def apply_recalibrate(args: argparse.Namespace) -> None:
-    """--recalibrate: the calibration (tandem.speculative.calibrate) reads it from the environment, as a user may
+    """--recalibrate: the calibration (tandem.engine.cost_store) reads it from the environment, as a user may
     set it."""
     if getattr(args, "recalibrate", False):
         import os
 
-        from tandem.speculative.calibrate import RECALIBRATE_ENV
+        from tandem.engine.cost_store import RECALIBRATE_ENV
 
         os.environ[RECALIBRATE_ENV] = "1"
 

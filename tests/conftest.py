@@ -138,19 +138,18 @@ def cheap_drafting(monkeypatch, costs_dir) -> None:
     the adaptive policy then drafts on acceptance alone, so what a test checks does not hang on this machine's
     timing (a same-size tiny draft never pays on measured costs). Costs are kept in `costs_dir`, apart from the
     measured ones other tests keep."""
-    from tandem.engine import calibration, planner
-    from tandem.speculative import calibrate
-    from tandem.speculative.policy import CostModel
+    from tandem.engine import calibration, cost_store
+    from tandem.engine.costs import BatchCosts, CostModel
 
     def measure(target, draft, k_max, synchronize):
         batches = sorted({2**i for i in range(target.slots.bit_length())} | {target.slots})
-        return planner.BatchCosts(verify={b: CostModel(0.0, {b: 1.0, b * (k_max + 1): 1.0}) for b in batches},
+        return BatchCosts(verify={b: CostModel(0.0, {b: 1.0, b * (k_max + 1): 1.0}) for b in batches},
                                   draft_step={b: 1e-3 for b in batches}, catch_up_ms_per_token=1e-3)
 
-    monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(costs_dir))
+    monkeypatch.setenv(cost_store.COSTS_DIR_ENV, str(costs_dir))
     monkeypatch.setattr(calibration, "measure", measure)
     for name in ("observe_draft", "observe_iteration", "observe_yield"):
-        monkeypatch.setattr(planner.BatchCosts, name, lambda self, *args: None)
+        monkeypatch.setattr(BatchCosts, name, lambda self, *args: None)
 
 
 # --- the drafting guard ---------------------------------------------------------------------------------------

@@ -56,11 +56,11 @@ def test_bench_real_files(tmp_path, tiny_model_path, backend, monkeypatch):
     # The adaptive policy on a virtual clock where drafting is all but free: it drafts on acceptance alone, so
     # its "lossless" is about real drafts (a same-size tiny draft never pays on measured costs, and timing on a
     # busy machine must not decide what a test checks).
-    from tandem.speculative import calibrate
-    from tandem.speculative.policy import CostModel
+    from tandem.engine import calibration
+    from tandem.engine.costs import CostModel
 
     cheap_drafting(monkeypatch, tmp_path / "costs")
-    monkeypatch.setattr(calibrate, "measure_costs", lambda target, draft, k_max: CostModel(  # the predictions'
+    monkeypatch.setattr(calibration, "measure_costs", lambda target, draft, k_max: CostModel(  # the predictions'
         draft_step_ms=1e-3, verify_ms={1: 1.0, k_max + 1: 1.0}, catch_up_ms_per_token=1e-3))
     # Quantised weights with 64-wide heads: what llama.cpp computes batch-invariantly (F32/F16 weights are not;
     # see test_llamacpp_backend.py), so greedy drafts of any length are exact on both backends.

@@ -16,9 +16,8 @@ from conftest import assert_speculated
 from test_server import LiveServer, wait_for
 
 import tandem
-from tandem.engine import calibration
+from tandem.engine import calibration, cost_store
 from tandem.server.app import Server, create_app
-from tandem.speculative import calibrate
 
 SLOTS = 2
 DRAFT_MAX = 3
@@ -38,9 +37,9 @@ def files(tiny_model_path, tmp_path):
 @pytest.fixture
 def timed(monkeypatch, tmp_path):
     """The forwards timed (calibration._timed calls), costs kept in tmp_path/costs, a quiet machine (busy[0])."""
-    monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(tmp_path / "costs"))
+    monkeypatch.setenv(cost_store.COSTS_DIR_ENV, str(tmp_path / "costs"))
     busy = [False]
-    monkeypatch.setattr(calibrate, "machine_busy", lambda *a: busy[0])
+    monkeypatch.setattr(cost_store, "machine_busy", lambda *a: busy[0])
     calls = []
     time_one = calibration._timed
     monkeypatch.setattr(calibration, "_timed", lambda *a, **kw: calls.append(a[2]) or time_one(*a, **kw))
@@ -122,7 +121,7 @@ def test_a_changed_model_file_is_measured_again_never_read_stale(files, timed, t
     # A kept file for other files, found under this pair's name (a reused name, a copied home), is not read either.
     old, new = (str(tmp_path / "costs" / name) for name in (kept[0], again.calibrator.path))
     shutil.copyfile(old, new)
-    assert calibrate.read_kept(new, calibration.BatchCosts.from_measured, again.engine.target,
+    assert cost_store.read_kept(new, calibration.BatchCosts.from_measured, again.engine.target,
                                again.engine.draft_model) is None
 
 
@@ -134,10 +133,10 @@ def test_costs_measured_on_a_busy_machine_wait_for_a_quiet_one(files, timed):
     refine(first)  # an estimate is measured in full even while busy ...
     assert first.calibrator.source == "measured (busy machine)" and first.calibrator.pending
     calls.clear()
-    assert first.calibrator.step() == calibration.REMEASURE_WAIT_S and calls == []  # ... then waits for quiet
+    assert first.calibrator.step() == cost_store.REMEASURE_WAIT_S and calls == []  # ... then waits for quiet
     again = start(files)
     assert calls == [] and again.calibrator.source == "kept (busy machine)"
-    assert again.calibrator.step() == calibration.REMEASURE_WAIT_S and calls == []
+    assert again.calibrator.step() == cost_store.REMEASURE_WAIT_S and calls == []
     assert again.calibrator.progress() == {"source": "kept (busy machine)", "measuring": "waiting for a quiet machine"}
     busy[0] = False
     assert refine(again) > 1 and again.calibrator.source == "measured" and not again.calibrator.pending
@@ -185,7 +184,7 @@ def test_a_forward_on_fewer_threads_keeps_costs_of_its_own(files, monkeypatch):
     pytest.importorskip("llama_cpp")
     one, two = (tandem.load(files[1], threads=n) for n in (1, 2))
     assert (one.backend, one.n_threads, two.n_threads) == ("llama.cpp", 1, 2)
-    assert calibrate.costs_path(one, None, 4) != calibrate.costs_path(two, None, 4)
+    assert cost_store.costs_path(one, None, 4) != cost_store.costs_path(two, None, 4)
 
 
 def test_a_waiting_request_cuts_a_timing_to_the_runs_it_has(files, timed):

@@ -9,7 +9,7 @@ import pytest
 
 from tandem.bench.doctor import break_even_acceptance, diagnose, make_verdict
 from tandem.cli import main
-from tandem.speculative.policy import CostModel
+from tandem.engine.costs import CostModel
 
 KEYS = {"draft_step_ms_standalone", "draft_step_ms_target_idle", "draft_step_ms_paired", "paired_over_standalone",
         "target_step_ms", "verify_ms",

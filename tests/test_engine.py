@@ -10,9 +10,10 @@ from scipy.stats import chisquare
 import tandem
 from tandem.backends.base import ContextOverflowError
 from tandem.engine import Engine, Request, calibration, planner
+from tandem.engine.costs import RUN_LIMITS, SWITCH_ITERATIONS, BatchCosts, CostModel
 from tandem.engine.kv_pool import SlotTable
 from tandem.sampling import SamplingParams
-from tandem.speculative.policy import EVIDENCE_TOKENS, LOOKUP_SHARE_PRIOR_TOKENS, AcceptancePrior, CostModel
+from tandem.speculative.policy import EVIDENCE_TOKENS, LOOKUP_SHARE_PRIOR_TOKENS, AcceptancePrior
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,", "hi",
            "Once upon a time there was a long prompt that takes several prefill chunks to read in full"]
@@ -308,7 +309,7 @@ def test_sampled_batched_speculation_matches_target_distribution(tiny_model_path
 # --- the planner -------------------------------------------------------------------------------------------------
 
 def costs(verify_by_batch, draft_ms):
-    return planner.BatchCosts(verify={b: CostModel(0.0, dict(v)) for b, v in verify_by_batch.items()},
+    return BatchCosts(verify={b: CostModel(0.0, dict(v)) for b, v in verify_by_batch.items()},
                               draft_step={b: draft_ms for b in verify_by_batch})
 
 
@@ -392,7 +393,7 @@ def test_planner_prices_a_change_of_shape(pair64, monkeypatch):
     table = costs({1: {1: 10.0, 2: 11.0, 9: 14.0}}, draft_ms=1.0)  # k = 1 pays above a = 0.2, by 8% at 0.3
     marginal = [planner.Candidate(0.3, 4)]
     assert planner.plan(marginal, table) == [1] and planner.plan(marginal, table, previous_rows=1) == [1]
-    table.switch_ms = 2.0 * planner.SWITCH_ITERATIONS  # 2 ms a change, 2 ms a start (spread as set at first)
+    table.switch_ms = 2.0 * SWITCH_ITERATIONS  # 2 ms a change, 2 ms a start (spread as set at first)
     assert planner.plan(marginal, table) == [1]
     assert planner.plan(marginal, table, previous_rows=1) == [0]  # starting to draft costs the switch
     assert planner.plan(marginal, table, previous_rows=2, drafting=True) == [1]  # so does stopping
@@ -407,11 +408,11 @@ def test_planner_prices_a_change_of_shape(pair64, monkeypatch):
     assert planner.plan([planner.Candidate(0.8, 8)], h100, previous_rows=2, drafting=True) == [2]
     for _ in range(30):
         h100.observe_shape_run(1)
-    assert h100.shape_run == pytest.approx(planner.RUN_LIMITS[0], abs=0.01)
+    assert h100.shape_run == pytest.approx(RUN_LIMITS[0], abs=0.01)
     assert planner.plan([planner.Candidate(0.8, 8)], h100, previous_rows=2, drafting=True) == [1]
     for _ in range(30):
         h100.observe_shape_run(100)
-    assert h100.shape_run == pytest.approx(planner.RUN_LIMITS[1], rel=1e-3)
+    assert h100.shape_run == pytest.approx(RUN_LIMITS[1], rel=1e-3)
     target, draft = pair64
     engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
     engine.costs = cheap_rows(1, draft_ms=0.5)
@@ -484,11 +485,11 @@ def test_planner_prices_the_last_drafts_fed_beside_the_verify_where_that_pays():
     assert table.draft_ms(1) == 4.5 and not table.feeds_ahead(1) and table.feeds_ahead(2)
     table.ahead_ms = {}
     assert not table.feeds_ahead(1)
-    doc = planner.BatchCosts(verify=table.verify, draft_step={1: 1.2, 2: 1.2}, ahead_ms={1: 0.2, 2: 0.9}).measured()
-    kept = planner.BatchCosts.from_measured(doc)
+    doc = BatchCosts(verify=table.verify, draft_step={1: 1.2, 2: 1.2}, ahead_ms={1: 0.2, 2: 0.9}).measured()
+    kept = BatchCosts.from_measured(doc)
     assert kept.ahead_ms == {1: 0.2, 2: 0.9} and kept.feeds_ahead(1) and not kept.feeds_ahead(2)
     del doc["ahead_ms"]  # costs kept by an earlier version
-    earlier = planner.BatchCosts.from_measured(doc)
+    earlier = BatchCosts.from_measured(doc)
     assert earlier.ahead_ms == {} and not earlier.feeds_ahead(1)
 
 
@@ -974,7 +975,7 @@ def test_a_lone_drafters_plan_in_floats_is_the_array_search():
             assert abs(scalar_rates[key] - array_rates[key]) <= 1e-9 * array_rates[key], (trial, key)
 
 
-def cheap_rows(slots: int, draft_ms: float) -> planner.BatchCosts:
+def cheap_rows(slots: int, draft_ms: float) -> BatchCosts:
     """Costs under which extra rows are nearly free (a memory-bound target): drafting pays where it is accepted.
     Held fixed (the engine's timings of the tiny models do not refine them)."""
     table = costs({b: {b: 10.0, 16 * b: 10.2} for b in (1, 2, 4, 8) if b <= slots}, draft_ms=draft_ms)
@@ -1120,7 +1121,7 @@ def test_a_pessimistic_prior_still_reads_the_text_and_drafts_where_it_agrees(tin
     """A shared prior learned from requests that accepted little (0.1) keeps the plan plain, but a request still
     reads the text once where EVIDENCE_TOKENS matches could switch drafting on: a draft that agrees then drafts,
     where the prior alone would keep it off for good (and so never learn otherwise)."""
-    from tandem.speculative.calibrate import shared_prior
+    from tandem.speculative.policy import shared_prior
 
     target = tandem.load(tiny_model_path(seed=5), dtype="float64")  # a prior of its own
     draft = tandem.load(tiny_model_path(seed=5), dtype="float64")  # the same weights: it predicts every token

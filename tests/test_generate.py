@@ -11,8 +11,7 @@ import pytest
 from conftest import assert_speculated
 
 import tandem
-from tandem.engine import calibration
-from tandem.speculative import calibrate
+from tandem.engine import calibration, cost_store
 
 # The engines' own costs on this machine rarely let a same-size tiny draft pay: where the test is about what happens
 # with drafts, they are drafted whatever the costs.
@@ -135,8 +134,8 @@ def test_logprobs_come_back_one_per_token(pair64):
 def test_the_engines_costs_are_kept_on_disk_for_the_next_start(tiny_model_path, monkeypatch, tmp_path):
     """A second process (here: new models of the same files) reads what the first measured; --recalibrate
     (TANDEM_RECALIBRATE) measures afresh."""
-    monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(calibrate, "machine_busy", lambda *a: False)  # busy: measured again when quiet
+    monkeypatch.setenv(cost_store.COSTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(cost_store, "machine_busy", lambda *a: False)  # busy: measured again when quiet
     measured = []
     measure = calibration.measure
     monkeypatch.setattr(calibration, "measure", lambda *a, **kw: measured.append(1) or measure(*a, **kw))
@@ -149,23 +148,22 @@ def test_the_engines_costs_are_kept_on_disk_for_the_next_start(tiny_model_path, 
     first = start()
     assert measured == [1] and len(os.listdir(tmp_path)) == 1
     assert start() == first and measured == [1]
-    monkeypatch.setenv(calibrate.RECALIBRATE_ENV, "1")
+    monkeypatch.setenv(cost_store.RECALIBRATE_ENV, "1")
     start()
     assert measured == [1, 1]
 
 
 def dear_drafts(monkeypatch, tmp_path) -> None:
     """Costs as a 2-core CPU's with the default pair: a verify of 2 tokens 1.8 plain steps, a draft step 0.4."""
-    from tandem.engine import planner
-    from tandem.speculative.policy import CostModel
+    from tandem.engine.costs import BatchCosts, CostModel
 
     def measure(target, draft, k_max, synchronize):
         batches = calibration.batch_sizes(target.slots)
-        return planner.BatchCosts(
+        return BatchCosts(
             verify={b: CostModel(0.0, {b: 40.0 * b, 2 * b: 72.0 * b, b * (k_max + 1): 40.0 * b * (k_max + 1)})
                     for b in batches}, draft_step={b: 16.0 * b for b in batches}, catch_up_ms_per_token=8.0)
 
-    monkeypatch.setenv(calibrate.COSTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(cost_store.COSTS_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(calibration, "measure", measure)
 
 
@@ -189,12 +187,12 @@ def test_a_generation_that_drafted_nothing_says_why(pair64, monkeypatch, tmp_pat
 
 def test_least_paying_acceptance_is_where_the_planner_starts_drafting():
     from tandem.engine import planner
-    from tandem.speculative.policy import CostModel
+    from tandem.engine.costs import BatchCosts, CostModel
 
-    costs = planner.BatchCosts(verify={1: CostModel(0.0, {1: 10.0, 2: 11.0, 9: 18.0})}, draft_step={1: 1.0})
+    costs = BatchCosts(verify={1: CostModel(0.0, {1: 10.0, 2: 11.0, 9: 18.0})}, draft_step={1: 1.0})
     floor = tandem.api.least_paying_acceptance(costs, 8)
     assert 0.0 < floor < 0.5
     assert planner.plan([planner.Candidate(floor, 8)], costs)[0] > 0
     assert planner.plan([planner.Candidate(floor - 0.02, 8)], costs)[0] == 0
-    dear = planner.BatchCosts(verify={1: CostModel(0.0, {1: 10.0, 2: 20.0, 9: 90.0})}, draft_step={1: 10.0})
+    dear = BatchCosts(verify={1: CostModel(0.0, {1: 10.0, 2: 20.0, 9: 90.0})}, draft_step={1: 10.0})
     assert tandem.api.least_paying_acceptance(dear, 8) == 1.0

@@ -9,12 +9,11 @@ from conftest import assert_speculated, cheap_drafting, exact_distribution
 from test_lossless import N_SAMPLES, TARGET_SAMPLING, chi_square_pvalue, skewed_draft_probs
 
 import tandem
-from tandem.engine import Engine, Request
+from tandem.engine import Engine, Request, calibration, cost_store
 from tandem.engine import drafter as drafter_module
 from tandem.engine import engine as engine_module
+from tandem.engine.costs import CostModel
 from tandem.sampling import SamplingParams
-from tandem.speculative import calibrate
-from tandem.speculative.policy import CostModel
 from tandem.speculative.proposer import NgramProposer
 
 PROMPTS = ["abc abc abc abc xyz def abc", "def add(a, b):\n    return a + b\n\ndef add(", "The quick brown fox"]
@@ -105,21 +104,21 @@ def test_costs_are_kept_on_disk_and_refreshed(pair64, tmp_path, monkeypatch):
         measured.append(k_max)
         return CostModel(1.0 + len(measured), {1: 3.0, 2: 3.5, k_max + 1: 6.0}, 0.25)
 
-    monkeypatch.setattr(calibrate, "measure_costs", measure)
-    monkeypatch.setattr(calibrate, "machine_busy", lambda *a: False)
+    monkeypatch.setattr(calibration, "measure_costs", measure)
+    monkeypatch.setattr(cost_store, "machine_busy", lambda *a: False)
     target.__dict__.pop("_tandem_costs", None)
-    first = calibrate.cached_costs(target, draft, 5)
+    first = cost_store.cached_costs(target, draft, 5)
     assert measured == [5] and first.draft_step_ms == 2.0
-    path = calibrate.costs_path(target, draft, 5)
+    path = cost_store.costs_path(target, draft, 5)
     assert path.startswith(str(tmp_path)) and json.load(open(path))["costs"]["draft_step_ms"] == 2.0
     target.__dict__.pop("_tandem_costs")  # a new start of the process
-    assert calibrate.cached_costs(target, draft, 5).draft_step_ms == 2.0 and measured == [5]
+    assert cost_store.cached_costs(target, draft, 5).draft_step_ms == 2.0 and measured == [5]
     target.__dict__.pop("_tandem_costs")
-    monkeypatch.setenv(calibrate.RECALIBRATE_ENV, "1")
-    assert calibrate.cached_costs(target, draft, 5).draft_step_ms == 3.0 and measured == [5, 5]
-    monkeypatch.delenv(calibrate.RECALIBRATE_ENV)
+    monkeypatch.setenv(cost_store.RECALIBRATE_ENV, "1")
+    assert cost_store.cached_costs(target, draft, 5).draft_step_ms == 3.0 and measured == [5, 5]
+    monkeypatch.delenv(cost_store.RECALIBRATE_ENV)
     target.__dict__.pop("_tandem_costs")
-    assert calibrate.cached_costs(target, draft, 5).draft_step_ms == 3.0  # the refreshed measurement was kept
+    assert cost_store.cached_costs(target, draft, 5).draft_step_ms == 3.0  # the refreshed measurement was kept
     target.__dict__.pop("_tandem_costs")
 
 
@@ -136,30 +135,30 @@ def test_costs_measured_on_a_busy_machine_are_kept_marked_so(pair64, tmp_path, m
         measured.append(k_max)
         return CostModel(float(len(measured)), {1: 3.0, 2: 3.5, k_max + 1: 6.0}, 0.25)
 
-    monkeypatch.setattr(calibrate, "measure_costs", measure)
-    monkeypatch.setattr(calibrate, "machine_busy", lambda *a: True)
-    path = calibrate.costs_path(target, draft, 5)
+    monkeypatch.setattr(calibration, "measure_costs", measure)
+    monkeypatch.setattr(cost_store, "machine_busy", lambda *a: True)
+    path = cost_store.costs_path(target, draft, 5)
     target.__dict__.pop("_tandem_costs", None)
-    calibrate.cached_costs(target, draft, 5)
-    calibrate.cached_costs(target, draft, 5)  # the same process: measured once
+    cost_store.cached_costs(target, draft, 5)
+    cost_store.cached_costs(target, draft, 5)  # the same process: measured once
     assert measured == [5] and json.load(open(path))["quiet"] is False
     target.__dict__.pop("_tandem_costs")  # a new start, busy still: what was kept, nothing measured
-    assert calibrate.cached_costs(target, draft, 5).draft_step_ms == 1.0 and measured == [5]
+    assert cost_store.cached_costs(target, draft, 5).draft_step_ms == 1.0 and measured == [5]
     target.__dict__.pop("_tandem_costs")  # a new start on a quiet machine: measured again, and kept as quiet
-    monkeypatch.setattr(calibrate, "machine_busy", lambda *a: False)
-    assert calibrate.cached_costs(target, draft, 5).draft_step_ms == 2.0 and measured == [5, 5]
+    monkeypatch.setattr(cost_store, "machine_busy", lambda *a: False)
+    assert cost_store.cached_costs(target, draft, 5).draft_step_ms == 2.0 and measured == [5, 5]
     assert json.load(open(path))["quiet"] is True
     target.__dict__.pop("_tandem_costs")
-    assert calibrate.cached_costs(target, draft, 5).draft_step_ms == 2.0 and measured == [5, 5]
+    assert cost_store.cached_costs(target, draft, 5).draft_step_ms == 2.0 and measured == [5, 5]
     target.__dict__.pop("_tandem_costs")
 
 
 def test_measure_costs_repeats_until_stable(pair64, monkeypatch):
     target, draft = pair64
     rounds = iter([1.0, 2.0, 1.5, 1.52, 9.0])
-    monkeypatch.setattr(calibrate, "_measure_once",
+    monkeypatch.setattr(calibration, "_measure_once",
                         lambda t, d, k: CostModel(next(rounds), {1: 3.0, 2: 3.0, k + 1: 4.0}, 0.1))
-    costs = calibrate.measure_costs(target, draft, 4)
+    costs = calibration.measure_costs(target, draft, 4)
     assert costs.draft_step_ms == 1.5  # four rounds (the last two agree), each figure the lower of those two
     assert next(rounds) == 9.0
 
@@ -183,4 +182,4 @@ def test_bench_skips_a_prompt_that_does_not_fit(tiny_model_path, tmp_path, capsy
 def test_costs_dir_follows_the_environment(pair64, tmp_path, monkeypatch):
     target, draft = pair64
     monkeypatch.setenv("TANDEM_COSTS", str(tmp_path / "elsewhere"))
-    assert os.path.dirname(calibrate.costs_path(target, draft, 8)) == str(tmp_path / "elsewhere")
+    assert os.path.dirname(cost_store.costs_path(target, draft, 8)) == str(tmp_path / "elsewhere")

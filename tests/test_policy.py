@@ -6,7 +6,8 @@ import random
 import pytest
 
 from tandem.engine import planner
-from tandem.speculative.policy import CostModel, expected_tokens
+from tandem.engine.costs import BatchCosts, CostModel
+from tandem.speculative.policy import expected_tokens
 
 K_MAX = 8
 
@@ -315,7 +316,7 @@ def test_the_prior_learns_how_much_requests_differ():
     assert VALUE_MIN_STRENGTH <= apart.spread_strength("draft-model") < 8
     # Drafting is valued over that Beta (planner.value_of_drafting): at a prior where drafting barely pays, alike
     # requests make "no gain" as likely as the mean says, apart ones leave a long tail of acceptances that would pay.
-    costs = planner.BatchCosts(verify={1: CostModel(0.0, {1: 10.0, 2: 13.0, 9: 34.0})}, draft_step={1: 3.0})
+    costs = BatchCosts(verify={1: CostModel(0.0, {1: 10.0, 2: 13.0, 9: 34.0})}, draft_step={1: 3.0})
     p_no_gain = {name: planner.value_of_drafting(0.55 * 2, 2.0, K_MAX, 1, costs,
                                                  shared.spread_strength("draft-model"))[1]
                  for name, shared in (("alike", alike), ("apart", apart))}

@@ -33,7 +33,8 @@ from tandem.api import default_draft, forget_prompts
 from tandem.backends.base import Model
 from tandem.bench.suite import BenchPrompt, load_suite
 from tandem.config import default_dtype
-from tandem.speculative.policy import CostModel, expected_tokens
+from tandem.engine.costs import CostModel
+from tandem.speculative.policy import expected_tokens
 from tandem.speculative.stats import GenerationStats
 
 WARMUP_TOKENS = 16  # a warm-up generation's length: enough to calibrate and touch every kernel
@@ -302,9 +303,9 @@ class Bench:
 
 
 def costs_for(target: Model, draft: Model | str | None, configs: list[BenchConfig]) -> dict[str, CostModel]:
-    """The batch-1 costs per proposer kind the predictions use (calibrate.cached_costs: kept on the target and on
+    """The batch-1 costs per proposer kind the predictions use (cost_store.cached_costs: kept on the target and on
     disk)."""
-    from tandem.speculative.calibrate import cached_costs
+    from tandem.engine.cost_store import cached_costs
 
     out = {}
     for kind in {c.draft for c in configs if c.draft is not None}:

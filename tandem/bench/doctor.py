@@ -29,12 +29,13 @@ from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, field
 
 from tandem.backends.base import Model
+from tandem.engine.calibration import time_forwards_ms
+from tandem.engine.costs import NGRAM_STEP_MS, CostModel
 from tandem.sampling import argmax
-from tandem.speculative.calibrate import NGRAM_STEP_MS, time_forwards_ms
-from tandem.speculative.policy import CostModel, expected_tokens
+from tandem.speculative.policy import expected_tokens
 
 DEFAULT_REPEATS = 5
-WARMUP_S = 1.0  # one-token forwards before the first timing of each model (see tandem.speculative.calibrate.warm_up)
+WARMUP_S = 1.0  # one-token forwards before the first timing of each model (see tandem.engine.calibration.warm_up)
 CONTEXT_TOKENS = 32  # tokens already in the caches when a step is timed: a short chat's worth
 VERIFY_SIZES = tuple(range(1, 17))
 # Drafting steps are cheap (an H100: k = 3 drafts and a verify, ~20 ms), and few of them read the pairing wrong: 5

@@ -2,7 +2,10 @@
 
     engine.py          Engine: admission, one batched step (draft, verify, accept) for every running sequence
     policy.py          DraftPolicy: what each sequence drafts (source, length, first reads), and what steps teach
-    planner.py         draft lengths from measured batched costs (pure functions), and the costs
+    planner.py         draft lengths from measured batched costs (pure functions)
+    costs.py           the cost model: one sequence's (CostModel) and a batch's (BatchCosts), one interpolation
+    calibration.py     those costs timed on the device (a batch's on the engine's caches, one sequence's)
+    cost_store.py      costs kept on disk per device, pair and shape; a server's Calibrator
     drafter.py         the draft model's side: its slots, catch-ups, drafts, evidence reads
     verification.py    a step's outcome per sequence, read back in one transfer
     run_ahead.py       a lone sequence's plain steps queued ahead of the host

@@ -1,8 +1,8 @@
 """The batched engine's costs, timed on the engine's own caches (`measure`): the target's forward over B sequences of
 n rows each, V(B, n), for B = 1, 2, 4, ... up to the slots; the draft's one-row step over B sequences; the draft's
 catch-up; a change of the target's shape; and what feeding the draft beside a verify adds. The planner
-(`planner.plan`) decides from them; the loop refines some as it runs (`BatchCosts.observe_*`). (The doctor's
-one-request costs are `tandem.speculative.calibrate`'s.)
+(`planner.plan`) decides from them; the loop refines some as it runs (`BatchCosts.observe_*`). One sequence's
+costs (the doctor's, `tandem bench`'s predictions) are measured here too (`measure_costs`).
 
 A server does not wait for all of that (`tandem serve` on a 2-core CPU: 33 s of a 40 s start, minutes beside another
 job): it starts on the costs kept from an earlier start, or on `estimate` (batch 1 only, once each, the rest read off
@@ -15,22 +15,24 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from contextvars import ContextVar
 from typing import TypeVar
 
-from tandem.backends.base import BatchedCache
-from tandem.engine.planner import BatchCosts
-from tandem.speculative.policy import EVIDENCE_ROWS, CostModel
+from tandem.backends.base import BatchedCache, Model, Sequence
+from tandem.engine.costs import NGRAM_STEP_MS, BatchCosts, CostModel
+from tandem.speculative.policy import EVIDENCE_ROWS
 
 T = TypeVar("T")
 log = logging.getLogger("tandem.calibration")
 # Calibrator.step's `hurry`, for the timings it runs: whether a request waits, and a timing should end at the runs it
 # has (one past the warm-up) instead of holding it back for all REPEATS.
-_HURRY: ContextVar[Callable[[], bool] | None] = ContextVar("tandem_calibration_hurry", default=None)
+HURRY: ContextVar[Callable[[], bool] | None] = ContextVar("tandem_calibration_hurry", default=None)
 
-CONTEXT = 16  # tokens each timed sequence attends over
+CONTEXT = 16  # tokens each timed sequence attends over (and a warm-up of kernels and caches)
 REPEATS = 3
+STABLE_ROUNDS = 5  # measure_costs: at most this many measuring rounds ...
+STABLE_TOLERANCE = 0.05  # ... until two in a row agree within this on every figure
 ESTIMATE_RUNS = 2  # estimate: timed forwards of each size
 AHEAD_PAIRS = 7  # feed-ahead: differences of a verify with and without the feed (_feed_ahead_ms)
 # Rows a sequence at which the target's forward is timed: 1, 2 and k_max + 1, then PROBE_ROWS; where V there is
@@ -48,7 +50,6 @@ CATCH_UP_ROWS = (8, 32)  # a draft's catch-up forward is timed over these many t
 # from uncaptured), 17.6 ms as the loop pays it (bench/llamacpp_episode.py), 11-16 ms timed so. Priced at 7.2, 2
 # requests drafted in runs too short to repay it (0.96x plain; 1.00x priced right).
 SWITCH_DRAFTS = 3
-REMEASURE_WAIT_S = 30.0  # Calibrator: how long a full measurement that waits for a quiet machine waits to ask again
 
 
 Timings = Generator[str, None, BatchCosts]  # yields what it times next, returns the costs (see measure_steps)
@@ -203,7 +204,7 @@ def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | 
             _rewind(cache, slots, CONTEXT)
         return sum(_timed(cache, slots, rows, synchronize, last_only=last_only) for _ in range(calls))
 
-    hurry = _HURRY.get()
+    hurry = HURRY.get()
     times = [once(), once()]  # the warm-up and one timed run at least
     while len(times) < REPEATS + 1 and not (hurry and hurry()):
         times.append(once())
@@ -249,109 +250,82 @@ def _rewind(cache: BatchedCache, slots: list[int], length: int) -> None:
         cache.rewind(s, length)
 
 
-class Calibrator:
-    """The costs a long-lived engine (a server's) plans from, without making it wait for a measurement: `start`
-    takes those kept for this device, pair and shape (calibrate.costs_path), else `estimate`s them in seconds and
-    keeps that; `step`, run while the engine is idle, measures them in full a timing at a time (measure_steps) where
-    what it started from is an estimate or was measured on a busy machine, then plans from and keeps what it
-    measured. A full measurement waits for a quiet machine (calibrate.machine_busy), unless all it would replace
-    is an estimate: measured busy, it is kept marked so and measured again once the machine is quiet."""
+# --- one sequence's costs (the doctor's, the bench's predictions) -------------------------------------------
 
-    def __init__(self, engine) -> None:
-        from tandem.speculative.calibrate import costs_path, model_threads
+def warm_up(model: Model, seq: Sequence, context: int, seconds: float) -> None:
+    """One-token forwards on seq (rolled back to `context` after each) for `seconds`, at least three: a device idle
+    before it runs at idle clocks, and Vulkan drivers build pipelines on first use. On an H200 through NVIDIA's
+    Vulkan driver the doctor's target steps, timed first in a lease, read 6.5-7.5 ms where the bench's ran 2.4-2.9
+    ms a minute later (and a second doctor run 2.35 ms); what exactly was cold is not pinned down."""
+    token = model.tokenizer.bos_token_id or 0
+    deadline, runs = time.perf_counter() + seconds, 0
+    while runs < 3 or time.perf_counter() < deadline:
+        seq.forward([token], logits="last")
+        seq.rewind(context)
+        runs += 1
+    model.synchronize()
 
-        self.engine = engine
-        self.path = costs_path(engine.target, engine.draft_model, engine.draft_max, engine.slots, engine.n_ctx)
-        self.threads = model_threads(engine.target)
-        self.source: str | None = None  # what the engine plans from: see progress()
-        self.pending = False  # a full measurement is still to be taken
-        self.estimated = False  # what the engine plans from is an estimate
-        self.timings_done = 0  # of the running full measurement
-        self.timing: str | None = None  # what it times next
-        self._timings: Timings | None = None
-        self._quiet = True  # no other work took the cores while it ran, so far
-        self._started = 0.0  # time.monotonic() when it began
-        self.waits_for_quiet = False  # the last step found the machine busy, and what is kept was measured in full
 
-    def start(self) -> None:
-        """Plan from the kept costs, else from an estimate (timed now, and kept for the next start)."""
-        from tandem.speculative.calibrate import keep, machine_busy, read_kept
-
-        engine = self.engine
-        kept = read_kept(self.path, BatchCosts.from_measured, engine.target, engine.draft_model)
-        if kept is not None:
-            self.estimated, self.pending = kept.estimate, kept.estimate or not kept.quiet
-            self.source = "estimate (kept)" if kept.estimate else "kept" if kept.quiet else "kept (busy machine)"
-            self._plan_from(kept.costs)
-            return
-        quiet = not machine_busy(self.threads)
-        costs = estimate(engine.target_kv, self._draft_kv(), engine.draft_max, self._synchronize)
-        keep(self.path, costs.measured(), engine.target, engine.draft_model,
-             quiet=quiet and not machine_busy(self.threads), estimate=True)
-        self.source, self.estimated, self.pending = "estimate", True, True
-        self._plan_from(costs)
-
-    def step(self, hurry: Callable[[], bool] | None = None) -> float | None:
-        """One timing of the full measurement, the engine idle (its free slots are scratch meanwhile, and their kept
-        prompts forgotten); seconds until the next is due (0: now), None once nothing is left to measure. hurry():
-        whether a request waits, and the timing should end at the runs it has (a server on a busy 2-core machine
-        took up to a minute a timing of 4 sequences x 9 rows at REPEATS)."""
-        from tandem.speculative.calibrate import keep, machine_busy
-
-        if not self.pending:
-            return None
-        engine = self.engine
-        if self._timings is None:
-            self._quiet = not machine_busy(self.threads)
-            self.waits_for_quiet = not self._quiet and not self.estimated
-            if self.waits_for_quiet:
-                return REMEASURE_WAIT_S
-            self._timings = measure_steps(engine.target_kv, self._draft_kv(), engine.draft_max, self._synchronize)
-            self.timings_done, self._started = 0, time.monotonic()
-            log.info("measuring the costs in full while idle (planning from: %s)", self.source)
-        engine.forget_prefixes()
-        token = _HURRY.set(hurry)
-        try:
-            self.timing = next(self._timings)
-            self.timings_done += 1
-            return 0.0
-        except StopIteration as done:
-            costs = done.value
-        except Exception:
-            self.pending, self._timings, self.timing = False, None, None
-            engine.forget_prefixes()  # a timing that raised may have left its slots full
-            raise
-        finally:
-            _HURRY.reset(token)
-        quiet = self._quiet and not machine_busy(self.threads)
-        keep(self.path, costs.measured(), engine.target, engine.draft_model, quiet=quiet)
-        self.source = "measured" if quiet else "measured (busy machine)"
-        log.info("costs %s: %d timings in %.0f s while idle", self.source, self.timings_done,
-                 time.monotonic() - self._started)
-        self.estimated, self.pending, self._timings, self.timing = False, not quiet, None, None
-        self._plan_from(costs)
-        return REMEASURE_WAIT_S if self.pending else None
-
-    def progress(self) -> dict:
-        """What the engine plans from ("kept", "estimate", "measured", each maybe "(busy machine)": other work took
-        the cores while it was timed) and, while a full measurement runs, how far along it is."""
-        out: dict = {"source": self.source}
-        if self._timings is not None:
-            out |= {"measuring": self.timing, "timings_done": self.timings_done}
-        elif self.pending:
-            out["measuring"] = "waiting for a quiet machine" if self.waits_for_quiet else "when the server is idle"
-        return out
-
-    def _draft_kv(self) -> BatchedCache | None:
-        return self.engine.drafter.kv if self.engine.drafter is not None else None
-
-    def _synchronize(self) -> None:
-        for model in (self.engine.target, self.engine.draft_model):
-            if model is not None:
+def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
+                     context: int = CONTEXT, drafting: bool = False, warmup_s: float = 0.0) -> dict[int, float]:
+    """n -> median ms of one forward of n tokens after `context` tokens. One scratch sequence serves every n (a
+    llama.cpp context costs far more to create than to run), rolled back after each forward; the first is a warm-up
+    (allocations, graph capture), and `warmup_s` of one-token forwards come before them all (see warm_up)."""
+    sizes = sorted(set(sizes))
+    if sizes[-1] + 1 > model.n_ctx:
+        raise ValueError(f"cannot time a forward of {sizes[-1]} tokens in a context of {model.n_ctx}")
+    context = max(1, min(context, model.n_ctx - sizes[-1]))
+    # The capacity decoding uses: attention over a static cache costs by capacity.
+    seq = model.new_sequence(drafting=drafting)
+    try:
+        token = model.tokenizer.bos_token_id or 0
+        seq.forward([token] * context, logits="last")
+        if warmup_s > 0:
+            warm_up(model, seq, context, warmup_s)
+        out = {}
+        for n in sizes:
+            times = []
+            for _ in range(repeats + 1):
                 model.synchronize()
+                started = time.perf_counter()
+                seq.forward([token] * n, logits="all")
+                model.synchronize()
+                times.append(1000.0 * (time.perf_counter() - started))
+                seq.rewind(context)
+            out[n] = statistics.median(times[1:])
+        return out
+    finally:
+        seq.close()
 
-    def _plan_from(self, costs: BatchCosts) -> None:
-        # As Engine.calibrate plans from what it measured.
-        engine = self.engine
-        costs.steady_draft = engine.drafter is not None and engine.draft_model.steady_shapes
-        engine.costs = costs.pad_rows(engine.target_kv.padded_rows)
+
+def _measure_once(target: Model, draft: Model | None, k_max: int) -> CostModel:
+    verify_ms = time_forwards_ms(target, {1, 2, k_max + 1})
+    if draft is None:
+        return CostModel(draft_step_ms=NGRAM_STEP_MS, verify_ms=verify_ms, catch_up_ms_per_token=0.0)
+    draft_ms = time_forwards_ms(draft, [1, CATCH_UP_ROWS[0]], drafting=True)
+    return CostModel(draft_step_ms=draft_ms[1], verify_ms=verify_ms,
+                     catch_up_ms_per_token=draft_ms[CATCH_UP_ROWS[0]] / CATCH_UP_ROWS[0])
+
+
+def _figures(costs: CostModel) -> list[float]:
+    return [costs.draft_step_ms, costs.catch_up_ms_per_token or 0.0, *costs.verify_ms.values()]
+
+
+def _agree(a: CostModel, b: CostModel) -> bool:
+    return all(abs(x - y) <= STABLE_TOLERANCE * max(x, y, 1e-9) for x, y in zip(_figures(a), _figures(b), strict=True))
+
+
+def measure_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
+    """Rounds of measurement until two in a row agree within STABLE_TOLERANCE on every figure (at most
+    STABLE_ROUNDS); each figure the lower of those two rounds' (noise on a shared machine only ever adds time)."""
+    k_max = max(0, min(k_max, target.n_ctx - 2))  # a verify of k_max + 1 tokens must fit in the context
+    last = _measure_once(target, draft, k_max)
+    for _ in range(STABLE_ROUNDS - 1):
+        new = _measure_once(target, draft, k_max)
+        stable, previous, last = _agree(last, new), last, new
+        if stable:
+            break
+    return CostModel(draft_step_ms=min(previous.draft_step_ms, last.draft_step_ms),
+                     verify_ms={n: min(v, last.verify_ms[n]) for n, v in previous.verify_ms.items()},
+                     catch_up_ms_per_token=min(previous.catch_up_ms_per_token or 0.0,
+                                               last.catch_up_ms_per_token or 0.0))

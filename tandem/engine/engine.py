@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from tandem.backends.base import Alongside, ContextOverflowError, Model
-from tandem.engine import calibration, planner
+from tandem.engine import calibration
+from tandem.engine.cost_store import costs_path, kept_costs
+from tandem.engine.costs import BatchCosts
 from tandem.engine.drafter import Drafter, Proposal
 from tandem.engine.kv_pool import SlotTable, fit_slots
 from tandem.engine.policy import DraftPolicy
@@ -40,8 +42,8 @@ from tandem.engine.sequence import (
 from tandem.engine.verification import read_outcomes, reads_argmax_only
 from tandem.logits.processor import processor_for
 from tandem.sampling import make_generator
-from tandem.speculative.calibrate import costs_path, kept_costs, shared_prior
 from tandem.speculative.compat import check_compatible
+from tandem.speculative.policy import shared_prior
 from tandem.speculative.proposer import NgramProposer
 
 log = logging.getLogger("tandem.engine")
@@ -146,12 +148,12 @@ class Engine:
         self._drafted: tuple[int, int] | None = None  # (sequences, forwards) of a step's steady draft (_propose)
 
     @property
-    def costs(self) -> planner.BatchCosts | None:
+    def costs(self) -> BatchCosts | None:
         """The measured costs the policy plans from (None: drafting requests draft their draft_max)."""
         return self.policy.costs
 
     @costs.setter
-    def costs(self, costs: planner.BatchCosts | None) -> None:
+    def costs(self, costs: BatchCosts | None) -> None:
         self.policy.set_costs(costs)
 
     @property
@@ -166,14 +168,14 @@ class Engine:
         self.policy.prior = prior
 
     def calibrate(self, refresh: bool = False) -> None:
-        """The planner's costs: as kept on disk for this device, pair and engine shape (calibrate.costs_path), else
+        """The planner's costs: as kept on disk for this device, pair and engine shape (cost_store.costs_path), else
         measured on these caches (empty: their slots are scratch here) and kept. refresh: measure afresh."""
-        def measure() -> planner.BatchCosts:
+        def measure() -> BatchCosts:
             return calibration.measure(self.target_kv, self.drafter and self.drafter.kv, self.draft_max,
                                    self._synchronize)
 
         path = costs_path(self.target, self.draft_model, self.draft_max, self.slots, self.n_ctx)
-        costs = kept_costs(path, measure, planner.BatchCosts.measured, planner.BatchCosts.from_measured,
+        costs = kept_costs(path, measure, BatchCosts.measured, BatchCosts.from_measured,
                            self.target, self.draft_model, refresh)
         costs.steady_draft = self.drafter is not None and self.draft_model.steady_shapes
         self.costs = costs.pad_rows(self.target_kv.padded_rows)

@@ -8,9 +8,9 @@ each K the best S of a given size is the sequences of highest acceptance, so the
 such prefix and keeps the most tokens per ms; K = 0 (everyone plain) is always a candidate, so by the measured costs
 the batch is never slower than plain decoding. As the batch grows V(B, R) turns compute-bound, extra rows stop being
 free, and drafting turns itself off; it turns back on as the batch drains. Costs are measured per batch size at
-start-up (`calibration.measure`); the loop refines the draft's step, prices drafting up by what its steps take
-beyond their costs (BatchCosts.drafting_overrun), and counts the draft's gain as far as its drafts lately yielded
-what their plans expected (BatchCosts.yield_factor).
+start-up (`calibration.measure`, into `costs.BatchCosts`); the loop refines the draft's step, prices drafting up
+by what its steps take beyond their costs (BatchCosts.drafting_overrun), and counts the draft's gain as far as its
+drafts lately yielded what their plans expected (BatchCosts.yield_factor).
 """
 
 from __future__ import annotations
@@ -18,43 +18,14 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.speculative.policy import (
-    EVIDENCE_ROWS,
-    EWMA_WEIGHT,
-    VALUE_MIN_STRENGTH,
-    CostModel,
-    beta_grid,
-    catch_up_cost,
-    expected_tokens,
-    observed_median,
-)
+from tandem.engine.costs import BatchCosts
+from tandem.speculative.policy import VALUE_MIN_STRENGTH, beta_grid, expected_tokens
 
-NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
 ALL_ACCEPTED_MAX = 1.0 - 1e-9  # a^k capped below 1, for log(1 - a^k)
-# Feeding the last drafts beside the verify replaces the catch-up forward of a sequence whose drafts all pass, about
-# half the steps (acceptance 0.8, k = 3: 0.51): it pays where it adds less than half a draft step (BatchCosts.ahead_ms)
-AHEAD_PAYS = 0.5
-# Costs paid once for a run of iterations are spread over the iterations such runs have lasted in this engine
-# (EWMAs within RUN_LIMITS), charged whole to one iteration they would keep every start and change from happening:
-# - starting to draft: the draft's catch-up on what it missed (it was off, or the request just started), and the
-#   change of the target's shape there and back, over BatchCosts.drafting_run (CATCH_UP_ITERATIONS before any run
-#   is seen). A fixed 16 assumed every run lasts; near break-even, noise in the estimates starts runs of a step or
-#   two (emulated on an H100's costs, bench/regime_emulation.py), each paying its catch-up and two changes whole.
-# - another shape while drafting or plain: its change, over BatchCosts.shape_run (SWITCH_ITERATIONS at first).
-#   Charged whole it held k=1 where k=2 paid 12% more (an H100's CUDA graphs: 2.9 ms a change, a 1.5B draft's
-#   step 2.2); spread over a fixed 8 it let estimates that jitter change K every few steps, each paying it whole.
-CATCH_UP_ITERATIONS = 16
-SWITCH_ITERATIONS = 8
-RUN_LIMITS = (1.0, 16.0)
-# What drafting yields against what its plans expected (BatchCosts.yield_factor): the extra tokens of recent drafting
-# steps, each step's weighing YIELD_DECAY times the one after, and YIELD_PRIOR expected and yielded alike at first.
-YIELD_DECAY = 0.99
-YIELD_PRIOR = 32.0
 VALUE_GRID = 16  # acceptance points value_of_drafting integrates over (a plan each, ~0.1 ms)
 
 
@@ -67,204 +38,6 @@ class Candidate:
     lag: int = 0  # tokens its draft must take in before drafting (0 for prompt lookup)
     fixed: bool = False  # drafts k_max whatever the costs say (draft_policy "fixed")
     lookup: bool = False  # drafts by prompt lookup: no draft-model step (a dictionary lookup on the host)
-
-
-@dataclass
-class BatchCosts:
-    """Measured costs in ms. verify[B] holds V(B, R) over total rows R for a batch of B sequences; draft_step[n]
-    one draft step over n sequences; the figures between measured points are interpolated (CostModel.verify)."""
-
-    verify: dict[int, CostModel] = field(default_factory=dict)
-    draft_step: dict[int, float] = field(default_factory=dict)
-    catch_up_ms_per_token: float = 0.0  # a draft's catch-up forward: base + tokens * per token (see measure)
-    catch_up_base_ms: float = 0.0
-    evidence_row_ms: float = 0.0  # an evidence read's logits row read back, past a catch-up's one (read_ms)
-    # A target forward whose rows differ from the forward before: llama.cpp rebuilds its graph (and, on CUDA,
-    # re-captures it) where it reused it for an unchanged shape; what a start or stop of drafting costs
-    switch_ms: float = 0.0
-    shape_run: float = SWITCH_ITERATIONS  # the iterations a target shape has lasted (EWMA), see observe_shape_run
-    drafting_run: float = CATCH_UP_ITERATIONS  # the iterations a run of drafting has lasted (EWMA)
-    # The draft steps one row a forward (Model.steady_shapes): a sequence whose drafts were all accepted has two
-    # tokens to take in, one more forward before its next draft (the planner expects it: 1 - prod(1 - a^k))
-    steady_draft: bool = False
-    # Where the target's cache runs a feed of the draft's beside its forward (BatchedCache.overlaps: llama.cpp on a
-    # GPU), per batch of drafting sequences: what feeding each one's last draft beside the verify adds to the step.
-    # Where that is less than AHEAD_PAYS draft steps (decide_feeding_ahead), the engine feeds it, and a sequence
-    # whose drafts all pass needs no catch-up forward.
-    ahead_ms: dict[int, float] = field(default_factory=dict)
-    ahead_pays: set[int] = field(default_factory=set)  # the batch sizes of ahead_ms that feed ahead
-    # The rows a forward of R rows computes (BatchedCache.padded_rows): V is priced at those. A packed torch step
-    # pads to 16, 32, 64, ... rows, so one draft beside 64 plain rows costs a 128-row forward, not a 65th row.
-    padded: Callable[[int], int] | None = field(default=None, repr=False)
-    _recent: dict = field(default_factory=dict, repr=False)  # observed_median's windows
-    _overrun: dict = field(default_factory=dict, repr=False)  # (batch, drafting) -> an iteration's ms - predicted
-    _yield: dict = field(default_factory=dict, repr=False)  # batch -> (extra tokens yielded, expected), decayed
-
-    def measured(self) -> dict:
-        """The figures `measure` took, as JSON (what is kept on disk; not what the loop has learned since)."""
-        return {"verify": {str(b): {str(n): ms for n, ms in c.verify_ms.items()} for b, c in self.verify.items()},
-                "draft_step": {str(b): ms for b, ms in self.draft_step.items()},
-                "catch_up_ms_per_token": self.catch_up_ms_per_token, "catch_up_base_ms": self.catch_up_base_ms,
-                "evidence_row_ms": self.evidence_row_ms, "switch_ms": self.switch_ms,
-                "ahead_ms": {str(b): ms for b, ms in self.ahead_ms.items()}}
-
-    @classmethod
-    def from_measured(cls, doc: dict) -> BatchCosts:
-        verify = {int(b): CostModel(draft_step_ms=0.0, verify_ms={int(n): float(ms) for n, ms in rows.items()})
-                  for b, rows in doc["verify"].items()}
-        if not verify or any(not c.verify_ms for c in verify.values()):
-            raise ValueError("no verify costs")
-        return cls(verify=verify, draft_step={int(b): float(ms) for b, ms in doc["draft_step"].items()},
-                   catch_up_ms_per_token=float(doc["catch_up_ms_per_token"]),
-                   catch_up_base_ms=float(doc["catch_up_base_ms"]),
-                   evidence_row_ms=float(doc.get("evidence_row_ms", 0.0)), switch_ms=float(doc["switch_ms"]),
-                   ahead_ms={int(b): float(ms) for b, ms in doc.get("ahead_ms", {}).items()}).decide_feeding_ahead()
-
-    @staticmethod
-    def _bucket(table: dict, n: int) -> int:
-        above = [b for b in table if b >= n]
-        return min(above) if above else max(table)
-
-    def pad_rows(self, padded: Callable[[int], int]) -> BatchCosts:
-        """Price forwards by the rows the backend computes (`padded`): the measured tables keyed by those too."""
-        self.padded = functools.lru_cache(maxsize=4096)(padded)  # asked for every plan's every row count
-        for model in self.verify.values():
-            table: dict[int, list[float]] = {}
-            for rows, ms in model.verify_ms.items():
-                table.setdefault(padded(rows), []).append(ms)
-            model.verify_ms = {rows: sum(v) / len(v) for rows, v in table.items()}
-        return self
-
-    def target_ms(self, batch: int, rows: int) -> float:
-        if self.padded is not None:
-            rows = self.padded(rows)
-        return self.verify[self._bucket(self.verify, batch)].verify(rows)
-
-    def plain_share_ms(self, batch: int) -> float:
-        """One sequence's share of a plain step of `batch` sequences: what the probe and exploration budgets count."""
-        return self.target_ms(batch, batch) / batch
-
-    def target_ms_array(self, batch: int, rows: np.ndarray) -> np.ndarray:
-        """target_ms over an array of row counts at once (CostModel.verify's rule: linear between and beyond the
-        measured points, never above a measured V(m) for m > n), for the planner's [K, n] grid."""
-        ns, vs, later_min = _points(tuple(sorted(self.verify[self._bucket(self.verify, batch)].verify_ms.items())))
-        if self.padded is not None:
-            values, at = np.unique(rows, return_inverse=True)
-            rows = np.array([self.padded(int(r)) for r in values], dtype=float)[at].reshape(rows.shape)
-        if len(ns) == 1:
-            return np.full(rows.shape, vs[0])
-        after = np.searchsorted(ns, rows, side="right")  # points with m > n start here
-        i = np.minimum(np.maximum(after, 1), len(ns) - 1)  # (np.clip: 4x the time of a small plan's arrays)
-        value = np.maximum(vs[i - 1] + (vs[i] - vs[i - 1]) * (rows - ns[i - 1]) / (ns[i] - ns[i - 1]), 1e-6)
-        return np.minimum(value, later_min[after])
-
-    def catch_up_ms(self, tokens: int | np.ndarray) -> float | np.ndarray:
-        """One draft forward taking in `tokens` unseen tokens (of one or several sequences; 0 costs nothing)."""
-        return catch_up_cost(self.catch_up_base_ms, self.catch_up_ms_per_token, tokens)
-
-    def read_ms(self, tokens: int) -> float:
-        """A draft's evidence read of `tokens` unseen tokens (Drafter.read_evidence): its catch-up, the logits of its
-        last EVIDENCE_ROWS rows read back, and past those a second forward (the head is read as a catch-up)."""
-        if tokens <= 0:
-            return 0.0
-        second = self.catch_up_base_ms if tokens > EVIDENCE_ROWS else 0.0
-        return float(self.catch_up_ms(tokens)) + self.evidence_row_ms * (min(tokens, EVIDENCE_ROWS) - 1) + second
-
-    def draft_ms(self, sequences: int) -> float:
-        if not self.draft_step or sequences == 0:
-            return NGRAM_STEP_MS if sequences else 0.0
-        return self.draft_step[self._bucket(self.draft_step, sequences)]
-
-    def decide_feeding_ahead(self) -> BatchCosts:
-        """Feed ahead at the batch sizes where the feed adds less than AHEAD_PAYS of the draft step timed with it:
-        decided once, on the calibration's figures. The loop's draft step may read dearer (H100, Vulkan: 4.5 ms where
-        2.0 timed alone); priced against that, a feed that added 1.96 ms looked cheap, and fed ahead the engine ran
-        0.80x of itself without (`bench/results/h100-2026-12-06f-feed-ahead`)."""
-        self.ahead_pays = {b for b, ms in self.ahead_ms.items()
-                           if b in self.draft_step and ms < AHEAD_PAYS * self.draft_step[b]}
-        return self
-
-    def feeds_ahead(self, sequences: int) -> bool:
-        """Whether a step of `sequences` drafting sequences feeds their last drafts beside the verify (ahead_ms)."""
-        if not self.ahead_ms or sequences == 0:
-            return False
-        return self._bucket(self.ahead_ms, sequences) in self.ahead_pays
-
-    def feed_ahead_ms(self, sequences: int) -> float:
-        """What feeding ahead adds to a step of `sequences` drafting sequences (0 where it does not feed ahead)."""
-        return self.ahead_ms[self._bucket(self.ahead_ms, sequences)] if self.feeds_ahead(sequences) else 0.0
-
-    def ahead_steps(self, sequences: int) -> float:
-        """Where a steady draft's step of `sequences` sequences feeds ahead (feeds_ahead), what the feed adds, in
-        draft steps; else nan: the step pays the catch-up forward of a sequence whose drafts all passed instead."""
-        return self.feed_ahead_ms(sequences) / self.draft_ms(sequences) if self.feeds_ahead(sequences) else np.nan
-
-    def observe_shape_run(self, iterations: int) -> None:
-        """A target shape lasted this many forwards before the shape changed."""
-        self.shape_run = _run_average(self.shape_run, iterations)
-
-    def observe_drafting_run(self, iterations: int) -> None:
-        """The batch drafted this many steps in a row."""
-        self.drafting_run = _run_average(self.drafting_run, iterations)
-
-    def switch_share_ms(self) -> float:
-        """What a change of shape costs each iteration of the new shape."""
-        return self.switch_ms / self.shape_run
-
-    def observe_iteration(self, batch: int, drafting: bool, predicted_ms: float, ms: float) -> None:
-        """A whole step of `batch` decoding sequences took `ms` where its forwards' costs say `predicted_ms`."""
-        key = ("iteration", batch, drafting)
-        self._overrun[batch, drafting] = observed_median(self._recent, key, 0.0, ms - predicted_ms)
-
-    def drafting_overrun(self, batch: int) -> float:
-        """How many ms longer a drafting step of `batch` sequences takes than its costs say, beyond what a plain one
-        does (>= 0): what the calibration's forwards, each timed alone and repeated, do not show (the step's host
-        work, the draft's bookkeeping, a worker process's round trips, a forward dearer in the loop). On an H100
-        (CUDA, 32B / 1.5B, 2 requests) drafting predicted at 1.23x ran at 0.90x plain, its 4- and 6-row verifies
-        23.0 and 25.9 ms in the loop against 15.2 and 19.5 timed alone, plain steps as timed. Refining each row
-        count's cost from the loop learned that one row count at a time, three steps each, while the counts not yet
-        seen still looked cheap; this one figure, for every draft length, is learned in three steps. Added, not
-        multiplied: the excess seen there was alike at 4 and 6 rows (+7.9 and +6.5 ms), a cost a step more than
-        a slower kernel. Most of it was a change of shape priced too low (see calibration.SWITCH_DRAFTS)."""
-        drafting = self._overrun.get((batch, True))
-        return 0.0 if drafting is None else max(0.0, drafting - self._overrun.get((batch, False), 0.0))
-
-    def observe_yield(self, batch: int, expected: float, yielded: float) -> None:
-        """A drafting step of `batch` sequences: the extra tokens (accepted drafts) its plan expected of the adaptive
-        draft-model drafters (sum of E(a, k) - 1 at their estimates) and what they yielded."""
-        done, hoped = self._yield.get(batch, (0.0, 0.0))
-        self._yield[batch] = (YIELD_DECAY * done + yielded, YIELD_DECAY * hoped + expected)
-
-    def yield_factor(self, batch: int) -> float:
-        """The share of the extra tokens its plans expect that the draft model's drafting in a batch of `batch` has
-        yielded lately. A plan drafts where the estimates are high, and noise makes some of them high: in a batch the
-        highest of several noisy estimates set the draft length, and the drafting steps they started yielded 3-10%
-        fewer tokens than planned at 2 and 4 requests (acceptance 0.8, H100 costs, emulated; 5-7% on real text at 3,
-        H200 costs), enough to turn a predicted 1.07x into a loss. One sequence's estimate showed no such bias
-        (1.00-1.03). Prompt lookup's plans are not scaled: scaled, 5 requests of real text lost 1% more."""
-        if batch < 2:
-            return 1.0
-        done, hoped = self._yield.get(batch, (0.0, 0.0))
-        return (done + YIELD_PRIOR) / (hoped + YIELD_PRIOR)
-
-    def observe_draft(self, sequences: int, forwards: int, ms: float) -> None:
-        """`forwards` draft forwards of one row for each of `sequences` sequences took `ms` in all."""
-        if sequences in self.draft_step and forwards > 0:
-            self.draft_step[sequences] = observed_median(self._recent, ("draft", sequences),
-                                                         self.draft_step[sequences], ms / forwards)
-
-
-@functools.lru_cache(maxsize=64)
-def _points(table: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A verify table's (rows, ms) as arrays, and the least ms at or after each point (inf past the end): made once
-    a table, not once a plan."""
-    ns = np.array([n for n, _ in table], dtype=float)
-    vs = np.array([ms for _, ms in table], dtype=float)
-    return ns, vs, np.append(np.minimum.accumulate(vs[::-1])[::-1], np.inf)
-
-
-def _run_average(average: float, run: int) -> float:
-    return float(np.clip(average + EWMA_WEIGHT * (run - average), *RUN_LIMITS))
 
 
 def plan(candidates: list[Candidate | None], costs: BatchCosts | None, extra_rows: int = 0,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tandem.backends.base import BatchedCache
 from tandem.engine import planner
+from tandem.engine.costs import BatchCosts
 from tandem.engine.drafter import Drafter
 from tandem.engine.sequence import DRAFT_MODEL, Generation
 from tandem.speculative.policy import (
@@ -67,7 +68,7 @@ class DraftPolicy:
         synthetic_acceptance: benchmarks: evidence reads match with this probability.
     """
 
-    def __init__(self, costs: planner.BatchCosts | None, prior: AcceptancePrior, drafter: Drafter | None,
+    def __init__(self, costs: BatchCosts | None, prior: AcceptancePrior, drafter: Drafter | None,
                  target_kv: BatchedCache, draft_max: int, synthetic_acceptance: float | None = None) -> None:
         self.costs, self.prior, self.drafter, self.target_kv = costs, prior, drafter, target_kv
         self.draft_max, self.synthetic_acceptance = draft_max, synthetic_acceptance
@@ -87,7 +88,7 @@ class DraftPolicy:
         self._values: dict[tuple, tuple] = {}  # (value, valid until step) by estimate, and _drafts_at's answers
         self._rates = None
 
-    def set_costs(self, costs: planner.BatchCosts | None) -> None:
+    def set_costs(self, costs: BatchCosts | None) -> None:
         """Plan from these costs (again, after changing them by hand): the answers kept from the old go."""
         self.costs, self._floors, self._values = costs, {}, {}
 

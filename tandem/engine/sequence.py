@@ -11,15 +11,10 @@ import torch
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.logits.processor import LogitsProcessor, LogitsSettings
 from tandem.sampling import SamplingParams, make_generator
-from tandem.speculative.policy import DRAFT_MODEL_SOURCE, lookup_share
+from tandem.speculative.policy import ACCEPTANCE_PRIOR, DRAFT_MODEL_SOURCE, NGRAM_PRIOR, lookup_share
 from tandem.speculative.proposer import NgramProposer
 from tandem.speculative.stats import GenerationStats
 
-# Pseudo-counts (accepted, drafted) a sequence's acceptance estimate starts from, before the process has seen any
-# request (the engine's shared AcceptancePrior then learns from completed ones), and decays back to while it does
-# not draft.
-DRAFT_MODEL_PRIOR = (1.4, 2.0)
-NGRAM_PRIOR = (0.5, 2.0)
 ACCEPTANCE_DECAY = 0.9  # per drafting iteration
 IDLE_DECAY = 0.97  # per plain iteration
 
@@ -230,7 +225,7 @@ class Generation:
         sources = ([DRAFT_MODEL] if self.proposer in (DRAFT_MODEL, "mixed") else []) + \
             (list(self.ngram.sources) if self.ngram is not None else [])
         priors = priors or {}
-        self.estimates = {s: Estimate(priors.get(s, DRAFT_MODEL_PRIOR if s == DRAFT_MODEL else NGRAM_PRIOR))
+        self.estimates = {s: Estimate(priors.get(s, ACCEPTANCE_PRIOR if s == DRAFT_MODEL else NGRAM_PRIOR))
                           for s in sources}
         self.plain_iterations = 0  # estimates fade towards their priors over these (see Estimate.acceptance)
         self.draft_source: str | None = None  # the source of this iteration's drafts

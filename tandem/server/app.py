@@ -16,7 +16,7 @@ Lifecycle: `tandem serve` listens before it loads, so /health answers 503 with {
 "warming", then 200 {"status": "ok"}; generation endpoints answer 503 (Retry-After) until then. The body says what it
 is doing ("stage") and for how long ("elapsed_s"), and, with the adaptive policy, what the costs it plans from are
 ("costs": kept from an earlier start, a few seconds' estimate, or measured in full while the server is idle: the
-server answers on the first two and refines them, engine.calibration.Calibrator). On SIGTERM it drains:
+server answers on the first two and refines them, engine.cost_store.Calibrator). On SIGTERM it drains:
 the listener closes, /health and new requests get 503 "shutting_down", and the streams in flight finish within
 --shutdown-timeout before the process exits 0. Behind a gateway (docs/deployment.md) this is what lets the gateway
 retry elsewhere instead of losing requests.
@@ -45,7 +45,7 @@ from tandem.api import DEFAULT_DRAFT_MAX
 from tandem.backends.base import Model
 from tandem.engine import Engine
 from tandem.engine import Request as EngineRequest
-from tandem.engine.calibration import Calibrator
+from tandem.engine.cost_store import Calibrator, machine_busy, model_threads
 from tandem.sampling import SamplingParams
 from tandem.server import openapi, protocol
 from tandem.server.asgi import BodyTooLargeError, RequestGuard, too_large_body
@@ -55,7 +55,6 @@ from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRe
 from tandem.server.safety import BrowserGuard
 from tandem.server.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError
 from tandem.server.tools import FORCED_FORMAT, detect_format, template_supports_tools
-from tandem.speculative.calibrate import machine_busy, model_threads
 
 log = logging.getLogger("tandem.server")
 

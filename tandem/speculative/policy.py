@@ -2,33 +2,27 @@
 
 Leviathan et al. 2023, sec. 3.4: with per-token acceptance a, drafting k tokens yields E(k) = (1 - a^(k+1)) / (1 - a)
 tokens per iteration, at a cost of k * c_d (draft steps) + V(k+1) (one target forward over k+1 tokens). Plain
-decoding is k = 0: one token per V(1). `CostModel` holds one sequence's measured c_d and V(n); the engine's planner
-(tandem.engine.planner) extends it to batches. What completed requests accepted lives in an `AcceptancePrior` that
-every sequence of a target shares: it is where a new request's estimate starts. The constants below are the
+decoding is k = 0: one token per V(1) (the measured costs: tandem.engine.costs). What completed requests accepted
+lives in an `AcceptancePrior` that every sequence of a target shares (`shared_prior`): it is where a new request's
+estimate starts. The constants below are the
 policy's, with the reason for each value.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-import statistics
 import threading
-from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
-EWMA_WEIGHT = 0.2  # weight of a new figure in the running estimates of runs and catch-ups
-# A cost the loop observes is the median of its latest OBSERVED_WINDOW timings, the figure before them counted
-# thrice at first: a one-off (a shape's first use: graph capture, a Vulkan pipeline, an allocation; 10x a step) moves
-# no estimate. An average moved by it kept drafting off for good on an H100 (CUDA, Vulkan: a plan of plain steps
-# never times a verify again to correct it).
-OBSERVED_WINDOW = 5
+from tandem.speculative.proposer import NgramProposer
+
 # Pseudo-counts (accepted, drafted) a fresh process starts from and every estimate drifts back to while drafting is
 # off: a = 0.7, what same-family pairs reach on code and JSON (CONTEXT.md: 0.63-0.82), held weakly (2 positions),
 # so that a request's own evidence soon outweighs it.
 ACCEPTANCE_PRIOR = (1.4, 2.0)
+NGRAM_PRIOR = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations until the request shows otherwise ...
+LONG_MATCH_PRIOR = (1.0, 2.0)  # ... less so after a match of its longest n-gram
 # What acceptance a request may turn out to have is a Beta of the estimate's pseudo-counts, held as at least this
 # many positions: a Beta(2.8, 1.2) spreads about as much (sd 0.2) as one pair's acceptance does across prompts
 # (0.29-0.92); a weaker one puts much weight near 1, where drafting would win big, and bets on it too often.
@@ -87,72 +81,11 @@ def copied_risk(p_no_gain: float, shared: AcceptancePrior | None) -> float:
     return 1.0 - (1.0 - p_no_gain) * (1.0 - copied)
 
 
-def catch_up_cost(base_ms: float, per_token_ms: float, tokens):
-    """One draft forward taking in `tokens` unseen tokens (an int, or an array of counts): a base plus a price a
-    token; nothing to take in costs nothing."""
-    if isinstance(tokens, np.ndarray):
-        return np.where(tokens > 0, base_ms + tokens * per_token_ms, 0.0)
-    return base_ms + tokens * per_token_ms if tokens > 0 else 0.0
-
-
-def observed_median(recent: dict, key: object, before: float, ms: float) -> float:
-    """A cost's new estimate after a timing of `ms`: the median of its latest timings (`recent` keeps them per key),
-    seeded with its estimate `before` (see OBSERVED_WINDOW)."""
-    window = recent.setdefault(key, deque([before] * (OBSERVED_WINDOW // 2 + 1), maxlen=OBSERVED_WINDOW))
-    window.append(ms)
-    return statistics.median(window)
-
-
 def expected_tokens(acceptance: float, k: int) -> float:
     """E(k): tokens an iteration yields, accepted drafts plus the target's own token."""
     if acceptance >= 1.0:
         return k + 1.0
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-
-
-@dataclass
-class CostModel:
-    """Measured costs in ms: one draft step, and the target's forward over n tokens (n = 1 is a plain step)."""
-
-    draft_step_ms: float
-    verify_ms: dict[int, float] = field(default_factory=dict)
-    catch_up_ms_per_token: float | None = None  # the draft's forward over many unseen tokens, per token (batched)
-    catch_up_base_ms: float = 0.0  # and what such a forward costs whatever its tokens (GPUs: most of it)
-    # The draft steps one row a forward (Model.steady_shapes): after an iteration whose k drafts were all accepted
-    # (probability a^k) it takes in two tokens in two forwards, one more than its k; draft_step_ms is then a forward's
-    steady_draft: bool = False
-    _recent: dict = field(default_factory=dict, repr=False, compare=False)  # observed_median's windows
-
-    def verify(self, n: int) -> float:
-        """V(n), linear between (and beyond) the measured points: a forward's cost is affine in its tokens. Never
-        above a measured V(m) for m > n, since a forward over more tokens costs no less: V(1) is measured only by
-        plain steps, so a V(1) that calibration overstated (a cold Vulkan pipeline) would otherwise keep a losing
-        draft length on for good, the steps that would correct it never taken."""
-        if n in self.verify_ms:
-            value = self.verify_ms[n]
-        else:
-            ns = sorted(self.verify_ms)
-            if len(ns) == 1:
-                return self.verify_ms[ns[0]]
-            i = min(max(bisect.bisect(ns, n), 1), len(ns) - 1)
-            (n0, v0), (n1, v1) = (ns[i - 1], self.verify_ms[ns[i - 1]]), (ns[i], self.verify_ms[ns[i]])
-            value = max(v0 + (v1 - v0) * (n - n0) / (n1 - n0), 1e-6)
-        return min([value] + [v for m, v in self.verify_ms.items() if m > n])
-
-    def tokens_per_ms(self, acceptance: float, k: int, extra_ms: float = 0.0) -> float:
-        forwards = k + (min(acceptance, 1.0) ** k if self.steady_draft and k else 0.0)
-        return expected_tokens(acceptance, k) / (forwards * self.draft_step_ms + self.verify(k + 1) + extra_ms)
-
-    def best_draft_len(self, acceptance: float, k_max: int) -> int:
-        return max(range(k_max + 1), key=lambda k: (self.tokens_per_ms(acceptance, k), -k))
-
-    def predicted_speedup(self, acceptance: float, k_max: int) -> float:
-        k = self.best_draft_len(acceptance, k_max)
-        return self.tokens_per_ms(acceptance, k) / self.tokens_per_ms(acceptance, 0)
-
-    def catch_up_ms(self, tokens: int) -> float:
-        per_token = self.catch_up_ms_per_token if self.catch_up_ms_per_token is not None else self.draft_step_ms
-        return catch_up_cost(self.catch_up_base_ms, per_token, tokens)
 
 
 def beta_grid(accepted: float, drafted: float, points: int = BETA_GRID) -> list[tuple[float, float]]:
@@ -256,3 +189,19 @@ class AcceptancePrior:
     def reply_tokens(self) -> float:
         with self._lock:
             return DEFAULT_REPLY_TOKENS if self._reply_tokens is None else max(self._reply_tokens, 1.0)
+
+
+_priors_lock = threading.Lock()
+
+
+def shared_prior(target) -> AcceptancePrior:
+    """The process-wide acceptance prior of a target's requests (kept on the target, like its costs): per source,
+    so prompt lookup alone and mixed with a draft share what lookup accepted."""
+    priors = target.__dict__.setdefault("_tandem_priors", {})
+    with _priors_lock:
+        if "shared" not in priors:
+            lookup = NgramProposer()
+            defaults = {s: NGRAM_PRIOR for s in lookup.sources}
+            defaults[lookup.sources[0]] = LONG_MATCH_PRIOR
+            priors["shared"] = AcceptancePrior(defaults)
+        return priors["shared"]

@@ -1,16 +1,12 @@
-"""A pair's costs measured on the device it runs on, and kept.
+"""A pair's measured costs kept on disk, and a server's costs kept current while it idles.
 
-- `cached_costs`: the batch-1 cost model (the draft's one-token step, the target's forward over n = 1, 2 and
-  k_max + 1 tokens, affine in between), repeated until two rounds agree, for `tandem bench`'s predictions and the
-  doctor; the batched engine measures its own (`engine.calibration.measure`) and keeps them through `kept_costs`.
-- Either is kept on disk per device (with its thread count), pair (each file's path, size and time) and shape
-  (`$TANDEM_HOME/costs/`, or $TANDEM_COSTS), so later starts decide alike (near break-even a cost read off a cold or
-  busy device decides differently from one start to the next) and a changed file is measured afresh, never read
-  stale; TANDEM_RECALIBRATE=1 (or `--recalibrate`) measures afresh. Costs measured while other work took the cores
-  are kept marked so (`Kept.quiet`): a start on a busy machine uses them rather than pay a measurement that busy
-  (minutes: a real-pair server took ~10.5 min to answer beside another job), and a start on a quiet one measures
-  them again. The loop then refines every figure from the iterations it really runs.
-- `shared_prior`: the process-wide acceptance prior of a target's requests.
+Kept per device (with its thread count), pair (each file's path, size and time) and shape (`$TANDEM_HOME/costs/`,
+or $TANDEM_COSTS), so later starts decide alike (near break-even a cost read off a cold or busy device decides
+differently from one start to the next) and a changed file is measured afresh, never read stale;
+TANDEM_RECALIBRATE=1 (or `--recalibrate`) measures afresh. Costs measured while other work took the cores are kept
+marked so (`Kept.quiet`): a start on a busy machine uses them rather than pay a measurement that busy, and a start on
+a quiet one measures them again. `cached_costs`: one sequence's (tandem bench, the doctor); `Calibrator`: a server's
+batched costs, estimated at start and measured in full a timing at a time while idle.
 """
 
 from __future__ import annotations
@@ -21,27 +17,19 @@ import json
 import logging
 import os
 import platform
-import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Generic, TypeVar
 
-from tandem.backends.base import Model, Sequence
-from tandem.speculative.policy import AcceptancePrior, CostModel
-from tandem.speculative.proposer import NgramProposer
+from tandem.backends.base import BatchedCache, Model
+from tandem.engine import calibration
+from tandem.engine.calibration import HURRY, Timings, estimate, measure_steps
+from tandem.engine.costs import BatchCosts, CostModel
 
-log = logging.getLogger("tandem.calibrate")
+log = logging.getLogger("tandem.costs")
 
-WARMUP_TOKENS = 16  # context the timed forwards attend over, and a warm-up of kernels and caches
-REPEATS = 3
-NGRAM_STEP_MS = 0.01  # a dictionary lookup; measured online from there
-NGRAM_PRIOR = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations until the request shows otherwise ...
-LONG_MATCH_PRIOR = (1.0, 2.0)  # ... less so after a match of its longest n-gram
-CATCH_UP_TOKENS = 8  # a draft's forward over this many tokens prices its catch-up after plain steps
-STABLE_ROUNDS = 5  # at most this many measuring rounds ...
-STABLE_TOLERANCE = 0.05  # ... until two in a row agree within this on every figure
 BUSY_SAMPLES = 3  # machine_busy: runnable tasks read this many times ...
 BUSY_SAMPLE_S = 0.01  # ... this far apart, the fewest counted (a burst is not a busy machine)
 COSTS_VERSION = 4  # of the on-disk format and how its figures are measured; another version is measured afresh
@@ -50,87 +38,9 @@ COSTS_VERSION = 4  # of the on-disk format and how its figures are measured; ano
 # differences, with and without it in turn)
 RECALIBRATE_ENV = "TANDEM_RECALIBRATE"
 COSTS_DIR_ENV = "TANDEM_COSTS"  # where measured costs are kept [$TANDEM_HOME/costs]
+REMEASURE_WAIT_S = 30.0  # Calibrator: how long a full measurement that waits for a quiet machine waits to ask again
 T = TypeVar("T")
 _lock = threading.Lock()  # one measurement at a time: two requests must not time forwards against each other
-
-
-def warm_up(model: Model, seq: Sequence, context: int, seconds: float) -> None:
-    """One-token forwards on seq (rolled back to `context` after each) for `seconds`, at least three: a device idle
-    before it runs at idle clocks, and Vulkan drivers build pipelines on first use. On an H200 through NVIDIA's
-    Vulkan driver the doctor's target steps, timed first in a lease, read 6.5-7.5 ms where the bench's ran 2.4-2.9
-    ms a minute later (and a second doctor run 2.35 ms); what exactly was cold is not pinned down."""
-    token = model.tokenizer.bos_token_id or 0
-    deadline, runs = time.perf_counter() + seconds, 0
-    while runs < 3 or time.perf_counter() < deadline:
-        seq.forward([token], logits="last")
-        seq.rewind(context)
-        runs += 1
-    model.synchronize()
-
-
-def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
-                     context: int = WARMUP_TOKENS, drafting: bool = False, warmup_s: float = 0.0) -> dict[int, float]:
-    """n -> median ms of one forward of n tokens after `context` tokens. One scratch sequence serves every n (a
-    llama.cpp context costs far more to create than to run), rolled back after each forward; the first is a warm-up
-    (allocations, graph capture), and `warmup_s` of one-token forwards come before them all (see warm_up)."""
-    sizes = sorted(set(sizes))
-    if sizes[-1] + 1 > model.n_ctx:
-        raise ValueError(f"cannot time a forward of {sizes[-1]} tokens in a context of {model.n_ctx}")
-    context = max(1, min(context, model.n_ctx - sizes[-1]))
-    # The capacity decoding uses: attention over a static cache costs by capacity.
-    seq = model.new_sequence(drafting=drafting)
-    try:
-        token = model.tokenizer.bos_token_id or 0
-        seq.forward([token] * context, logits="last")
-        if warmup_s > 0:
-            warm_up(model, seq, context, warmup_s)
-        out = {}
-        for n in sizes:
-            times = []
-            for _ in range(repeats + 1):
-                model.synchronize()
-                started = time.perf_counter()
-                seq.forward([token] * n, logits="all")
-                model.synchronize()
-                times.append(1000.0 * (time.perf_counter() - started))
-                seq.rewind(context)
-            out[n] = statistics.median(times[1:])
-        return out
-    finally:
-        seq.close()
-
-
-def _measure_once(target: Model, draft: Model | None, k_max: int) -> CostModel:
-    verify_ms = time_forwards_ms(target, {1, 2, k_max + 1})
-    if draft is None:
-        return CostModel(draft_step_ms=NGRAM_STEP_MS, verify_ms=verify_ms, catch_up_ms_per_token=0.0)
-    draft_ms = time_forwards_ms(draft, [1, CATCH_UP_TOKENS], drafting=True)
-    return CostModel(draft_step_ms=draft_ms[1], verify_ms=verify_ms,
-                     catch_up_ms_per_token=draft_ms[CATCH_UP_TOKENS] / CATCH_UP_TOKENS)
-
-
-def _figures(costs: CostModel) -> list[float]:
-    return [costs.draft_step_ms, costs.catch_up_ms_per_token or 0.0, *costs.verify_ms.values()]
-
-
-def _agree(a: CostModel, b: CostModel) -> bool:
-    return all(abs(x - y) <= STABLE_TOLERANCE * max(x, y, 1e-9) for x, y in zip(_figures(a), _figures(b), strict=True))
-
-
-def measure_costs(target: Model, draft: Model | None, k_max: int) -> CostModel:
-    """Rounds of measurement until two in a row agree within STABLE_TOLERANCE on every figure (at most
-    STABLE_ROUNDS); each figure the lower of those two rounds' (noise on a shared machine only ever adds time)."""
-    k_max = max(0, min(k_max, target.n_ctx - 2))  # a verify of k_max + 1 tokens must fit in the context
-    last = _measure_once(target, draft, k_max)
-    for _ in range(STABLE_ROUNDS - 1):
-        new = _measure_once(target, draft, k_max)
-        stable, previous, last = _agree(last, new), last, new
-        if stable:
-            break
-    return CostModel(draft_step_ms=min(previous.draft_step_ms, last.draft_step_ms),
-                     verify_ms={n: min(v, last.verify_ms[n]) for n, v in previous.verify_ms.items()},
-                     catch_up_ms_per_token=min(previous.catch_up_ms_per_token or 0.0,
-                                               last.catch_up_ms_per_token or 0.0))
 
 
 def _file_id(path: str) -> str | None:
@@ -194,7 +104,7 @@ class Kept(Generic[T]):
 
     costs: T
     quiet: bool  # measured with no other work taking the cores (machine_busy); else to be measured again when quiet
-    estimate: bool = False  # a quick estimate (engine.calibration.estimate), not a full measurement
+    estimate: bool = False  # a quick estimate (calibration.estimate), not a full measurement
 
 
 def read_kept(path: str | None, decode: Callable[[dict], T], target: Model, draft: Model | None) -> Kept[T] | None:
@@ -293,19 +203,109 @@ def cached_costs(target: Model, draft: Model | None, k_max: int, refresh: bool =
     key = (id(draft), k_max)
     with _lock:
         if key not in cache or refresh:
-            cache[key] = kept_costs(costs_path(target, draft, k_max), lambda: measure_costs(target, draft, k_max),
-                                    asdict, _decode_cost_model, target, draft, refresh)
+            cache[key] = kept_costs(costs_path(target, draft, k_max),
+                                    lambda: calibration.measure_costs(target, draft, k_max), asdict,
+                                    _decode_cost_model, target, draft, refresh)
         return copy.deepcopy(cache[key])
 
 
-def shared_prior(target: Model) -> AcceptancePrior:
-    """The process-wide acceptance prior of a target's requests (kept on the target, like its costs): per source,
-    so prompt lookup alone and mixed with a draft share what lookup accepted."""
-    priors = target.__dict__.setdefault("_tandem_priors", {})
-    with _lock:
-        if "shared" not in priors:
-            lookup = NgramProposer()
-            defaults = {s: NGRAM_PRIOR for s in lookup.sources}
-            defaults[lookup.sources[0]] = LONG_MATCH_PRIOR
-            priors["shared"] = AcceptancePrior(defaults)
-        return priors["shared"]
+class Calibrator:
+    """The costs a long-lived engine (a server's) plans from, without making it wait for a measurement: `start`
+    takes those kept for this device, pair and shape (costs_path), else `estimate`s them in seconds and
+    keeps that; `step`, run while the engine is idle, measures them in full a timing at a time (measure_steps) where
+    what it started from is an estimate or was measured on a busy machine, then plans from and keeps what it
+    measured. A full measurement waits for a quiet machine (machine_busy), unless all it would replace
+    is an estimate: measured busy, it is kept marked so and measured again once the machine is quiet."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.path = costs_path(engine.target, engine.draft_model, engine.draft_max, engine.slots, engine.n_ctx)
+        self.threads = model_threads(engine.target)
+        self.source: str | None = None  # what the engine plans from: see progress()
+        self.pending = False  # a full measurement is still to be taken
+        self.estimated = False  # what the engine plans from is an estimate
+        self.timings_done = 0  # of the running full measurement
+        self.timing: str | None = None  # what it times next
+        self._timings: Timings | None = None
+        self._quiet = True  # no other work took the cores while it ran, so far
+        self._started = 0.0  # time.monotonic() when it began
+        self.waits_for_quiet = False  # the last step found the machine busy, and what is kept was measured in full
+
+    def start(self) -> None:
+        """Plan from the kept costs, else from an estimate (timed now, and kept for the next start)."""
+        engine = self.engine
+        kept = read_kept(self.path, BatchCosts.from_measured, engine.target, engine.draft_model)
+        if kept is not None:
+            self.estimated, self.pending = kept.estimate, kept.estimate or not kept.quiet
+            self.source = "estimate (kept)" if kept.estimate else "kept" if kept.quiet else "kept (busy machine)"
+            self._plan_from(kept.costs)
+            return
+        quiet = not machine_busy(self.threads)
+        costs = estimate(engine.target_kv, self._draft_kv(), engine.draft_max, self._synchronize)
+        keep(self.path, costs.measured(), engine.target, engine.draft_model,
+             quiet=quiet and not machine_busy(self.threads), estimate=True)
+        self.source, self.estimated, self.pending = "estimate", True, True
+        self._plan_from(costs)
+
+    def step(self, hurry: Callable[[], bool] | None = None) -> float | None:
+        """One timing of the full measurement, the engine idle (its free slots are scratch meanwhile, and their kept
+        prompts forgotten); seconds until the next is due (0: now), None once nothing is left to measure. hurry():
+        whether a request waits, and the timing should end at the runs it has (a server on a busy 2-core machine
+        took up to a minute a timing of 4 sequences x 9 rows at REPEATS)."""
+        if not self.pending:
+            return None
+        engine = self.engine
+        if self._timings is None:
+            self._quiet = not machine_busy(self.threads)
+            self.waits_for_quiet = not self._quiet and not self.estimated
+            if self.waits_for_quiet:
+                return REMEASURE_WAIT_S
+            self._timings = measure_steps(engine.target_kv, self._draft_kv(), engine.draft_max, self._synchronize)
+            self.timings_done, self._started = 0, time.monotonic()
+            log.info("measuring the costs in full while idle (planning from: %s)", self.source)
+        engine.forget_prefixes()
+        token = HURRY.set(hurry)
+        try:
+            self.timing = next(self._timings)
+            self.timings_done += 1
+            return 0.0
+        except StopIteration as done:
+            costs = done.value
+        except Exception:
+            self.pending, self._timings, self.timing = False, None, None
+            engine.forget_prefixes()  # a timing that raised may have left its slots full
+            raise
+        finally:
+            HURRY.reset(token)
+        quiet = self._quiet and not machine_busy(self.threads)
+        keep(self.path, costs.measured(), engine.target, engine.draft_model, quiet=quiet)
+        self.source = "measured" if quiet else "measured (busy machine)"
+        log.info("costs %s: %d timings in %.0f s while idle", self.source, self.timings_done,
+                 time.monotonic() - self._started)
+        self.estimated, self.pending, self._timings, self.timing = False, not quiet, None, None
+        self._plan_from(costs)
+        return REMEASURE_WAIT_S if self.pending else None
+
+    def progress(self) -> dict:
+        """What the engine plans from ("kept", "estimate", "measured", each maybe "(busy machine)": other work took
+        the cores while it was timed) and, while a full measurement runs, how far along it is."""
+        out: dict = {"source": self.source}
+        if self._timings is not None:
+            out |= {"measuring": self.timing, "timings_done": self.timings_done}
+        elif self.pending:
+            out["measuring"] = "waiting for a quiet machine" if self.waits_for_quiet else "when the server is idle"
+        return out
+
+    def _draft_kv(self) -> BatchedCache | None:
+        return self.engine.drafter.kv if self.engine.drafter is not None else None
+
+    def _synchronize(self) -> None:
+        for model in (self.engine.target, self.engine.draft_model):
+            if model is not None:
+                model.synchronize()
+
+    def _plan_from(self, costs: BatchCosts) -> None:
+        # As Engine.calibrate plans from what it measured.
+        engine = self.engine
+        costs.steady_draft = engine.drafter is not None and engine.draft_model.steady_shapes
+        engine.costs = costs.pad_rows(engine.target_kv.padded_rows)
