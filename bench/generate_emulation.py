@@ -28,7 +28,7 @@ from step_parts import iterations, iterations_traced
 
 import tandem
 from tandem.engine import Engine, Request
-from tandem.engine.sequence import DRAFT_MODEL
+from tandem.engine.generation import DRAFT_MODEL
 from tandem.loading.synthetic import write_tiny_gguf
 from tandem.sampling import SamplingParams
 

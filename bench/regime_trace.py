@@ -22,8 +22,8 @@ from step_parts import StepParts
 
 from tandem.engine import Engine, calibration
 from tandem.engine.costs import BatchCosts
+from tandem.engine.generation import DRAFT_MODEL
 from tandem.engine.policy import DraftPolicy
-from tandem.engine.sequence import DRAFT_MODEL
 from tandem.speculative.policy import shared_prior
 
 STEPS_SHOWN = 12  # the first plans of each engine run, and every one that drafted

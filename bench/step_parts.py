@@ -1,6 +1,6 @@
 """Where an engine step's time goes in the loop: each decoding step timed whole and in its parts (the plan, with
 any evidence read; the draft, its catch-up and steps; the target's forward; the host's reading of its rows,
-verification.read_outcomes; the rest, bookkeeping), keyed by the target's rows in the forward before and in this
+outcomes.read_outcomes; the rest, bookkeeping), keyed by the target's rows in the forward before and in this
 one ("N (prompts)": a step that took in prompt rows), with the steps' total. What a step costs beyond the forwards
 the calibration timed alone, whether a change of shape is where it goes, and what a round's prompt steps cost an
 engine that drafts against one that does not. Used by bench/regime_trace.py and bench/gpu_report_regime.py
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tandem.engine import Engine
-from tandem.engine.sequence import DRAFT_MODEL
+from tandem.engine.generation import DRAFT_MODEL
 from tandem.speculative.stats import GenerationStats
 
 PARTS = ("step", "plan", "draft", "forward", "outcomes")

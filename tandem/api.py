@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tandem.backends.base import Model
 from tandem.config import BACKENDS, DEFAULT_BACKEND, DEFAULT_DEVICE, default_dtype
 from tandem.engine import Engine, Request
-from tandem.engine.sequence import GenerationChunk, GenerationResult
+from tandem.engine.generation import GenerationChunk, GenerationResult
 from tandem.logits.options import logits_settings
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import DRAFT_MODEL_SOURCE

@@ -47,7 +47,7 @@ def count_batches(engine) -> list[int]:
 def record_verifies(monkeypatch, verify) -> dict[tuple[int, int], int]:
     """Routes the engine's sampled verification through `verify`, counting each call's (drafts, accepted): the dict
     it returns fills as the engine runs."""
-    from tandem.engine import verification
+    from tandem.engine import outcomes as outcomes_module
 
     outcomes: dict[tuple[int, int], int] = {}
 
@@ -57,7 +57,7 @@ def record_verifies(monkeypatch, verify) -> dict[tuple[int, int], int]:
         outcomes[key] = outcomes.get(key, 0) + 1
         return n_accepted, token
 
-    monkeypatch.setattr(verification, "verify_sampled", recording)
+    monkeypatch.setattr(outcomes_module, "verify_sampled", recording)
     return outcomes
 
 

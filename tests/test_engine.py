@@ -585,7 +585,7 @@ def test_a_draft_the_plan_keeps_off_rereads_where_the_rest_of_the_reply_repays_i
     1.5B at acceptance 0.8: two rejections first, then 125 plain steps). It re-reads where what a read may switch on,
     over the rest of the reply and the spread of its faded estimate, is worth PROBE_VALUE_MARGIN times the catch-up
     (the first read's test); near the reply's end it does not."""
-    from tandem.engine.sequence import DRAFT_MODEL
+    from tandem.engine.generation import DRAFT_MODEL
     from tandem.speculative.policy import AcceptancePrior
 
     target, draft = pair64
@@ -628,7 +628,7 @@ def test_a_prior_learned_low_is_read_again_within_the_exploration_budget(pair64)
     drafted; Vulkan costs, emulated). Their plain time is counted, and once a read's catch-up is within
     EXPLORE_BUDGET of it a request reads anyway; what it reads is recorded and the count starts again. Where even the
     acceptance a fresh process expects cannot pay, nothing is explored. The output is the target's either way."""
-    from tandem.engine.sequence import DRAFT_MODEL
+    from tandem.engine.generation import DRAFT_MODEL
     from tandem.speculative.policy import EXPLORE_BUDGET
 
     target, draft = pair64
@@ -668,7 +668,7 @@ def test_a_change_of_shape_is_not_learned_as_overrun(pair64):
     Observed as one pair it reads as none; a steady overrun is still learned where the shape changes every two steps."""
     from types import SimpleNamespace
 
-    from tandem.engine.sequence import DRAFT_MODEL
+    from tandem.engine.generation import DRAFT_MODEL
 
     target, draft = pair64
     engine = Engine(target, draft, slots=2, draft_max=4, measure_costs=False, prompt_lookup=False)

@@ -17,7 +17,7 @@ from sampling_reference import exact_distribution  # noqa: E402
 from test_lossless import chi_square_pvalue, residual_from_target, residual_from_target_after_an_accept  # noqa: E402
 
 from tandem.engine import Engine, Request  # noqa: E402
-from tandem.engine import verification as verification_module  # noqa: E402
+from tandem.engine import outcomes as outcomes_module  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
 from tandem.speculative.verify import verify_sampled  # noqa: E402
 
@@ -54,7 +54,7 @@ def sample_sequences(target, draft, prompt_ids, monkeypatch, verify=verify_sampl
         per_step[-1] += draft_tokens.shape[0] > 0
         return n_accepted, token
 
-    monkeypatch.setattr(verification_module, "verify_sampled", recording)
+    monkeypatch.setattr(outcomes_module, "verify_sampled", recording)
     engine = Engine(target, draft, slots=SLOTS, draft_max=max(DRAFT_LENGTHS), measure_costs=False,
                     prompt_lookup=False)
     step = engine.step

@@ -23,7 +23,7 @@ from conftest import BOUNDED_SCHEMA, K_QUANT_SHAPES, assert_speculated, count_ba
 
 import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
-from tandem.engine import verification as verification_module  # noqa: E402
+from tandem.engine import outcomes as outcomes_module  # noqa: E402
 from tandem.logits.grammar import COMPACT_JSON  # noqa: E402
 from tandem.logits.options import logits_settings  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
@@ -178,18 +178,18 @@ def test_speculative_logprobs_are_the_targets_and_plain_decodings(pair, plain_lo
 
 def shifted_rows(monkeypatch, engine, draft_model) -> None:
     """Planted error: each verify's rows scored one position late (row r scores the token at r with row r + 1)."""
-    score_rows = verification_module.score_rows
+    score_rows = outcomes_module.score_rows
 
     def late(logits, *args):
         return score_rows(logits.roll(-1, dims=0), *args)
 
-    monkeypatch.setattr(verification_module, "score_rows", late)
+    monkeypatch.setattr(outcomes_module, "score_rows", late)
 
 
 def draft_rows(monkeypatch, engine, draft_model) -> None:
     """Planted error: the rows scored are the draft's at the same positions (verification still reads the
     target's)."""
-    swapped, outcomes, score_rows = {}, engine._outcomes, verification_module.score_rows
+    swapped, outcomes, score_rows = {}, engine._outcomes, outcomes_module.score_rows
 
     def with_draft_rows(decoding, firsts, proposals):
         swapped.clear()
@@ -199,7 +199,7 @@ def draft_rows(monkeypatch, engine, draft_model) -> None:
         return outcomes(decoding, firsts, proposals)
 
     monkeypatch.setattr(engine, "_outcomes", with_draft_rows)
-    monkeypatch.setattr(verification_module, "score_rows", lambda logits, *a: score_rows(swapped[id(logits)], *a))
+    monkeypatch.setattr(outcomes_module, "score_rows", lambda logits, *a: score_rows(swapped[id(logits)], *a))
 
 
 @pytest.mark.parametrize("plant", [shifted_rows, draft_rows])

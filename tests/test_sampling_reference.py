@@ -18,7 +18,7 @@ from test_lossless import MIN_EXPECTED, chi_square_pvalue
 import tandem
 from tandem.engine import Engine, Request
 from tandem.engine import drafter as drafter_module
-from tandem.engine import verification as verification_module
+from tandem.engine import outcomes as outcomes_module
 from tandem.sampling import SamplingParams, probs_from_logits
 from tandem.speculative.verify import verify_sampled
 
@@ -218,7 +218,7 @@ def sample_sequences(target, prompt_ids, monkeypatch, target_temperature=None):
     outcomes = record_verifies(monkeypatch, verify_sampled)
     monkeypatch.setattr(drafter_module, "probs_from_logits", ranked_draft_probs)
     if target_temperature is not None:
-        monkeypatch.setattr(verification_module, "probs_from_logits", lambda logits, params: probs_from_logits(
+        monkeypatch.setattr(outcomes_module, "probs_from_logits", lambda logits, params: probs_from_logits(
             logits, replace(params, temperature=target_temperature)))
     engine = Engine(target, target, slots=4, draft_max=max(DRAFT_LENGTHS), measure_costs=False, prompt_lookup=False)
     counts, results = {}, []

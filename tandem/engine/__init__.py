@@ -7,14 +7,14 @@
     calibration.py     those costs timed on the device (a batch's on the engine's caches, one sequence's)
     cost_store.py      costs kept on disk per device, pair and shape; a server's Calibrator
     drafter.py         the draft model's side: its slots, catch-ups, drafts, evidence reads
-    verification.py    a step's outcome per sequence, read back in one transfer
+    outcomes.py        a step's outcome per sequence, read back in one transfer
     run_ahead.py       a lone sequence's plain steps queued ahead of the host
     kv_pool.py         which KV slot a request gets, and the prompt prefix it can reuse there
     scoring.py         log-probabilities of prompts and emitted tokens
-    sequence.py        one request's state (Generation), its text stream, the chunks the engine yields
+    generation.py      one request's state (Generation), its text stream, the chunks the engine yields
 """
 
 from tandem.engine.engine import Engine
-from tandem.engine.sequence import GenerationChunk, GenerationResult, Request
+from tandem.engine.generation import GenerationChunk, GenerationResult, Request
 
 __all__ = ["Engine", "GenerationChunk", "GenerationResult", "Request"]

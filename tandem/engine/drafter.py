@@ -18,7 +18,7 @@ import time
 import torch
 
 from tandem.backends.base import Alongside, Model
-from tandem.engine.sequence import DRAFT_MODEL, Generation
+from tandem.engine.generation import DRAFT_MODEL, Generation
 from tandem.sampling import argmax, probs_from_logits, sample
 from tandem.speculative.compat import draft_ids
 from tandem.speculative.policy import EVIDENCE_ROWS, STEADY_CATCH_UP

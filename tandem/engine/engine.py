@@ -27,11 +27,7 @@ from tandem.engine import calibration
 from tandem.engine.cost_store import costs_path, kept_costs
 from tandem.engine.costs import BatchCosts
 from tandem.engine.drafter import Drafter, Proposal
-from tandem.engine.kv_pool import SlotTable, fit_slots
-from tandem.engine.policy import DraftPolicy
-from tandem.engine.run_ahead import LOOKUP_RUN_AHEAD, RUN_AHEAD, DeviceSpan, RunAhead
-from tandem.engine.scoring import token_logprobs
-from tandem.engine.sequence import (
+from tandem.engine.generation import (
     DRAFT_MODEL,
     Generation,
     GenerationChunk,
@@ -39,7 +35,11 @@ from tandem.engine.sequence import (
     Request,
     TokenLogprob,
 )
-from tandem.engine.verification import read_outcomes, reads_argmax_only
+from tandem.engine.kv_pool import SlotTable, fit_slots
+from tandem.engine.outcomes import read_outcomes, reads_argmax_only
+from tandem.engine.policy import DraftPolicy
+from tandem.engine.run_ahead import LOOKUP_RUN_AHEAD, RUN_AHEAD, DeviceSpan, RunAhead
+from tandem.engine.scoring import token_logprobs
 from tandem.logits.processor import processor_for
 from tandem.sampling import make_generator
 from tandem.speculative.compat import check_compatible

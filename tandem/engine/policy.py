@@ -17,7 +17,7 @@ from tandem.backends.base import BatchedCache
 from tandem.engine import planner
 from tandem.engine.costs import BatchCosts
 from tandem.engine.drafter import Drafter
-from tandem.engine.sequence import DRAFT_MODEL, Generation
+from tandem.engine.generation import DRAFT_MODEL, Generation
 from tandem.speculative.policy import (
     ACCEPTANCE_PRIOR,
     EVIDENCE_TOKENS,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from tandem.backends.base import BatchedCache
-from tandem.engine.sequence import Generation
-from tandem.engine.verification import verify
+from tandem.engine.generation import Generation
+from tandem.engine.outcomes import verify
 from tandem.sampling import argmax
 
 RUN_AHEAD = 8  # plain steps a run queues at most (where the device runs asynchronously of the host)

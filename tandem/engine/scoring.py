@@ -9,7 +9,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from tandem.backends.base import Model
-from tandem.engine.sequence import TokenLogprob
+from tandem.engine.generation import TokenLogprob
 
 SCORE_CHUNK = 256  # prompt tokens a forward: [256, 152k] float32 logits are 155 MB
 

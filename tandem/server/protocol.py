@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from tandem.engine.sequence import MAX_TOP_LOGPROBS
+from tandem.engine.generation import MAX_TOP_LOGPROBS
 from tandem.logits.grammar import COMPACT_JSON
 from tandem.logits.options import logits_settings
 from tandem.logits.processor import DEFAULT_REPEAT_LAST_N, MAX_PENALTY, LogitsError, LogitsSettings

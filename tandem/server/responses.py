@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from tandem.engine.sequence import TokenLogprob
+from tandem.engine.generation import TokenLogprob
 from tandem.speculative.stats import GenerationStats
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.engine import Engine, GenerationChunk, Request
-from tandem.engine.sequence import Generation
+from tandem.engine.generation import Generation
 from tandem.speculative.stats import GenerationStats
 
 log = logging.getLogger("tandem.server")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.engine.generation import Generation
 from tandem.engine.scoring import score_rows
-from tandem.engine.sequence import Generation
 from tandem.sampling import argmax, picked, probs_from_logits
 from tandem.speculative.verify import verify_greedy, verify_sampled, verify_synthetic, verify_synthetic_picked
 
