@@ -84,7 +84,8 @@ def test_openapi_describes_every_endpoint_and_body(server):
     max_tokens = schemas["ChatCompletionRequest"]["properties"]["max_tokens"]
     assert {"type": "integer", "minimum": 1} in max_tokens["anyOf"]
     assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in schemas
-    assert httpx.get(f"{server.url}/docs").status_code == 200
+    # No /docs page: FastAPI's loads its scripts from a CDN (a blank page offline, a third party's code on this origin).
+    assert httpx.get(f"{server.url}/docs").status_code == 404
 
 
 def test_whole_number_floats_are_integers(server):

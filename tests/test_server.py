@@ -359,7 +359,11 @@ def test_api_key(plain_server):
     with pytest.raises(openai.AuthenticationError):
         plain_server.client(api_key="wrong").models.list()
     assert plain_server.client(api_key=API_KEY).models.list().data[0].id == "tiny"
-    assert httpx.get(f"{plain_server.url}/health").status_code == 200  # health stays open
+    for path in ("/health", "/metrics"):  # open: probes, routers and scrapers carry no key
+        assert httpx.get(f"{plain_server.url}{path}").status_code == 200
+    assert_openai_error(httpx.get(f"{plain_server.url}/openapi.json"), 401)  # the rest needs it, in either header
+    for headers in ({"Authorization": f"Bearer {API_KEY}"}, {"x-api-key": API_KEY}):
+        assert httpx.get(f"{plain_server.url}/openapi.json", headers=headers).status_code == 200
 
 
 def chat_body(**fields) -> dict:
@@ -403,7 +407,7 @@ BAD_INPUTS = [  # (path, body: dict or raw bytes, status, param)
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1, -1]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, -1]}, 400, "prompt[1]"),
     ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
 ]
 

@@ -42,6 +42,7 @@ class GenerationChunk:
     finish_reason: str | None = None  # set on the last chunk: "stop" | "length"
     stats: GenerationStats | None = None  # set on the last chunk
     logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when the request asked for them
+    stop_string: str | None = None  # set on the last chunk when a stop string ended the text: which one
 
 
 @dataclass
@@ -139,6 +140,7 @@ class TextStream:
         self.stops = [s for s in stops if s]
         self.held = ""  # decoded, not yet returned
         self.stopped = False  # a stop string was found; `held` is the text before it
+        self.stop_string: str | None = None  # the one found (the earliest in the text)
 
     def push(self, tokens: Seq[int]) -> str:
         """Text now safe to return; sets `stopped` (and returns "") when a stop string ended the text."""
@@ -158,9 +160,10 @@ class TextStream:
         return out
 
     def _cut(self) -> bool:
-        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.held.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            self.held, self.stopped = self.held[: min(hits)], True
+            at, self.stop_string = min(hits, key=lambda hit: hit[0])
+            self.held, self.stopped = self.held[:at], True
         return self.stopped
 
 
@@ -294,5 +297,6 @@ class Generation:
         if self.text.stopped:
             self.finish_reason = "stop"
         if self.finish_reason is not None:
-            return GenerationChunk(text + self.text.finish(), tokens, self.finish_reason, self.stats, logprobs)
+            return GenerationChunk(text + self.text.finish(), tokens, self.finish_reason, self.stats, logprobs,
+                                   self.text.stop_string)
         return GenerationChunk(text, tokens, logprobs=logprobs) if tokens or text else None

@@ -87,7 +87,8 @@ def text_grammar(text: str) -> Grammar:
 
 def response_format_grammar(response_format: dict[str, Any] | None) -> Grammar | None:
     """OpenAI's response_format: {"type": "text"} (None), {"type": "json_object"}, or {"type": "json_schema",
-    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}; llama-server's {"type": "json_object", "schema":
+    {...}} constrains to the schema too."""
     if response_format is None:
         return None
     kind = response_format.get("type")
@@ -95,6 +96,10 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> Grammar |
         raise GrammarError(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}")
     if kind == "text":
         return None
+    if response_format.get("schema") is not None:  # llama-server's {"type": "json_object", "schema": {...}}
+        if kind == "json_schema" and response_format.get("json_schema") is not None:
+            raise GrammarError("response_format: give json_schema.schema or schema, not both")
+        return json_grammar(response_format["schema"])
     if kind == "json_object":
         return json_grammar()
     spec = response_format.get("json_schema")

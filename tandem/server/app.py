@@ -46,8 +46,9 @@ from tandem.backends.base import Model
 from tandem.engine import Engine
 from tandem.engine import Request as EngineRequest
 from tandem.engine.cost_store import Calibrator, machine_busy, model_threads
+from tandem.logits.grammar import ll_tokenizer
 from tandem.sampling import SamplingParams
-from tandem.server import openapi, protocol
+from tandem.server import anthropic_messages, openai_responses, openapi, protocol
 from tandem.server.asgi import BodyTooLargeError, RequestGuard, too_large_body
 from tandem.server.completion import Responder
 from tandem.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -55,12 +56,14 @@ from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRe
 from tandem.server.safety import BrowserGuard
 from tandem.server.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError
 from tandem.server.tools import FORCED_FORMAT, detect_format, template_supports_tools
+from tandem.server.turns import chat_prompt
 
 log = logging.getLogger("tandem.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json", "/docs")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+             "/v1/models", "/health", "/metrics", "/openapi.json")
 NOT_READY = {  # status -> what a request gets while the server is not ready
     "loading": "the server is loading its models",
     "warming": "the server is warming up",
@@ -202,13 +205,15 @@ class Server:
     # --- checks before queueing ----------------------------------------------------------------------------
 
     def authorize(self, request: Request) -> None:
+        """With an API key set, every route but /health needs it: `Authorization: Bearer <key>`, or Anthropic's
+        `x-api-key: <key>`."""
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        given = key if scheme.lower() == "bearer" else request.headers.get("x-api-key")
+        if given is None or not secrets.compare_digest(given.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
+                           "<key>')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, name: str | None) -> None:
         # No model named is fine (llama-server allows it); a wrong name is OpenAI's 404, unless the operator
@@ -294,6 +299,14 @@ class Server:
         """A token's text, as logprobs show it."""
         return self.target.tokenizer.decode([token])
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes (part of a UTF-8 character for some), as llguidance reads them from the vocabulary;
+        a special token's, its text's."""
+        vocab = ll_tokenizer(self.target.tokenizer, self.target.vocab_size)
+        if token >= vocab.vocab_size or vocab.is_special_token(token):
+            return self.piece(token).encode()
+        return vocab.decode_bytes([token])
+
 
 def create_app(
     target: Model | None = None,
@@ -325,7 +338,9 @@ def create_app(
         model_name: the id /v1/models lists and responses carry [the target file's name without .gguf];
             requests may name it or any of `aliases` (any name at all with `accept_any_model`).
         draft_max, draft_policy: the default drafting; requests may lower it or turn it off ("speculative").
-        api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health and /metrics stay open).
+        api_key: when set, every route but /health and /metrics needs `Authorization: Bearer <api_key>` (or
+            `x-api-key`); those two stay open for probes, routers and scrapers, which carry no key (they hold
+            readiness, counts and gauges, never a prompt or a reply).
         max_queue: requests that may wait for a slot; one more gets a 503 with Retry-After.
         slots: generations decoded together at most, in one batched forward a step (1 = strictly serial).
         max_body_bytes: larger request bodies get a 413 without being read.
@@ -363,8 +378,11 @@ def create_app(
             server.drain()
             server.scheduler.stop()
 
-    app = FastAPI(title="tandem", version=_version(), lifespan=lifespan, redoc_url=None,
-                  description="An OpenAI-compatible server with lossless speculative decoding (docs/api.md).")
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN (blank offline, a third party's code on
+    # this origin); /openapi.json is served below, behind the API key like the rest.
+    app = FastAPI(title="tandem", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, description="An OpenAI- and Anthropic-compatible server with lossless speculative "
+                  "decoding (docs/api.md). With --api-key every route but /health and /metrics needs the key.")
     openapi.install(app)
     app.state.server = server
     # Starlette wraps the app in the order added, the last outermost: guard -> browser guard -> CORS -> app.
@@ -374,33 +392,39 @@ def create_app(
     app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts)
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, metrics=server.metrics, endpoints=ENDPOINTS)
 
+    def error_response(request: Request, status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+        """OpenAI's error object, or Anthropic's on Anthropic's routes."""
+        if request.url.path in anthropic_messages.ROUTES:
+            body = anthropic_messages.error_body(status, body["error"]["message"])
+        return JSONResponse(body, status_code=status, headers=headers)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         request.state.generation_summary = f" {exc.message}"  # the access log says why
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return error_response(request, exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(BodyTooLargeError)
     async def too_large(request: Request, exc: BodyTooLargeError) -> JSONResponse:
-        return JSONResponse(too_large_body(max_body_bytes), status_code=413)
+        return error_response(request, 413, too_large_body(max_body_bytes))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = protocol._param_name(tuple(x for x in err.get("loc", ()) if x != "body"))
-        return JSONResponse(error_body(f"{param or 'request'}: {err.get('msg')}", param=param), status_code=400)
+        return error_response(request, 400, error_body(f"{param or 'request'}: {err.get('msg')}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(error_body(message, kind, code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return error_response(request, exc.status_code, error_body(message, kind, code=code),
+                              getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+        return error_response(request, 500, error_body("internal server error", "server_error"))
 
     @app.post("/v1/chat/completions", response_model=None, openapi_extra=openapi.request_body(ChatCompletionRequest),
               responses={200: {"model": openapi.ChatCompletion}, **openapi.ERRORS}, summary="Chat completion")
@@ -410,15 +434,7 @@ def create_app(
         server.authorize(request)
         req = protocol.parse_request(ChatCompletionRequest, await request.body())
         server.check_model(req.model)
-        tool_format = server.tool_format(req)
-        try:
-            ids = await run_in_threadpool(server.target.tokenizer.encode_chat, req.template_messages(),
-                                          True, req.tools_offered)
-        except APIError:
-            raise
-        except Exception as e:  # the chat template may refuse the messages (jinja's raise_exception)
-            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
-        server.check_prompt(ids, "messages")
+        ids, tool_format = await chat_prompt(server, req)
         return await server.responder.run(request, "chat", req, ids, tool_format)
 
     @app.post("/v1/completions", response_model=None, openapi_extra=openapi.request_body(CompletionRequest),
@@ -434,6 +450,9 @@ def create_app(
         ids = await run_in_threadpool(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         server.check_prompt(ids, "prompt")
         return await server.responder.run(request, "text", req, ids)
+
+    openai_responses.add_routes(app, server)
+    anthropic_messages.add_routes(app, server)
 
     @app.get("/v1/models", response_model=openapi.ModelList, responses=openapi.ERRORS, summary="Served models")
     async def models(request: Request) -> dict:
@@ -462,8 +481,14 @@ def create_app(
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text exposition"}})
     async def metrics() -> Response:
-        """Request, token and speculation counters; queue, batch and KV gauges (also under vLLM's names)."""
+        """Request, token and speculation counters; queue, batch and KV gauges (also under vLLM's names). Open
+        without the API key: load-aware routers and scrapers read it; it holds counts, never a prompt or a reply."""
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_document(request: Request) -> JSONResponse:
+        server.authorize(request)
+        return JSONResponse(app.openapi())
 
     return app
 

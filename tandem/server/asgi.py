@@ -105,3 +105,8 @@ class SSEResponse(StreamingResponse):
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_event(name: str, obj: Any) -> str:
+    """A named server-sent event (`event:` line, then the data), as the Responses and Messages APIs stream them."""
+    return f"event: {name}\n{sse(obj)}"

@@ -38,6 +38,7 @@ class Host(Protocol):
     def submit(self, jobs: list[Job]) -> None: ...
     def cancel(self, jobs: list[Job]) -> None: ...
     def piece(self, token: int) -> str: ...
+    def token_bytes(self, token: int) -> bytes: ...
 
 
 class Responder:
@@ -84,7 +85,8 @@ class Responder:
         request_id = responses.new_id("chatcmpl" if kind == "chat" else "cmpl")
         tool_names = [t.function.name for t in req.tools or []] if tool_format else []
         max_calls = req.max_tool_calls if isinstance(req, ChatCompletionRequest) else None
-        choices = [Choice(i, kind, self.server.piece, tool_format, tool_names, max_calls) for i in range(req.n)]
+        choices = [Choice(i, kind, self.server.piece, tool_format, tool_names, max_calls, self.server.token_bytes)
+                   for i in range(req.n)]
         for choice in choices:
             choice.prompt_tokens = len(ids)
         if echo:

@@ -1,5 +1,6 @@
-"""What /openapi.json (and /docs) says about the API: the request bodies (protocol.py's models, which also validate
-them) and the responses (models here that only describe; the handlers build the JSON themselves).
+"""What /openapi.json says about the API: the request bodies (the models that also validate them: protocol.py's,
+openai_responses.py's, anthropic_messages.py's) and the responses (models here that only describe; the handlers
+build the JSON themselves).
 
 Handlers read the raw body and validate it with `protocol.parse_request` (strict types, OpenAI's error shape, the
 body-size limit and auth checked before any parsing), so the request schemas are attached to the operations by hand
@@ -15,14 +16,14 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
-
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest)
+REQUEST_MODELS: list[type[BaseModel]] = []  # every operation's body model (request_body adds them)
 _REF = "#/components/schemas/{model}"
 
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` for an operation whose JSON body is `model`."""
+    """`openapi_extra` for an operation whose JSON body is `model` (its schema joins the document's components)."""
+    if model not in REQUEST_MODELS:
+        REQUEST_MODELS.append(model)
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": _REF.format(model=model.__name__)}}}}}
 
@@ -156,6 +157,61 @@ class Health(BaseModel):
     costs: dict | None = None
 
 
-ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in (
-    (400, "invalid request: the field is named in error.param"), (401, "missing or wrong API key"),
-    (404, "unknown model"), (413, "body over the size limit"), (503, "not ready, busy or shutting down"))}
+_STATUSES = ((400, "invalid request: the field is named in error.param"), (401, "missing or wrong API key"),
+             (403, "Host header not allowed (DNS-rebinding guard; --allowed-hosts)"), (404, "unknown model"),
+             (413, "body over the size limit"), (415, "Content-Type other than application/json"),
+             (503, "not ready, busy or shutting down"))
+ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in _STATUSES}
+
+
+# --- the Responses and Messages APIs (description only) ---------------------------------------------------------
+
+class ResponseObject(BaseModel):
+    """OpenAI's response object; with stream: true, text/event-stream of named events (response.created ...
+    response.completed) instead."""
+
+    id: str = Field(description="resp_...: previous_response_id takes it")
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    incomplete_details: dict[str, str] | None = Field(description='{"reason": "max_output_tokens"} when cut')
+    model: str
+    output: list[dict[str, Any]] = Field(description="message items (output_text) and function_call items")
+    usage: dict[str, Any] | None = Field(description="input_tokens (input_tokens_details.cached_tokens: reused), "
+                                         "output_tokens, total_tokens")
+    timings: dict[str, Any] | None = Field(None, description="as in chat completions")
+
+
+class MessageObject(BaseModel):
+    """Anthropic's message; with stream: true, text/event-stream of named events (message_start ... message_stop)
+    instead."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]] = Field(description="text and tool_use blocks")
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: dict[str, int] = Field(description="input_tokens (computed), cache_read_input_tokens (reused), "
+                                  "output_tokens")
+    timings: dict[str, Any] | None = Field(None, description="as in chat completions")
+
+
+class TokenCount(BaseModel):
+    input_tokens: int = Field(description="the prompt's tokens under the model's chat template, tools included")
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, ...")
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error object: every 4xx and 5xx on /v1/messages*."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+ANTHROPIC_ERRORS = {status: {"model": AnthropicErrorResponse, "description": what} for status, what in _STATUSES}

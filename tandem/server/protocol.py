@@ -67,6 +67,10 @@ def _whole(**constraints: Any) -> Any:
 
 
 WholeInt = _whole()
+NonEmptyText = Annotated[str, Field(min_length=1)]
+NonEmptyIds = Annotated[list[_whole(ge=0)], Field(min_length=1)]
+# A list of one prompt (several are a 400 from `checked`, which says why): the document says so too.
+OnePrompt = Field(min_length=1, json_schema_extra={"maxItems": 1})
 
 
 class _Lenient(BaseModel):
@@ -92,7 +96,7 @@ class ToolCall(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    role: str = Field(description=f"one of {', '.join(ROLES)}")
+    role: Literal[ROLES] = Field(description=f"one of {', '.join(ROLES)}")
     content: str | list[ContentPart] | None = Field(
         None, description="required, except for an assistant message that carries tool_calls")
     name: str | None = None
@@ -144,6 +148,8 @@ class JSONSchemaFormat(_Lenient):
 class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema", description="llama-server's form: "
+                                                  '{"type": "json_object", "schema": {...}} constrains to the schema')
 
 
 class _GenerationRequest(_Lenient):
@@ -171,6 +177,8 @@ class _GenerationRequest(_Lenient):
                                                    "constrained to match (llguidance)")
     grammar: str | None = Field(None, description="llama-server's and vLLM's: a GBNF (or Lark) grammar the output "
                                 "must match")
+    json_schema: dict[str, Any] | bool | None = Field(None, description="llama-server's: a JSON Schema the output "
+                                                      "must match")
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit")
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
@@ -204,7 +212,9 @@ class _GenerationRequest(_Lenient):
         """The request's logits processing for a model of `vocab` logits (None: none), or a 400 naming the field."""
         fmt = self.response_format
         try:
-            return logits_settings(fmt and fmt.model_dump(by_alias=True), self.forced_schema(), self.grammar,
+            forced = self.forced_schema()
+            return logits_settings(fmt and fmt.model_dump(by_alias=True, exclude_none=True),
+                                   self.json_schema if forced is None else forced, self.grammar,
                                    self.logit_bias,
                                    self.frequency_penalty, self.presence_penalty, self.repeat_penalty,
                                    self.repeat_last_n, vocab)
@@ -242,7 +252,7 @@ class _GenerationRequest(_Lenient):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(description="the conversation; at least one message")
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation; at least one message")
     logprobs: bool = False
     top_logprobs: _whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     tools: list[Tool] | None = Field(None, description="functions the model may call; rendered by the model's chat "
@@ -259,7 +269,8 @@ class ChatCompletionRequest(_GenerationRequest):
     web_search_options: dict[str, Any] | None = Field(None, description=_REFUSED)
     functions: list[Any] | None = Field(None, description="deprecated by OpenAI: use tools (400)")
     function_call: str | dict[str, Any] | None = Field(None, description="deprecated by OpenAI: use tool_choice (400)")
-    store: bool | None = Field(None, description="false only (400 otherwise): nothing is stored")
+    store: bool | None = Field(None, description="false only (400 otherwise): nothing is stored",
+                               json_schema_extra={"enum": [False, None]})
     reasoning_effort: str | None = Field(None, description=_REFUSED)
 
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = {
@@ -307,8 +318,8 @@ class ChatCompletionRequest(_GenerationRequest):
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
                            f"({', '.join(names)})", param="tool_choice")
         if self.forces_call:
-            other = "grammar" if self.grammar is not None else "response_format" if self.response_format is not None \
-                and self.response_format.type != "text" else None
+            other = "grammar" if self.grammar is not None else "json_schema" if self.json_schema is not None else \
+                "response_format" if self.response_format is not None and self.response_format.type != "text" else None
             if other is not None:
                 raise APIError(400, f"tool_choice {self._shown_choice} constrains the reply to a tool call, so "
                                f"{other} cannot constrain it too", param=other)
@@ -382,15 +393,18 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[WholeInt] | list[str] | list[list[WholeInt]] = Field(
+    prompt: NonEmptyText | NonEmptyIds | Annotated[list[NonEmptyText], OnePrompt] \
+        | Annotated[list[NonEmptyIds], OnePrompt] = Field(
         description="text, or token ids; a list of one of them is taken too (several: 400)")
     logprobs: _whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     echo: bool = Field(False, description="return the prompt before the completion (with logprobs: the prompt "
                        "tokens' too, the first one null, as OpenAI does)")
     max_tokens: _whole(ge=0) | None = Field(None, description="[until the context is full]; 0 only with echo "
                                         "(score the prompt, generate nothing)")
-    best_of: WholeInt | None = Field(None, description="1 only (400 otherwise): tandem returns every choice it makes")
-    suffix: str | None = Field(None, description="not supported (400): no fill-in-the-middle")
+    best_of: WholeInt | None = Field(None, description="1 only (400 otherwise): tandem returns every choice it makes",
+                                     json_schema_extra={"enum": [1, None]})
+    suffix: str | None = Field(None, description="not supported (400): no fill-in-the-middle",
+                               json_schema_extra={"enum": ["", None]})
 
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"best_of": (1,), "suffix": ("",)}
 
@@ -426,7 +440,7 @@ def parse_request(model: type[_GenerationRequest], body: bytes) -> Any:
     return request.checked()
 
 
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|constrained-\w+|function-\w+\[.*\]|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
 
 
 def _param_name(loc: tuple) -> str | None:

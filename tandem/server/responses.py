@@ -5,6 +5,7 @@ Reference: https://platform.openai.com/docs/api-reference/chat and llama.cpp's t
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from collections.abc import Callable
@@ -66,25 +67,40 @@ Kind = Literal["chat", "text"]
 
 
 def logprobs_object(kind: Kind, entries: list[TokenLogprob], piece: Callable[[int], str],
-                    text_offset: int = 0) -> dict[str, Any]:
+                    token_bytes: Callable[[int], bytes], text_offsets: list[int] | None = None) -> dict[str, Any]:
     """OpenAI's logprobs for `entries`: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or the
-    completions API's parallel lists (tokens, token_logprobs, top_logprobs, text_offset from `text_offset`).
-    piece(id) is a token's text. The values are the target's raw log-probabilities (see TokenLogprob); an echoed
-    prompt's first token has none (logprob None), which OpenAI shows as null."""
+    completions API's parallel lists (tokens, token_logprobs, top_logprobs, text_offset: `text_offsets`, each
+    token's first character in the text). piece(id) is a token's text, token_bytes(id) its own bytes (a token
+    holding part of a UTF-8 character has those bytes, which joined give the text back). The values are the target's
+    raw log-probabilities (see TokenLogprob); an echoed prompt's first token has none (logprob None), which OpenAI
+    shows as null."""
     if kind == "chat":
         def one(token: int, logprob: float) -> dict[str, Any]:
-            text = piece(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": piece(token), "logprob": logprob, "bytes": list(token_bytes(token))}
 
         return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
                             for e in entries], "refusal": None}
-    offsets, at = [], text_offset
-    for e in entries:
-        offsets.append(at)
-        at += len(piece(e.token))
     return {"tokens": [piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [None if e.logprob is None else {piece(t): v for t, v in e.top} for e in entries],
-            "text_offset": offsets}
+            "text_offset": text_offsets or [0] * len(entries)}
+
+
+class TextOffsets:
+    """Completions' text_offset: where each token's text begins, in characters of the text its bytes decode to (a
+    token that ends inside a character adds none until the character is complete)."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self.token_bytes, self.chars = token_bytes, 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.all: list[int] = []  # every token's offset so far
+
+    def take(self, tokens: list[int]) -> list[int]:
+        offsets = []
+        for token in tokens:
+            offsets.append(self.chars)
+            self.chars += len(self.decoder.decode(self.token_bytes(token)))
+        self.all += offsets
+        return offsets
 
 
 def choice_object(kind: Kind, index: int, text: str | None, finish_reason: str, logprobs: dict[str, Any] | None,
