@@ -44,7 +44,7 @@ from tandem.server.protocol import (
 )
 from tandem.server.turns import Call, ClientGone, Turn, chat_prompt
 
-STORE_SIZE = 1024  # stored responses at most: the oldest go first
+STORE_SIZE = 256  # stored responses at most (each holds its whole conversation's text): the oldest go first
 STORE_TTL_S = 3600.0  # a stored response is forgotten this long after it was made
 TEXT_PARTS = ("input_text", "output_text", "text")
 _REFUSED = "not supported: a request that sets it gets a 400"
@@ -260,8 +260,8 @@ def call_item(item_id: str, call: Call, arguments: str | None = None, status: st
 class Exchange:
     """One request's answer as it is built: the response object, its output items, what is stored."""
 
-    def __init__(self, server, req: ResponsesRequest, history: list[dict], chat: ChatCompletionRequest) -> None:
-        self.server, self.req, self.history, self.chat = server, req, history, chat
+    def __init__(self, server, req: ResponsesRequest, history: list[dict]) -> None:
+        self.server, self.req, self.history = server, req, history
         self.id, self.created = _id("resp"), int(time.time())
         self.output: list[dict] = []
 
@@ -389,7 +389,7 @@ def add_routes(app: FastAPI, server) -> None:
             history = stored[0]
         chat = chat_request(req, history)
         ids, tool_format = await chat_prompt(server, chat)
-        exchange = Exchange(server, req, history, chat)
+        exchange = Exchange(server, req, history)
         turn = Turn(server, chat, ids, tool_format)
         if req.stream:
             return SSEResponse(stream(exchange, turn, request), on_close=lambda: server.cancel(turn.jobs))
