@@ -16,7 +16,7 @@ from conftest import BOUNDED_SCHEMA, assert_speculated
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_api import CALL_TEXTS, EXPECTED_CALLS, ScriptedEngine
-from test_server import API_KEY, LiveServer, assert_openai_error, load
+from test_server import API_KEY, LiveServer, assert_openai_error, load, metric, metrics_of
 from test_tools import HERMES_TEMPLATE, PYTHON_TOOL, WEATHER_TOOL
 
 from tandem.server.app import create_app
@@ -153,6 +153,7 @@ def test_responses_tool_round_trip_and_previous_response_id_reuses_the_prefix(se
         stateless = client.responses.create(model="tiny", input=replay, tools=[RESPONSES_TOOL],
                                             max_output_tokens=8, temperature=0)
         # Step two through previous_response_id: the same prompt, whose first turn's KV is still in the slot.
+        hits = metric(metrics_of(server), "vllm:prefix_cache_hits_total")
         chained = client.responses.create(model="tiny", previous_response_id=first.id, input=[result],
                                           tools=[RESPONSES_TOOL], max_output_tokens=8, temperature=0)
         assert chained.output_text == stateless.output_text and chained.previous_response_id == first.id
@@ -160,6 +161,7 @@ def test_responses_tool_round_trip_and_previous_response_id_reuses_the_prefix(se
         if server is servers[1]:  # one slot: the chained turn follows its own first turn's prefix
             cached = chained.usage.input_tokens_details.cached_tokens
             assert cached >= first.usage.input_tokens, (cached, first.usage.input_tokens)
+            assert metric(metrics_of(server), "vllm:prefix_cache_hits_total") == hits + cached
     assert calls_seen[0] == calls_seen[1]
 
 
@@ -175,9 +177,9 @@ def test_previous_response_id_with_store_false_or_unknown_is_a_400(servers):
         openai_client(server).responses.retrieve(unstored.id)
 
 
-def test_response_store_bounds_its_size_and_forgets_after_its_ttl(monkeypatch):
-    store, now = ResponseStore(size=2, ttl_s=10), [100.0]
-    monkeypatch.setattr("tandem.server.openai_responses.time.monotonic", lambda: now[0])
+def test_response_store_bounds_its_size_and_forgets_after_its_ttl():
+    now = [100.0]
+    store = ResponseStore(size=2, ttl_s=10, clock=lambda: now[0])
     for name in ("a", "b", "c"):
         store.put(name, [{"role": "user", "content": name}], {"id": name})
     assert store.get("a") is None and store.get("b") is not None and store.get("c") is not None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -155,18 +155,19 @@ class ResponsesRequest(_Lenient):
 class ResponseStore:
     """Responses kept for previous_response_id: at most `size`, each for `ttl_s`; the oldest go first."""
 
-    def __init__(self, size: int = STORE_SIZE, ttl_s: float = STORE_TTL_S) -> None:
-        self.size, self.ttl_s = size, ttl_s
+    def __init__(self, size: int = STORE_SIZE, ttl_s: float = STORE_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.size, self.ttl_s, self.clock = size, ttl_s, clock
         self.entries: OrderedDict[str, tuple[float, list[dict], dict]] = OrderedDict()
 
     def put(self, response_id: str, messages: list[dict], response: dict) -> None:
         """messages: the conversation up to and including this response's output (no instructions)."""
-        self.entries[response_id] = (time.monotonic() + self.ttl_s, messages, response)
+        self.entries[response_id] = (self.clock() + self.ttl_s, messages, response)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
 
     def get(self, response_id: str) -> tuple[list[dict], dict] | None:
-        now = time.monotonic()
+        now = self.clock()
         while self.entries and next(iter(self.entries.values()))[0] <= now:  # oldest first: expire from the front
             self.entries.popitem(last=False)
         entry = self.entries.get(response_id)
