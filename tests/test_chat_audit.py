@@ -13,7 +13,7 @@ from conftest import BOUNDED_SCHEMA
 from test_api import ScriptedEngine
 from test_server import LiveServer, assert_openai_error, load
 
-from tandem.engine.sequence import TokenLogprob
+from tandem.engine.generation import TokenLogprob
 from tandem.server.app import create_app
 
 jsonschema = pytest.importorskip("jsonschema")
