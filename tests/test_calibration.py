@@ -222,3 +222,26 @@ def test_an_estimate_errs_towards_plain_decoding(monkeypatch):
     assert costs.verify[4].verify_ms == {4: costs.verify[1].verify(4), 8: costs.verify[1].verify(8),
                                          36: costs.verify[1].verify(36)}
     assert costs.draft_step == {1: 10.0, 2: 16.0, 4: 28.0} and costs.catch_up_ms_per_token == 6.0
+
+
+def test_a_timing_between_turns_keeps_the_conversation(files, timed, monkeypatch):
+    """Cost timings run in the free slots used longest ago: a conversation's next turn, after a timing while the
+    server was idle, still reuses its prompt (a timing of every slot is the one that overwrites it)."""
+    from tandem.engine import Request
+
+    server = Server("tiny", [], DRAFT_MAX, "adaptive", None, 4, 8)
+    target, draft = tandem.load(files[0], dtype="float64"), tandem.load(files[1], dtype="float64")
+    server.attach(target, draft)
+    engine, tokens = server.engine, target.tokenizer.encode
+    turn = tokens("The quick brown fox")
+    for _ in range(2):
+        first = engine.generate([Request(turn, max_tokens=6)])[0]
+        assert server.calibrator.step() == 0.0  # one timing, of one slot: not the conversation's
+        turn = turn + first.tokens + tokens(" and then")
+        again = engine.generate([Request(turn, max_tokens=6)])[0]
+        assert again.stats.cached_tokens >= len(turn) - len(tokens(" and then")) - 1
+        turn = turn + again.tokens + tokens(" and then")
+    # Negative control: the slots timed most recently used first, the conversation's among them
+    monkeypatch.setattr(engine, "scratch_slots", lambda: engine.table.by_age()[::-1])
+    server.calibrator.step()
+    assert engine.generate([Request(turn, max_tokens=6)])[0].stats.cached_tokens < len(turn) - 4

@@ -50,7 +50,8 @@ def prefill(model, cache, n, start, last_only):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.filterwarnings("error:torch.compile failed")  # a compile failure falls back to eager with a warning: fail instead
+# A compile failure falls back to eager with a warning: fail instead
+@pytest.mark.filterwarnings("error:torch.compile failed")
 def test_no_prompt_compiles_again(compiled_pair):
     before = compilations()
     for model, pool in compiled_pair:

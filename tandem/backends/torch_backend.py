@@ -317,6 +317,12 @@ class TorchModel(Model):
         self.transformer = Transformer(config, weights, max_positions=self.n_ctx + GRAPH_ROWS + SLOT_ALIGN)
         self.load_seconds = 0.0
         on_cuda = self.torch_device.type == "cuda"
+        if on_cuda:
+            # cuDNN's attention builds a plan per new (rows, keys) shape: ~55 ms on an H100 for a 1.5B model, paid by
+            # every conversation turn (each a new length); the other SDPA kernels take any shape at no cost and ran
+            # a prefill as fast (docs/decisions/0003-first-token.md). Process-wide: torch offers no per-call switch
+            # that compiled code keeps.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.use_graphs = graphs if graphs is not None else on_cuda and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
         self.step = self.transformer.forward  # what graphs capture; compiled on CUDA (see _compile_step)
         self.compiled_caches: set[bool] | None = None  # kinds of cache (is a view) compiled for; None: eager

@@ -16,6 +16,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Generator, Iterable
+from collections.abc import Sequence as Seq
 from contextvars import ContextVar
 from typing import TypeVar
 
@@ -28,6 +29,9 @@ log = logging.getLogger("tandem.calibration")
 # Calibrator.step's `hurry`, for the timings it runs: whether a request waits, and a timing should end at the runs it
 # has (one past the warm-up) instead of holding it back for all REPEATS.
 HURRY: ContextVar[Callable[[], bool] | None] = ContextVar("tandem_calibration_hurry", default=None)
+# Calibrator.step's slots to time in, the least recently used first (a server's free slots, whose kept prompts a
+# timing overwrites): a batch of b takes the first b, so a conversation's slot is the last a timing takes.
+SCRATCH: ContextVar[Seq[int] | None] = ContextVar("tandem_calibration_scratch", default=None)
 
 CONTEXT = 16  # tokens each timed sequence attends over (and a warm-up of kernels and caches)
 REPEATS = 3
@@ -156,12 +160,13 @@ def _time_each(cache: BatchedCache, sizes: list[int], synchronize, last_only: bo
     """n -> ms of ESTIMATE_RUNS forwards of n rows in slot 0 after CONTEXT tokens, the sizes in turn, the largest
     first: with no warm-up, a first forward's one-off costs land on the largest, pricing drafting up, never down.
     The slot is empty after."""
-    cache.forward([(0, [0] * CONTEXT)], [True])
+    slot = _scratch(cache, 1)[0]
+    cache.forward([(slot, [0] * CONTEXT)], [True])
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(ESTIMATE_RUNS):
         for n in sorted(sizes, reverse=True):
-            times[n].append(_timed(cache, [0], n, synchronize, last_only=last_only))
-    _rewind(cache, [0], 0)
+            times[n].append(_timed(cache, [slot], n, synchronize, last_only=last_only))
+    _rewind(cache, [slot], 0)
     return times
 
 
@@ -195,7 +200,7 @@ def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | 
     and a capture must then instantiate a new graph where one left captured at `rows` would be updated in place);
     every slot is rewound to empty after. Every row's logits are read back, as a verify reads them, unless
     last_only. Where a request waits (Calibrator.step's `hurry`), the runs it has done are enough."""
-    slots = list(range(batch))
+    slots = _scratch(cache, batch)
     cache.forward([(s, [0] * CONTEXT) for s in slots], [True] * batch)
 
     def once() -> float:
@@ -218,7 +223,8 @@ def _feed_ahead_ms(target: BatchedCache, draft: BatchedCache, batch: int, rows: 
     its graphs on a shape's second forward). Two medians taken apart moved with the host: on an H200 one calibration
     read 4.10 ms where one minutes before read 1.05, and the engine then fed nothing ahead; on an H100 they read
     0.30-0.97 where the forwards one by one put it at 0.93 (bench/calibration_spread.py)."""
-    slots = list(range(batch))
+    slots = _scratch(target, batch)
+    _rewind(draft, slots, 0)
     target.forward([(s, [0] * CONTEXT) for s in slots], [True] * batch)
     added = [_timed(target, slots, rows, synchronize, draft) - _timed(target, slots, rows, synchronize)
              for _ in range(AHEAD_PAIRS + 2)]
@@ -243,6 +249,14 @@ def _timed(cache: BatchedCache, slots: list[int], rows: int, synchronize, alongs
     if alongside is not None:
         _rewind(alongside, slots, 0)
     return ms
+
+
+def _scratch(cache: BatchedCache, batch: int) -> list[int]:
+    """The slots a timing of `batch` sequences runs in (SCRATCH's first, else 0..batch-1), emptied."""
+    order = SCRATCH.get()
+    slots = list(order[:batch]) if order is not None and len(order) >= batch else list(range(batch))
+    _rewind(cache, slots, 0)
+    return slots
 
 
 def _rewind(cache: BatchedCache, slots: list[int], length: int) -> None:

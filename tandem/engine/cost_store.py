@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 
 from tandem.backends.base import BatchedCache, Model
 from tandem.engine import calibration
-from tandem.engine.calibration import HURRY, Timings, estimate, measure_steps
+from tandem.engine.calibration import HURRY, SCRATCH, Timings, estimate, measure_steps
 from tandem.engine.costs import BatchCosts, CostModel
 
 log = logging.getLogger("tandem.costs")
@@ -263,8 +263,9 @@ class Calibrator:
             self._timings = measure_steps(engine.target_kv, self._draft_kv(), engine.draft_max, self._synchronize)
             self.timings_done, self._started = 0, time.monotonic()
             log.info("measuring the costs in full while idle (planning from: %s)", self.source)
-        engine.forget_prefixes()
-        token = HURRY.set(hurry)
+        # The timing runs in the least recently used free slots: a conversation's kept prompt is overwritten only
+        # by a timing of every slot, not by each timing (its next turn would read the whole prompt again).
+        token, scratch = HURRY.set(hurry), SCRATCH.set(engine.scratch_slots())
         try:
             self.timing = next(self._timings)
             self.timings_done += 1
@@ -277,6 +278,8 @@ class Calibrator:
             raise
         finally:
             HURRY.reset(token)
+            SCRATCH.reset(scratch)
+            engine.forget_emptied()
         quiet = self._quiet and not machine_busy(self.threads)
         keep(self.path, costs.measured(), engine.target, engine.draft_model, quiet=quiet)
         self.source = "measured" if quiet else "measured (busy machine)"

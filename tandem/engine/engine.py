@@ -226,6 +226,15 @@ class Engine:
         if gen in self.waiting:
             self.waiting.remove(gen)
 
+    def scratch_slots(self) -> list[int]:
+        """The free slots, least recently used first: where a cost timing overwrites the least worth keeping."""
+        return self.table.by_age()
+
+    def forget_emptied(self) -> None:
+        """The slot table told what cost timings left of the free slots' kept prompts (they rewind what they use)."""
+        for slot in self.table.free:
+            self.table.forget(slot, self.target_kv.length(slot))
+
     def forget_prefixes(self) -> None:
         """Empty every free slot, so that the next requests reuse no prompt an earlier one left (benchmarks: a
         prompt timed again must be read again)."""

@@ -82,6 +82,10 @@ class SlotTable:
         self._used[slot] = next(self._clock)
         self.free.add(slot)
 
+    def by_age(self) -> list[int]:
+        """The free slots, least recently used first."""
+        return sorted(self.free, key=self._used.__getitem__)
+
     def forget(self, slot: int, keep: int) -> None:
         """Only the first `keep` tokens of a free slot's contents are still valid (its cache was rewound)."""
         self._contents[slot] = self._contents[slot][:keep]
