@@ -245,3 +245,14 @@ def test_a_timing_between_turns_keeps_the_conversation(files, timed, monkeypatch
     monkeypatch.setattr(engine, "scratch_slots", lambda: engine.table.by_age()[::-1])
     server.calibrator.step()
     assert engine.generate([Request(turn, max_tokens=6)])[0].stats.cached_tokens < len(turn) - 4
+
+
+def test_a_gpu_server_measures_its_costs_before_its_first_request(files, timed, monkeypatch):
+    """Off the CPU the whole measurement runs at start (seconds there): a server loaded from its start is never idle
+    and would plan from the estimate throughout. On the CPU it starts on the estimate (the test above)."""
+    calls, _ = timed
+    server = Server("tiny", [], DRAFT_MAX, "adaptive", None, SLOTS, 8)
+    target, draft = tandem.load(files[0], dtype="float64"), tandem.load(files[1], dtype="float64")
+    monkeypatch.setattr(target, "device", "cuda:0")
+    server.attach(target, draft)
+    assert server.calibrator.source == "measured" and not server.calibrator.pending and len(calls) > 10

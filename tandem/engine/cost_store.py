@@ -289,6 +289,12 @@ class Calibrator:
         self._plan_from(costs)
         return REMEASURE_WAIT_S if self.pending else None
 
+    def measure_now(self, seconds: float) -> None:
+        """Run `step` until the measurement is whole or `seconds` have passed (what is left runs while idle)."""
+        deadline = time.monotonic() + seconds
+        while self.pending and time.monotonic() < deadline and self.step() == 0.0:
+            pass
+
     def progress(self) -> dict:
         """What the engine plans from ("kept", "estimate", "measured", each maybe "(busy machine)": other work took
         the cores while it was timed) and, while a full measurement runs, how far along it is."""
