@@ -314,6 +314,22 @@ def test_messages_api_key_and_errors_in_anthropics_shape(servers):
     assert assert_anthropic_error(r, 404)["type"] == "not_found_error"
 
 
+def test_the_browser_guard_and_body_limit_cover_the_new_routes_in_their_shapes(servers):
+    """A page's form post (text/plain, no CORS preflight) or a foreign Host reaches neither API; each says so in
+    its own error shape, as the body-size limit does."""
+    url = servers[1].url
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(url + path, content=b'{"max_tokens": 2}', headers={"Content-Type": "text/plain"})
+        assert assert_anthropic_error(r, 415, "Content-Type")["type"] == "invalid_request_error"
+        r = httpx.post(url + path, json={}, headers={"Host": "evil.example"})
+        assert assert_anthropic_error(r, 403, "Host")["type"] == "permission_error"
+        r = httpx.post(url + path, content=b"{" + b" " * (5 * 2**20) + b"}",
+                       headers={"Content-Type": "application/json"})
+        assert assert_anthropic_error(r, 413, "exceeds")["type"] == "request_too_large"
+    r = httpx.post(url + "/v1/responses", content=b'{"input": "x"}', headers={"Content-Type": "text/plain"})
+    assert_openai_error(r, 415)
+
+
 # --- several calls in one reply -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

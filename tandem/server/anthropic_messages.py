@@ -8,8 +8,8 @@ input_schema}) are function tools; `tool_choice` auto / any / tool / none is aut
 none, and `disable_parallel_tool_use` is parallel_tool_calls false; `stop_sequences` are stop strings;
 `output_config.format` (a JSON schema) is structured output. What this server cannot honour (server tools, extended
 thinking, images and documents, MCP servers, effort) is a 400 naming it.
-Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (`error_body`); the key is
-taken from `x-api-key` as well as `Authorization: Bearer`.
+Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (protocol.shaped_error);
+the key is taken from `x-api-key` as well as `Authorization: Bearer`.
 
 Answer: a `message` with text and tool_use blocks, stop_reason end_turn / max_tokens / stop_sequence / tool_use, and
 usage (input_tokens: those computed, cache_read_input_tokens: those whose KV was reused). Streamed, named events:
@@ -32,19 +32,18 @@ from pydantic import Field
 from tandem.server import openapi
 from tandem.server.asgi import SSEResponse, sse_event
 from tandem.server.completion import as_api_error
-from tandem.server.protocol import APIError, ChatCompletionRequest, SpeculativeOptions, _Lenient, _whole, parse_request
+from tandem.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    SpeculativeOptions,
+    _Lenient,
+    _whole,
+    anthropic_error_body,
+    parse_request,
+)
 from tandem.server.turns import Call, ClientGone, Turn, chat_prompt
 
-ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error object for an answer with `status`."""
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error" if status >= 500 else
-                                                             "invalid_request_error"), "message": message}}
 
 
 class Block(_Lenient):
@@ -275,7 +274,7 @@ async def stream(turn: Turn, message_id: str, model: str, request: Request) -> A
                 yield event("content_block_stop", index=index)
                 index += 1
     except APIError as e:
-        yield sse_event("error", error_body(e.status, e.message))
+        yield sse_event("error", anthropic_error_body(e.status, e.message))
         return
     if text_open:
         yield event("content_block_stop", index=index)

@@ -399,9 +399,8 @@ def create_app(
 
     def error_response(request: Request, status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         """OpenAI's error object, or Anthropic's on Anthropic's routes."""
-        if request.url.path in anthropic_messages.ROUTES:
-            body = anthropic_messages.error_body(status, body["error"]["message"])
-        return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse(protocol.shaped_error(request.url.path, status, body), status_code=status,
+                            headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

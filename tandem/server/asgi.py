@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import error_body
+from tandem.server.protocol import error_body, shaped_error
 
 log = logging.getLogger("tandem.server")
 
@@ -51,7 +51,7 @@ class RequestGuard:
             declared = 0
         try:
             if declared > self.max_body_bytes:
-                await self._too_large(send_watching)
+                await self._too_large(scope["path"], send_watching)
                 return
             await self.app(scope, self._limited(receive), send_watching)
         finally:
@@ -75,8 +75,8 @@ class RequestGuard:
 
         return limited
 
-    async def _too_large(self, send: Send) -> None:
-        response = JSONResponse(too_large_body(self.max_body_bytes), status_code=413)
+    async def _too_large(self, path: str, send: Send) -> None:
+        response = JSONResponse(shaped_error(path, 413, too_large_body(self.max_body_bytes)), status_code=413)
         await response({"type": "http"}, _no_receive, send)
 
 

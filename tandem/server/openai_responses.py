@@ -231,7 +231,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
             "name": t.name, "description": t.description, "parameters": t.parameters, "strict": t.strict}}
             for t in req.tools]
     choice = req.tool_choice
-    if choice is not None:
+    if choice is not None and (req.tools or choice not in ("auto", "none")):  # auto / none without tools: nothing
         chat["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
                                                                      "function": {"name": choice.name}}
     fmt = req.text.format if req.text else None

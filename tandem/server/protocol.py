@@ -50,6 +50,23 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")  # their errors are Anthropic's shape
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error object for an answer with `status`."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def shaped_error(path: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI error object as the API of route `path` writes its errors (Anthropic's on its routes)."""
+    return anthropic_error_body(status, body["error"]["message"]) if path in ANTHROPIC_ROUTES else body
+
+
 # --- requests -------------------------------------------------------------------------------------------------
 
 def _whole_number(value: Any) -> Any:

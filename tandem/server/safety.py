@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.server.protocol import error_body
+from tandem.server.protocol import ANTHROPIC_ROUTES, error_body, shaped_error
 
-JSON_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
+JSON_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", *ANTHROPIC_ROUTES})
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 ANY_HOST = "*"
 
@@ -79,26 +79,27 @@ class BrowserGuard:
         if refusal is None:
             await self.app(scope, receive, send)
             return
-        await refusal(scope, receive, send)
+        status, body = refusal
+        await JSONResponse(shaped_error(scope["path"], status, body), status_code=status)(scope, receive, send)
 
-    def _check_host(self, header: str) -> JSONResponse | None:
+    def _check_host(self, header: str) -> tuple[int, dict] | None:
         if self.allowed_hosts is None:
             return None
         host = split_host(header)
         if is_loopback(host) or host in self.allowed_hosts:
             return None
-        return JSONResponse(error_body(
+        return 403, error_body(
             f"Host {header!r} is not allowed: this server listens on loopback and answers loopback names only "
-            "(start it with --allowed-hosts to accept other names)", code="host_not_allowed"), status_code=403)
+            "(start it with --allowed-hosts to accept other names)", code="host_not_allowed")
 
     @staticmethod
-    def _check_content_type(header: str) -> JSONResponse | None:
+    def _check_content_type(header: str) -> tuple[int, dict] | None:
         media_type = header.split(";", 1)[0].strip().lower()
         if media_type == "application/json":
             return None
         shown = repr(header) if header else "none"
-        return JSONResponse(error_body(f"Content-Type {shown} is not supported: send 'application/json'",
-                                       code="unsupported_media_type"), status_code=415)
+        return 415, error_body(f"Content-Type {shown} is not supported: send 'application/json'",
+                               code="unsupported_media_type")
 
 
 def exposure_warning(bind_host: str, api_key: str | None) -> str | None:
