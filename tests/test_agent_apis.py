@@ -173,6 +173,14 @@ def test_previous_response_id_with_store_false_or_unknown_is_a_400(servers):
         assert assert_openai_error(r, 400, "previous_response_id")["code"] == "previous_response_not_found"
     stored = openai_client(server).responses.create(model="tiny", input="hi", max_output_tokens=2)
     assert openai_client(server).responses.retrieve(stored.id).id == stored.id
+    # A streamed response is stored as a whole one is, and a streamed one may continue it.
+    with openai_client(server).responses.stream(model="tiny", input="hi", max_output_tokens=2, temperature=0,
+                                                previous_response_id=stored.id) as stream:
+        events = list(stream)
+    streamed = events[-1].response
+    assert streamed.previous_response_id == stored.id
+    assert openai_client(server).responses.retrieve(streamed.id).output[0].content[0].text == (
+        streamed.output[0].content[0].text)
     with pytest.raises(openai.NotFoundError):
         openai_client(server).responses.retrieve(unstored.id)
 
