@@ -506,7 +506,7 @@ def test_fuzzed_bodies_of_the_new_routes_get_200_or_their_apis_4xx(fuzzed):
     drawn = st.sampled_from(sorted(schemas)).flatmap(lambda path: st.tuples(st.just(path), drawn_from(
         schemas[path]), st.none() | st.tuples(st.sampled_from(sorted(schemas[path]["properties"])), ANY_JSON)))
 
-    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
     @given(drawn)
     def check(case):
         path, body, swap = case
