@@ -59,8 +59,8 @@ for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.flo
         # in the weight; the kernel scales each row by 1 / rms after the dot)
         model = Transformer.__new__(Transformer)
         model.config, model.q_width, model.kv_width = config, n_heads * head_dim, n_kv * head_dim
-        model.w = {"blk.0.attn_qkv.weight": weight.double()} | ({"blk.0.attn_qkv.bias": b.double()} if bias else {})
-        q_ref = model.project_qkv(rms_norm(x.double(), None, 1e-6)[None], "blk.0.", rope[:, positions].double(),
+        block = {"attn_qkv.weight": weight.double()} | ({"attn_qkv.bias": b.double()} if bias else {})
+        q_ref = model.project_qkv(rms_norm(x.double(), None, 1e-6)[None], block, rope[:, positions].double(),
                                   positions, caches[0], caches[1])
         q = fused_projections.qkv_rope(x, parts_sum_sq(x, parts), 1e-6, weight, b, rope, positions, caches[2],
                                        caches[3], n_heads, interleaved)

@@ -396,17 +396,17 @@ class TorchModel(Model):
 
 
 def _compile_step(transformer: Transformer):
-    """The forward as Inductor compiles it: rms_norm, rope, residual adds and the softmax fuse into a few kernels,
-    a third of the launches an eager step makes. Falls back to the eager forward when Triton is missing or
-    compilation fails.
+    """The forward with its layers as Inductor compiles them: rms_norm, rope, residual adds and the softmax fuse
+    into a few kernels, a third of the launches an eager step makes. Falls back to the eager forward when Triton is
+    missing or compilation fails.
 
-    One compilation serves every call: only the layers are compiled (the last_only choice, a Python bool, would
-    be a guard and a variant each), shapes are dynamic without duck sizing (a prompt of exactly head_dim or
-    n_kv_heads tokens would otherwise specialise on it) and no chunk is one token long (sizes 0 and 1 are always
-    specialised; see prefill_chunks). What is left, at most 8 variants, all compiled at start: the target and
-    the draft (the same code, guarded on their layer counts) x a pool's row or a cache of its own x prompt
-    pieces or StepGraph's rows. Past dynamo's recompile limit (raised to 16 for them) a step would fall back to
-    eager with a warning: a conversation turn then prefilled several times slower."""
+    One compiled layer serves every layer (their weights are its inputs): a whole 28-layer forward took 219 s to
+    compile on an H100. It compiles once a model and kind of call, never for a new length: the last_only choice stays
+    outside (a bool would be a guard), shapes are dynamic without duck sizing (a prompt of exactly head_dim or
+    n_kv_heads tokens would otherwise specialise on it) and no prompt piece is shorter than the first compiled one
+    (see prefill_chunks). Its variants, all compiled at start: the target and the draft x a pool's row or a cache of
+    its own x prompt pieces or StepGraph's rows (x local and global layers, where a model has both). Past dynamo's
+    recompile limit (raised to 16 for them) a step would fall back to eager with a warning."""
     try:
         import triton  # noqa: F401  (Inductor's GPU code generator)
     except ImportError:
@@ -421,19 +421,19 @@ def _compile_step(transformer: Transformer):
         os.environ.setdefault(var, os.path.join(tandem_home(), "compiled", sub))
     shapes_config.use_duck_shape = False  # read when a compilation starts; tandem's compilations are all dynamic
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)  # see the docstring
-    hidden = torch.compile(transformer.hidden, dynamic=True)
+    layer = torch.compile(transformer.layer, dynamic=True)
 
     def step(tokens, positions, cache_k, cache_v, kv_len=None, last_only=False):
-        nonlocal hidden
+        nonlocal layer
         try:
-            x = hidden(tokens, positions, cache_k, cache_v, kv_len)
+            x = transformer.hidden(tokens, positions, cache_k, cache_v, kv_len, layer=layer)
         except Exception as error:  # a compiler bug must cost speed, never a request
-            if hidden is transformer.hidden:
+            if layer == transformer.layer:
                 raise
             warnings.warn(f"torch.compile failed ({type(error).__name__}: {error}); running the step eagerly",
                           stacklevel=2)
-            hidden = transformer.hidden
-            x = hidden(tokens, positions, cache_k, cache_v, kv_len)
+            layer = transformer.layer
+            x = transformer.hidden(tokens, positions, cache_k, cache_v, kv_len)
         return transformer.project(x[-1:] if last_only else x)
 
     return step

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,9 @@ class Transformer(torch.nn.Module):
         super().__init__()
         self.config = config
         self.w = fuse_projections(config, weights)  # GGUF names, shapes checked by tandem.loading.weights
+        # Each layer's weights under the same names ("attn_qkv.weight", ...): one compiled layer serves them all
+        self.blocks = [{k.removeprefix(f"blk.{i}."): v for k, v in self.w.items() if k.startswith(f"blk.{i}.")}
+                       for i in range(config.n_layers)]
         any_weight = self.w["token_embd.weight"]
         self.dtype, self.device = any_weight.dtype, any_weight.device
         self.output = self.w.get("output.weight", any_weight)  # tied embeddings reuse token_embd
@@ -119,24 +123,24 @@ class Transformer(torch.nn.Module):
         # reshape: CUDA SDPA may return its output laid out [B, T, H, D] (strided), which no view regroups.
         return out.reshape(1, c.n_heads, T, c.head_dim).transpose(1, 2).reshape(1, T, self.q_width)
 
-    def project_qkv(self, h: torch.Tensor, p: str, rope: torch.Tensor, positions: torch.Tensor,
+    def project_qkv(self, h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, positions: torch.Tensor,
                     cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """q, k, v of h [1, T, d]; k and v rotated and written into the layer's cache at positions (of cache row
         slots[t] where given: a pool of sequences). Returns q rotated, [1, H, T, D]. (tandem.models.fused_projections
         does all of it in one kernel on the GPU.)"""
-        c, w, T = self.config, self.w, h.shape[1]
-        qkv = F.linear(h, w[p + "attn_qkv.weight"])  # one matmul for q, k and v
-        if p + "attn_qkv.bias" in w:
+        c, T = self.config, h.shape[1]  # w: the layer's block
+        qkv = F.linear(h, w["attn_qkv.weight"])  # one matmul for q, k and v
+        if "attn_qkv.bias" in w:
             # Added apart, where the compiler fuses it into the rope kernel: cuBLAS's bias-epilogue GEMMs ran
             # this projection at 1.2 TB/s on an H200, half the speed of the same shape without a bias.
-            qkv = qkv + w[p + "attn_qkv.bias"]
+            qkv = qkv + w["attn_qkv.bias"]
         q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
         q = q.view(1, T, c.n_heads, c.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
         v = v.view(1, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         if c.qk_norm:
-            q = rms_norm(q, w[p + "attn_q_norm.weight"], c.rms_eps)
-            k = rms_norm(k, w[p + "attn_k_norm.weight"], c.rms_eps)
+            q = rms_norm(q, w["attn_q_norm.weight"], c.rms_eps)
+            k = rms_norm(k, w["attn_k_norm.weight"], c.rms_eps)
         cos, sin = rope  # [T, D/2] each
         q = apply_rope(q, cos, sin, c.rope_interleaved)
         k = apply_rope(k, cos, sin, c.rope_interleaved)
@@ -149,7 +153,7 @@ class Transformer(torch.nn.Module):
             cache_v.transpose(1, 2).index_put_((slots, positions), v[0].transpose(0, 1))
         return q
 
-    def add_projection(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, post_norm: str,
+    def add_projection(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, post_norm: torch.Tensor | None,
                        split_k: bool, sum_squares: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x + h @ weight^T (post-normed where the model has sandwich norms): the output and down projections
         joining the residual stream [1, T, d]. Returns the new stream and, when the input projections are fused
@@ -159,7 +163,7 @@ class Transformer(torch.nn.Module):
             return x[None], sum_sq
         y = F.linear(h, weight)
         if self.config.sandwich_norm:
-            y = rms_norm(y, self.w[post_norm], self.config.rms_eps)
+            y = rms_norm(y, post_norm, self.config.rms_eps)
         x = x + y
         return x, fused_projections.sum_squares(x[0]) if sum_squares else None
 
@@ -192,6 +196,7 @@ class Transformer(torch.nn.Module):
         cache_k: list[torch.Tensor],
         cache_v: list[torch.Tensor],
         kv_len: int | None = None,
+        layer: Callable | None = None,  # what runs each layer: `layer`, or a compiled copy (TorchModel.step)
     ) -> torch.Tensor:  # [T, d]: the last layer's output, before the final norm (what forward projects)
         c, w = self.config, self.w
         kv_len = cache_k[0].shape[2] if kv_len is None else kv_len
@@ -206,35 +211,40 @@ class Transformer(torch.nn.Module):
             bias[True] = self.attention_bias(positions, kv_len, c.sliding_window) if c.sliding_window else bias[False]
         # The fused input projections normalise x themselves, from its rows' sums of squares
         sum_sq = fused_projections.sum_squares(x[0]) if fused_projection else None
+        layer = layer or self.layer
         for i in range(c.n_layers):
-            p = f"blk.{i}."
             local = c.is_local_layer(i)
-            rope = self.rope_local if local else self.rope_global
-
-            if fused_projection:  # the norm, q, k, v, bias, rope and the cache writes in one kernel
-                q = torch.ops.tandem.qkv_rope(x[0], sum_sq, c.rms_eps, w[p + "attn_qkv.weight"],
-                                              w.get(p + "attn_qkv.bias"), rope, positions, cache_k[i], cache_v[i],
-                                              c.n_heads, c.rope_interleaved)
-            else:
-                h = rms_norm(x, None, c.rms_eps)  # attn_norm's scale is in attn_qkv
-                q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i])
-            keys, values = cache_k[i][:, :, :kv_len], cache_v[i][:, :, :kv_len]  # [B, H_kv, S, D]
-            attn = self.attend(q, keys, values, bias[local], positions, c.sliding_window if local else 0)
-            x, sum_sq = self.add_projection(x, attn, w[p + "attn_output.weight"], p + "post_attention_norm.weight",
-                                            split_k, fused_projection)
-
-            if fused_projection:  # the norm, gate, up and the activation in one kernel
-                act = torch.ops.tandem.gate_up_act(x[0], sum_sq, c.rms_eps, w[p + "ffn_gate_up.weight"],
-                                                   c.activation == "gelu_tanh")[None]
-            else:
-                h = rms_norm(x, None, c.rms_eps)  # ffn_norm's scale is in ffn_gate_up
-                gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
-                act = self.act(gate) * up
-            x, sum_sq = self.add_projection(x, act, w[p + "ffn_down.weight"], p + "post_ffw_norm.weight", split_k,
-                                            fused_projection)
-
+            x, sum_sq = layer(x, sum_sq, self.blocks[i], local, positions, cache_k[i], cache_v[i], kv_len, bias[local],
+                              fused_projection, split_k)
         return x[0]
 
+    def layer(self, x: torch.Tensor, sum_sq: torch.Tensor | None, w: dict[str, torch.Tensor], local: bool,
+              positions: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, kv_len: int,
+              bias: torch.Tensor | None, fused_projection: bool, split_k: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoder layer of `hidden` over x [1, T, d]: the unit a compiled step compiles, once for every layer
+        (their weights, w, are its inputs; compiling the whole forward took 219 s on an H100 for 28 layers)."""
+        c = self.config
+        rope = self.rope_local if local else self.rope_global
+        if fused_projection:  # the norm, q, k, v, bias, rope and the cache writes in one kernel
+            q = torch.ops.tandem.qkv_rope(x[0], sum_sq, c.rms_eps, w["attn_qkv.weight"], w.get("attn_qkv.bias"),
+                                          rope, positions, cache_k, cache_v, c.n_heads, c.rope_interleaved)
+        else:
+            h = rms_norm(x, None, c.rms_eps)  # attn_norm's scale is in attn_qkv
+            q = self.project_qkv(h, w, rope[:, positions], positions, cache_k, cache_v)
+        keys, values = cache_k[:, :, :kv_len], cache_v[:, :, :kv_len]  # [B, H_kv, S, D]
+        attn = self.attend(q, keys, values, bias, positions, c.sliding_window if local else 0)
+        x, sum_sq = self.add_projection(x, attn, w["attn_output.weight"], w.get("post_attention_norm.weight"),
+                                        split_k, fused_projection)
+        if fused_projection:  # the norm, gate, up and the activation in one kernel
+            act = torch.ops.tandem.gate_up_act(x[0], sum_sq, c.rms_eps, w["ffn_gate_up.weight"],
+                                               c.activation == "gelu_tanh")[None]
+        else:
+            h = rms_norm(x, None, c.rms_eps)  # ffn_norm's scale is in ffn_gate_up
+            gate, up = F.linear(h, w["ffn_gate_up.weight"]).chunk(2, dim=-1)  # one matmul for both
+            act = self.act(gate) * up
+        return self.add_projection(x, act, w["ffn_down.weight"], w.get("post_ffw_norm.weight"), split_k,
+                                   fused_projection)
 
     def forward_ragged(
         self,
@@ -253,18 +263,17 @@ class Transformer(torch.nn.Module):
         c, w = self.config, self.w
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [1, N, d]
         attention = RaggedAttention(self, positions, spans)
-        for i in range(c.n_layers):
-            p = f"blk.{i}."
+        for i, b in enumerate(self.blocks):
             local = c.is_local_layer(i)
             rope = self.rope_local if local else self.rope_global
             h = rms_norm(x, None, c.rms_eps)  # attn_norm's scale is in attn_qkv
-            q = self.project_qkv(h, p, rope[:, positions], positions, cache_k[i], cache_v[i], slots)  # [1, H, N, D]
+            q = self.project_qkv(h, b, rope[:, positions], positions, cache_k[i], cache_v[i], slots)  # [1, H, N, D]
             attn = attention(q, cache_k[i], cache_v[i], local)  # [1, N, H*D]
-            x, _ = self.add_projection(x, attn, w[p + "attn_output.weight"], p + "post_attention_norm.weight",
+            x, _ = self.add_projection(x, attn, b["attn_output.weight"], b.get("post_attention_norm.weight"),
                                        False, False)
             h = rms_norm(x, None, c.rms_eps)  # ffn_norm's scale is in ffn_gate_up
-            gate, up = F.linear(h, w[p + "ffn_gate_up.weight"]).chunk(2, dim=-1)
-            x, _ = self.add_projection(x, self.act(gate) * up, w[p + "ffn_down.weight"], p + "post_ffw_norm.weight",
+            gate, up = F.linear(h, b["ffn_gate_up.weight"]).chunk(2, dim=-1)
+            x, _ = self.add_projection(x, self.act(gate) * up, b["ffn_down.weight"], b.get("post_ffw_norm.weight"),
                                        False, False)
         x = rms_norm(x[0, out_rows], w["output_norm.weight"], c.rms_eps)  # [M, d]
         logits = F.linear(x, self.output)
