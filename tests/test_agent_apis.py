@@ -338,6 +338,34 @@ def test_the_browser_guard_and_body_limit_cover_the_new_routes_in_their_shapes(s
     assert_openai_error(r, 415)
 
 
+def test_a_failed_step_is_an_error_event_or_a_500_in_each_apis_shape(paths, monkeypatch):
+    """A broken engine step: a non-streamed request gets a generic 500, a stream (headers sent) an `error` event
+    as each API defines it; nothing internal leaks, and the server answers afterwards."""
+    from tandem.engine import Engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret internal detail")
+
+    requests = (("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+                ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}))
+    with LiveServer(create_app(load(paths[0]), None, model_name="tiny")) as server:
+        monkeypatch.setattr(Engine, "step", broken)
+        for path, body in requests:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            assert r.status_code == 500 and "secret" not in r.text, r.text
+            with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+                events = sse_events(r)
+            name, error = events[-1]
+            assert name == "error" and "secret" not in json.dumps(events), events
+            if path == "/v1/messages":
+                assert error["error"] == {"type": "api_error", "message": "internal server error"}
+            else:
+                assert error["code"] == "server_error" and error["message"] == "internal server error"
+        monkeypatch.undo()
+        for path, body in requests:
+            assert httpx.post(server.url + path, json=body, timeout=60).status_code == 200
+
+
 # --- several calls in one reply -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
