@@ -1,12 +1,14 @@
-"""The HTTP layer: OpenAI-compatible endpoints over one `Scheduler` (`serve.py` runs it for `tandem serve`).
+"""The HTTP layer: OpenAI's chat and completions endpoints over one `Scheduler` (`serve.py` runs it for `tandem
+serve`), and OpenAI's Responses and Anthropic's Messages APIs translated onto the same path (`openai_responses.py`,
+`anthropic_messages.py`, through `turns.py`).
 
 Request path: the ASGI guard (body size limit, access log, request counter) -> the browser guard (Host and
 Content-Type, `safety.py`) -> CORS when origins are allowed -> readiness -> API-key check -> strict parsing
 (`protocol.parse_request`) -> tokenizing (chat: the template gets the tools) and the context check, before anything
 is queued -> the request's n choices queued together and answered by `completion.Responder` (chunks back from the
 worker thread, each choice assembled by `choices.Choice`; one JSON response or an SSE stream). Every
-error leaves as OpenAI's error object with a 4xx status; anything unexpected is a generic 500, logged here with its
-traceback, never sent. /openapi.json and /docs describe it all (openapi.py).
+error leaves as OpenAI's error object (Anthropic's on its routes) with a 4xx status; anything unexpected is a
+generic 500, logged here with its traceback, never sent. /openapi.json describes it all (openapi.py).
 
 Context policy: a prompt that leaves no room for one generated token is a 400 saying by how many tokens it is too
 long; otherwise max_tokens is clamped to the room left (as llama-server does), and an absent max_tokens means "until
