@@ -102,6 +102,10 @@ def load_pair(model: str, draft: str | None = None, no_draft: bool = False, devi
     name = default_draft(model, draft, no_draft)
     if name is None or name == "ngram":
         return target, name
+    if name == "auto":  # a head draft beside the target's file
+        from tandem.speculative.compat import find_head
+
+        name = find_head(target.path)
     return target, load(name, device=draft_device or device, dtype=dtype, backend=target.backend, n_ctx=n_ctx,
                         progress=progress, isolation=isolation, threads=threads)
 

@@ -16,7 +16,9 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     if draft:
         group = p.add_mutually_exclusive_group()
         group.add_argument("--draft", "-d", default=None,
-                           help=f"draft: GGUF path, registry name or 'ngram' [{DEFAULT_DRAFT} with the default target]")
+                           help="draft: GGUF path (a draft model or a head draft, e.g. a Gemma 4 assistant), registry "
+                           f"name, 'ngram', or 'auto' (the head beside the target's file) [{DEFAULT_DRAFT} with the "
+                           "default target]")
         group.add_argument("--no-draft", action="store_true", help="plain decoding")
         p.add_argument("--draft-max", type=int, default=8, help="most draft tokens per iteration [8]")
         p.add_argument("--draft-policy", choices=["adaptive", "fixed"], default="adaptive",
@@ -138,6 +140,15 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(registry.pull(args.name))
     elif args.action == "path":
         print(registry.path(args.name))
+    elif args.action == "heads":
+        from tandem.speculative.compat import heads_beside
+
+        target = registry.resolve(args.target)
+        found = heads_beside(target)
+        for path, problems in found:
+            print(f"{path}: " + ("fits" if not problems else "does not fit: " + "; ".join(problems)))
+        if not found:
+            print(f"no head draft beside {target} (tandem runs gemma4-assistant heads: docs/decisions/0003)")
     return 0
 
 
@@ -188,12 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--grammar", metavar="GBNF|@FILE", help="the output matches this GBNF (or Lark) grammar")
     g.set_defaults(func=cmd_generate)
 
-    m = sub.add_parser("models", help="list, pull or locate the registry's models")
+    m = sub.add_parser("models", help="list, pull or locate the registry's models; the heads that fit a target")
     msub = m.add_subparsers(dest="action", required=True)
     msub.add_parser("list")
     for action in ("pull", "path"):
         a = msub.add_parser(action)
         a.add_argument("name")
+    heads = msub.add_parser("heads", help="the head drafts beside a target's GGUF, and which of them fit it")
+    heads.add_argument("target", help="the target: GGUF path or registry name")
     m.set_defaults(func=cmd_models)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

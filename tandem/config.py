@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "gemma4")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "gemma4", "gemma4-assistant")
 # Read and run by the llama.cpp backend only: the torch backend has no model for them (gemma4: per-layer head widths
 # and KV head counts, values shared with keys, per-layer token embeddings, layers that reuse another layer's KV).
-LLAMACPP_ONLY_ARCHITECTURES = ("gemma4",)
+LLAMACPP_ONLY_ARCHITECTURES = ("gemma4", "gemma4-assistant")
+# Head drafts: files that draft from a target's hidden states rather than run alone (docs/decisions/0003), by the
+# target architecture each reads.
+HEAD_ARCHITECTURES = {"gemma4-assistant": "gemma4"}
 
 # How a model loads when nothing else is asked for: the defaults of `tandem.load`, the CLI and the server alike (a
 # Python caller got torch in float32 where the CLI got llama.cpp: 1.4 tok/s in 12.4 GB against 20-25 in 2.8 GB on a
@@ -27,7 +30,7 @@ def default_dtype(device: str) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # GGUF `general.architecture`: qwen2 | llama | gemma3 | gemma4
+    architecture: str  # GGUF `general.architecture`: qwen2 | llama | gemma3 | gemma4 | gemma4-assistant (a head)
     vocab_size: int  # rows of token_embd
     n_layers: int
     d_model: int  # embedding width
@@ -45,6 +48,7 @@ class ModelConfig:
     sliding_window_pattern: int = 0  # gemma3: every Nth layer is global, the rest local (0 = all global)
     sliding_layers: tuple[bool, ...] = ()  # gemma4: per layer, True = sliding window (overrides the pattern)
     global_head_dim: int | None = None  # gemma4: head width of the full-attention layers
+    head_input_width: int | None = None  # a head draft (gemma4-assistant): the target hidden width it reads
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim)
     embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(d_model)
     activation: str = "silu"  # silu (SwiGLU) or gelu_tanh (GeGLU)

@@ -40,6 +40,7 @@ import os
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 
 from tandem.backends.base import Alongside, BatchedCache, Model, Sequence
@@ -181,10 +182,63 @@ class LlamaCppBatchedCache(BatchedCache):
         self._rows.copy_prefix(src, dst, length)
         return True
 
+    def attach_head(self, head: Model) -> LlamaCppHeadCache:
+        if not isinstance(head, LlamaCppModel):
+            raise ValueError(f"a head draft on llama.cpp must be loaded by llama.cpp too, got {head!r}")
+        return LlamaCppHeadCache(head, self)
+
     def close(self) -> None:
         if self._rows is not None:
             self._rows.close()
             self._rows = None
+
+
+class LlamaCppHeadCache(BatchedCache):
+    """A head draft (llamacpp_head.HeadForward) over a target's batched cache. It holds no KV (it reads the
+    target's), so its length is the target's and nothing rewinds. A forward drafts from each entry's last token only
+    (the rest is in the target's KV), at the target's next position: the first of a draft round with the target's
+    hidden state at the position before, the next ones with the head's own from the step before (a round is known
+    by the target's length, which grows between two)."""
+
+    def __init__(self, head: LlamaCppModel, target: LlamaCppBatchedCache) -> None:
+        from tandem.backends.llamacpp_head import HeadForward
+
+        self.model, self.target = head, target
+        self.slots, self.capacity = target.slots, target.capacity
+        rows = target._rows
+        self.width = head.config.head_input_width
+        rows.keep_hidden(self.width)
+        self._head = HeadForward(head.weights.model, rows.context.ctx, target.capacity, target.slots,
+                                 rows.context.unified, head.n_threads, head.vocab_size, self.width, head.path)
+        self._round: dict[int, tuple[int, np.ndarray]] = {}  # slot -> (target length, the head's hidden state)
+
+    def length(self, slot: int) -> int:
+        return self.target.length(slot)
+
+    def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
+        self._check(batch)
+        rows = []
+        for slot, tokens in batch:
+            position = self.target.length(slot)
+            kept = self._round.get(slot)
+            if kept is not None and kept[0] == position:
+                hidden = kept[1]
+            else:  # a round's first draft; a zero state where the target's row was never read (a copied prefix)
+                hidden = self.target._rows.hidden(slot, position - 1)
+                hidden = hidden if hidden is not None else np.zeros(self.width, dtype=np.float32)
+            rows.append((slot, int(tokens[-1]), position, hidden))
+        logits, hidden = self._head.step(rows)
+        for i, (slot, _, position, _) in enumerate(rows):
+            self._round[slot] = (position, hidden[i])
+        return [torch.from_numpy(logits[i : i + 1]) for i in range(len(rows))]
+
+    def rewind(self, slot: int, length: int) -> None:
+        self._round.pop(slot, None)  # the target rewinds itself; the head holds nothing
+
+    def close(self) -> None:
+        if self._head is not None:
+            self._head.free()
+            self._head = None
 
 
 class LlamaCppModel(Model):

@@ -42,6 +42,7 @@ GGML_TYPE_Q8_0 = 8  # ggml_type of a Q8_0 K cache (see NUMERICS in llamacpp_back
 GEMV_ROWS = 3  # ggml's repacked matmul takes its GEMM from 4 rows a call on (see KERNELS)
 PREFILL_ALIGN = 4  # ... in groups of 4 rows from the call's first
 REPACKED_BUFFER = "CPU_REPACK model buffer size"  # what llama.cpp logs when it repacked some weights at load
+HIDDEN_KEPT = 64  # a head's target: hidden states kept per sequence, the newest positions (BatchedForward.hidden)
 
 # allocate(rows, vocab) -> a float32 array [rows, vocab] that forward fills (the worker's lives in shared memory)
 Allocator = Callable[[int, int], np.ndarray]
@@ -265,6 +266,31 @@ class BatchedForward:
         self.lengths = [0] * slots
         # per slot: positions [0, n) computed as prompt rows by the GEMM (see reusable)
         self._gemm_end = [0] * slots
+        self.hidden_width = 0  # > 0: the hidden state of each read row is kept (keep_hidden)
+        self._hidden: list[dict[int, np.ndarray]] = [{} for _ in range(slots)]
+
+    def keep_hidden(self, width: int) -> None:
+        """From now on keep the hidden state (the target's post-norm one, `width` values) of every row a forward
+        reads, by slot and position, for a head draft (llamacpp_head). Costs the last layer its rows' skipping: a
+        prompt's every row goes through it."""
+        from tandem.backends.llamacpp_head import output_hidden
+
+        output_hidden(self.context.ctx)
+        self.hidden_width = width
+
+    def hidden(self, slot: int, position: int) -> np.ndarray | None:
+        """The hidden state [width] kept at that position of slot (None where its row was not read, or it is gone)."""
+        return self._hidden[slot].get(position)
+
+    def _keep_rows(self, seq_ids: list[int], positions: list[int], wanted: list[bool]) -> None:
+        from tandem.backends.llamacpp_head import read_hidden
+
+        rows = read_hidden(self.context.ctx, len(seq_ids), self.hidden_width)
+        for r, (slot, position, read) in enumerate(zip(seq_ids, positions, wanted, strict=True)):
+            if read:
+                kept = self._hidden[slot]
+                kept[position] = rows[r].copy()
+                kept.pop(position - HIDDEN_KEPT, None)
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool],
                 allocate: Allocator | None = new_rows, alongside: Callable[[], None] | None = None
@@ -318,6 +344,8 @@ class BatchedForward:
                     rows = new_rows(len(targets), vocab)
                 self.context.decode(seq_ids, tokens, positions, wanted, rows,
                                     alongside if call is calls[-1] else None)
+                if self.hidden_width:
+                    self._keep_rows(seq_ids, positions, wanted)
                 if scratch:
                     out[targets] = rows
             if in_place:
@@ -383,6 +411,8 @@ class BatchedForward:
                 raise RuntimeError(f"llama.cpp refused to remove positions >= {length} of sequence {slot}")
             self.lengths[slot] = length
             self._gemm_end[slot] = min(self._gemm_end[slot], length)
+            for position in [p for p in self._hidden[slot] if p >= length]:
+                del self._hidden[slot][position]
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         if not 0 <= length <= self.lengths[src]:
@@ -394,6 +424,7 @@ class BatchedForward:
             llc.llama_memory_seq_cp(memory, src, dst, -1, -1)
             llc.llama_memory_seq_rm(memory, dst, length, -1)
             self._gemm_end[dst] = min(self._gemm_end[src], length)
+            self._hidden[dst] = {p: h for p, h in self._hidden[src].items() if p < length}
         self.lengths[dst] = length
 
     def close(self) -> None:

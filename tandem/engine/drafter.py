@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tandem.backends.base import Alongside, Model
+from tandem.backends.base import Alongside, BatchedCache, Model
 from tandem.engine.generation import DRAFT_MODEL, Generation
 from tandem.sampling import argmax, probs_from_logits, sample
 from tandem.speculative.compat import draft_ids
@@ -209,3 +209,25 @@ class Drafter:
 
     def close(self) -> None:
         self.kv.close()
+
+
+class HeadDrafter(Drafter):
+    """A head draft (the Gemma 4 assistant: docs/decisions/0003-head-drafts.md) in the draft model's place: the same
+    draft loop (greedy, sampled, under a grammar), over the head's cache on the target's (BatchedCache.attach_head).
+    It reads the target's KV and hidden states, so it has nothing to catch up on, prefill or feed ahead, and it
+    reads no evidence in hindsight: llama.cpp takes a sequence's rows only at the target's next position (Y = X + 1),
+    so its acceptance is learnt from its verified drafts alone."""
+
+    def __init__(self, model: Model, target_vocab: int, target_kv: BatchedCache, device: torch.device) -> None:
+        self.model, self.target_vocab, self.device = model, target_vocab, device
+        self.kv = target_kv.attach_head(model)
+
+    def ahead(self, gens: list[Generation], last_drafts: list[int]) -> Alongside | None:
+        return None
+
+    def prefill(self, chunks: list[tuple[Generation, int]]) -> None:
+        pass
+
+    def read_evidence(self, gens: list[Generation], synthetic: float | None = None) -> None:
+        pass
+

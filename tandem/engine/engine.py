@@ -26,7 +26,7 @@ from tandem.backends.base import Alongside, ContextOverflowError, Model
 from tandem.engine import calibration
 from tandem.engine.cost_store import costs_path, kept_costs
 from tandem.engine.costs import BatchCosts
-from tandem.engine.drafter import Drafter, Proposal
+from tandem.engine.drafter import Drafter, HeadDrafter, Proposal
 from tandem.engine.generation import (
     DRAFT_MODEL,
     Generation,
@@ -42,7 +42,7 @@ from tandem.engine.run_ahead import LOOKUP_RUN_AHEAD, RUN_AHEAD, DeviceSpan, Run
 from tandem.engine.scoring import token_logprobs
 from tandem.logits.processor import processor_for
 from tandem.sampling import make_generator
-from tandem.speculative.compat import check_compatible
+from tandem.speculative.compat import check_compatible, check_head, is_head
 from tandem.speculative.policy import shared_prior
 from tandem.speculative.proposer import NgramProposer
 
@@ -119,16 +119,22 @@ class Engine:
         self.draft_model = draft if isinstance(draft, Model) else None
         if isinstance(draft, str) and draft != "ngram":
             raise ValueError(f"draft must be a loaded Model, 'ngram' or None, got {draft!r}")
-        if self.draft_model is not None:
+        self.head = self.draft_model is not None and is_head(self.draft_model)
+        if self.head:
+            check_head(target, self.draft_model)
+        elif self.draft_model is not None:
             check_compatible(target, self.draft_model)
         self.proposer = DRAFT_MODEL if self.draft_model else "ngram" if draft == "ngram" else None
         self.prompt_lookup = prompt_lookup
-        models = [target] + ([self.draft_model] if self.draft_model else [])
+        models = [target] + ([self.draft_model] if self.draft_model and not self.head else [])  # a head has no KV
         self.slots = fit_slots(models, slots, self.n_ctx, kv_budget_bytes)
         self.device = torch.device(getattr(target, "torch_device", "cpu"))
         self.target_kv = target.new_batched_cache(self.slots, self.n_ctx)
-        self.drafter = Drafter(self.draft_model, target.vocab_size, self.slots, self.n_ctx, self.device) \
-            if self.draft_model else None
+        self.drafter = None
+        if self.head:  # drafts from the target's hidden states, over its KV
+            self.drafter = HeadDrafter(self.draft_model, target.vocab_size, self.target_kv, self.device)
+        elif self.draft_model:
+            self.drafter = Drafter(self.draft_model, target.vocab_size, self.slots, self.n_ctx, self.device)
         self.table = SlotTable(self.slots)
         if not self.target_kv.steps_on_device:
             run_ahead = 1

@@ -28,7 +28,8 @@ from tandem.config import SUPPORTED_ARCHITECTURES, ModelConfig
 GGUF_MAGIC = b"GGUF"
 
 # Per-architecture default rope base when the file leaves `{arch}.rope.freq_base` out.
-DEFAULT_ROPE_BASE = {"llama": 10000.0, "qwen2": 1_000_000.0, "gemma3": 1_000_000.0, "gemma4": 1_000_000.0}
+DEFAULT_ROPE_BASE = {"llama": 10000.0, "qwen2": 1_000_000.0, "gemma3": 1_000_000.0, "gemma4": 1_000_000.0,
+                     "gemma4-assistant": 1_000_000.0}
 DEFAULT_RMS_EPS = 1e-6
 GEMMA3_ROPE_BASE_LOCAL = 10000.0  # gemma3's sliding-window layers (not stored in GGUF; llama.cpp hard-codes it)
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # 5 local layers, then one global
@@ -417,7 +418,7 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
             sliding_window_pattern=GEMMA3_SLIDING_WINDOW_PATTERN,
             rope_interleaved=False,
         )
-    elif arch == "gemma4":
+    elif arch in ("gemma4", "gemma4-assistant"):
         # Sliding-window layers have heads of key_length_swa, full layers of key_length (llama.cpp's loader).
         head_dim = int(gf.get(key("attention.key_length_swa"), head_dim))
         pattern = gf.get(key("attention.sliding_window_pattern"))
@@ -429,6 +430,8 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             sliding_layers=tuple(bool(x) for x in pattern) if isinstance(pattern, list) else (),
         )
+        if arch == "gemma4-assistant":  # its blocks read the target's KV; its input, the target's hidden state
+            common["head_input_width"] = int(gf.require(key("embedding_length_out")))
 
     bos = gf.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(

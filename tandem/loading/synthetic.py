@@ -290,16 +290,7 @@ def write_tiny_gguf(
     tokens += [f"[PAD{i}]" for i in range(n_real, vocab_size)]
     types += [TOKEN_TYPE_UNUSED] * (vocab_size - n_real)
     if arch == "gemma4":
-        tokenizer_kv: dict[str, Any] = {
-            "tokenizer.ggml.model": "gemma4",
-            "tokenizer.ggml.pre": "gemma4",
-            "tokenizer.ggml.bos_token_id": gemma4.BOS_ID,
-            "tokenizer.ggml.eos_token_id": gemma4.EOS_ID,
-            "tokenizer.ggml.unknown_token_id": gemma4.UNK_ID,
-            "tokenizer.ggml.padding_token_id": gemma4.PAD_ID,
-            "tokenizer.ggml.add_bos_token": True,
-            "tokenizer.chat_template": gemma4.GEMMA4_CHAT_TEMPLATE,
-        }
+        tokenizer_kv: dict[str, Any] = gemma4.tokenizer_kv()
     else:
         endoftext, im_end = tokens.index("<|endoftext|>"), tokens.index("<|im_end|>")
         tokenizer_kv = {

@@ -84,6 +84,20 @@ def tiny_gemma4_vocab(merges_from: tuple[tuple[str, str], ...]) -> tuple[list[st
     return tokens, types, merges
 
 
+def tokenizer_kv() -> dict[str, Any]:
+    """The tokenizer keys of a gemma4 file (besides tokens, types and merges)."""
+    return {
+        "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.pre": "gemma4",
+        "tokenizer.ggml.bos_token_id": BOS_ID,
+        "tokenizer.ggml.eos_token_id": EOS_ID,
+        "tokenizer.ggml.unknown_token_id": UNK_ID,
+        "tokenizer.ggml.padding_token_id": PAD_ID,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": GEMMA4_CHAT_TEMPLATE,
+    }
+
+
 def gemma4_layout(
     layout: str,
     *,

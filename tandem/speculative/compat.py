@@ -34,3 +34,78 @@ def check_compatible(target: Model, draft: Model) -> None:
         raise VocabularyMismatchError(
             f"draft {draft.path!r} cannot draft for target {target.path!r}: " + "; ".join(problems)
         )
+
+
+class HeadMismatchError(ValueError):
+    """A head draft was trained on another target: another architecture, hidden size or vocabulary."""
+
+
+def is_head(model: Model) -> bool:
+    """Whether a model is a head draft (it drafts from a target's hidden states and cannot run alone)."""
+    from tandem.config import HEAD_ARCHITECTURES
+
+    return model.config.architecture in HEAD_ARCHITECTURES
+
+
+def head_problems(target_config, head_config) -> list[str]:
+    """Why a head (its ModelConfig) cannot draft for a target (its ModelConfig); [] where it can."""
+    from tandem.config import HEAD_ARCHITECTURES
+
+    wanted = HEAD_ARCHITECTURES[head_config.architecture]
+    problems = []
+    if target_config.architecture != wanted:
+        problems.append(f"a {head_config.architecture} head drafts for {wanted} targets, not "
+                        f"{target_config.architecture}")
+    if head_config.head_input_width != target_config.d_model:
+        problems.append(f"it reads hidden states of {head_config.head_input_width} values, the target's are "
+                        f"{target_config.d_model}")
+    if head_config.vocab_size != target_config.vocab_size:
+        problems.append(f"vocabulary of {head_config.vocab_size} tokens, the target's {target_config.vocab_size}")
+    if (head_config.head_dim, head_config.global_head_dim) != (target_config.head_dim, target_config.global_head_dim):
+        problems.append(f"head widths {head_config.head_dim}/{head_config.global_head_dim} (sliding/full), the "
+                        f"target's KV {target_config.head_dim}/{target_config.global_head_dim}")
+    return problems
+
+
+def check_head(target: Model, head: Model) -> None:
+    """Raise HeadMismatchError unless `head` drafts for `target` (and their tokenizers agree: check_compatible)."""
+    problems = head_problems(target.config, head.config)
+    if problems:
+        raise HeadMismatchError(f"head {head.path!r} cannot draft for target {target.path!r}: " + "; ".join(problems))
+    check_compatible(target, head)
+
+
+def heads_beside(target_path: str) -> list[tuple[str, list[str]]]:
+    """The head drafts (GGUF files of a head architecture) in the target file's folder, each with why it cannot
+    draft for that target ([] where it can): `--draft auto`, `tandem models heads`."""
+    import os
+
+    from tandem.config import HEAD_ARCHITECTURES
+    from tandem.loading.gguf import GGUFError, open_gguf
+
+    target = open_gguf(target_path).config
+    folder = os.path.dirname(os.path.abspath(target_path))
+    found = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not name.endswith(".gguf") or os.path.samefile(path, target_path):
+            continue
+        try:
+            gguf = open_gguf(path)
+            if gguf.architecture in HEAD_ARCHITECTURES:
+                found.append((path, head_problems(target, gguf.config)))
+        except GGUFError:
+            continue  # not a file tandem reads: not a head either
+    return found
+
+
+def find_head(target_path: str) -> str:
+    """`--draft auto`: the head draft beside the target's GGUF that fits it; a ValueError saying what was found
+    otherwise. (A head inside the target's file, Qwen3.5's nextn layer, is not run by tandem yet.)"""
+    found = heads_beside(target_path)
+    fitting = [path for path, problems in found if not problems]
+    if fitting:
+        return fitting[0]
+    why = "; ".join(f"{path}: {', '.join(problems)}" for path, problems in found) or "none found"
+    raise ValueError(f"--draft auto: no head draft for {target_path!r} beside it ({why}); put its assistant GGUF "
+                     "(e.g. a Gemma 4 *-assistant file) in the same folder, or give --draft a path")

@@ -1,0 +1,135 @@
+"""A head draft on llama.cpp (the Gemma 4 assistant), without torch: its context over the target's, and the
+hidden-state hand-off (docs/decisions/0003-head-drafts.md).
+
+llama.cpp's MTP driver (`common_speculative_impl_draft_mtp` in common/speculative.cpp) does this inside
+llama-server; here tandem's own loop drives the same calls, so verification, batching and the policy stay tandem's:
+- the target's context outputs its post-norm hidden state for every row it computes (`llama_set_embeddings_nextn`
+  unmasked), read after each llama_decode (`llama_get_embeddings_nextn`, dense, in batch order);
+- the head's context is of type MTP with `ctx_other` = the target's context: it has no KV of its own and attends
+  over the target's cells (its sliding blocks over the target's last sliding layer, its full blocks over the last
+  layer), so it needs no catch-up and no rewinding;
+- a draft step feeds each sequence's newest token with a hidden state (the target's at the position before it, or
+  the head's own from the step before) as the token's embedding row (`llama_batch_ext_set_embd_token`; in
+  llama.cpp 0.3.36 `llama_batch_ext_set_embd_state` is a stub that returns false), at the token's position: every
+  draft of a round at the same position, as llama.cpp's driver feeds the Gemma 4 assistant.
+The staging functions (src/llama-ext.h) are C++ symbols that llama-cpp-python does not bind; libllama exports them,
+and they are bound here by their mangled names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence as Seq
+
+import llama_cpp.llama_cpp as llc
+import numpy as np
+
+from tandem.backends.llamacpp_runtime import recent_errors
+
+# llama-ext.h's staging API, by its Itanium-mangled names (libllama exports them; llama-cpp-python does not bind them)
+_STAGING = {
+    "set_embeddings_nextn": ("_Z26llama_set_embeddings_nextnP13llama_contextbb",
+                             [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None),
+    "get_embeddings_nextn": ("_Z26llama_get_embeddings_nextnP13llama_context", [ctypes.c_void_p],
+                             ctypes.POINTER(ctypes.c_float)),
+    "get_embeddings_nextn_ith": ("_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+                                 [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
+}
+
+
+def _staging(name: str):
+    symbol, argtypes, restype = _STAGING[name]
+    try:
+        function = getattr(llc._lib, symbol)
+    except AttributeError as missing:
+        raise RuntimeError(f"this llama.cpp build does not export {symbol} (llama-cpp-python 0.3.36's does): head "
+                           "drafts need it") from missing
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
+def supports_heads() -> bool:
+    """Whether this libllama has what head drafts call."""
+    try:
+        for name in _STAGING:
+            _staging(name)
+    except RuntimeError:
+        return False
+    return hasattr(llc, "LLAMA_CONTEXT_TYPE_MTP") and hasattr(llc, "llama_batch_ext_init")
+
+
+def output_hidden(ctx) -> None:
+    """Make a target context output its hidden state for every row of every decode (read_hidden)."""
+    _staging("set_embeddings_nextn")(ctx, True, False)
+
+
+def read_hidden(ctx, rows: int, width: int) -> np.ndarray:
+    """The last decode's hidden states [rows, width], one per batch row, in batch order: valid until the next decode
+    (a view of llama.cpp's buffer; copy what is kept)."""
+    address = ctypes.cast(_staging("get_embeddings_nextn")(ctx), ctypes.c_void_p).value
+    return np.frombuffer((ctypes.c_float * (rows * width)).from_address(address), np.float32).reshape(rows, width)
+
+
+class HeadForward:
+    """The head's llama_context over a target context: one step feeds a row per sequence, (token, position, hidden
+    state), and returns each row's logits and next hidden state."""
+
+    def __init__(self, head_model, target_ctx, n_ctx: int, n_seq: int, unified: bool, n_threads: int,
+                 vocab_size: int, hidden_width: int, path: str) -> None:
+        """head_model: the head's llama_model; target_ctx: the context whose KV it reads (its n_ctx per sequence,
+        n_seq sequences and KV layout, as the head's context must mirror them)."""
+        params = llc.llama_context_default_params()
+        params.n_ctx = n_ctx * n_seq
+        params.n_batch = params.n_ubatch = max(n_seq, 8)
+        params.n_seq_max = n_seq
+        params.kv_unified = unified
+        params.swa_full = True  # as the target's (llamacpp_core.Context)
+        params.n_threads = params.n_threads_batch = n_threads
+        params.no_perf = True
+        params.ctx_type = llc.LLAMA_CONTEXT_TYPE_MTP
+        params.ctx_other = target_ctx
+        ctx = llc.llama_init_from_model(head_model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create the head's context for {path!r}: "
+                               + " | ".join(recent_errors))
+        self.ctx, self.path = ctx, path
+        self.vocab_size, self.hidden_width, self.n_batch = vocab_size, hidden_width, params.n_batch
+        _staging("set_embeddings_nextn")(ctx, True, True)  # its next hidden state, for the rows it outputs
+        self._get_hidden_ith = _staging("get_embeddings_nextn_ith")
+        self.batch = llc.llama_batch_ext_init(ctx)
+        self._position = (ctypes.c_int32 * 1)()
+
+    def step(self, rows: Seq[tuple[int, int, int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """rows: (sequence id, token, position, hidden state [hidden_width] float32), at most n_batch. Returns the
+        logits [n, vocab] and the next hidden states [n, hidden_width] (copies)."""
+        llc.llama_batch_ext_clear(self.batch)
+        keep = []  # the hidden rows must outlive the call
+        for seq, token, position, hidden in rows:
+            idx = llc.llama_batch_ext_add_token(self.batch, seq, token)
+            if idx < 0:
+                raise RuntimeError(f"the head's batch refused token {token} of sequence {seq} ({idx})")
+            self._position[0] = position
+            llc.llama_batch_ext_set_pos(self.batch, idx, self._position)
+            state = np.ascontiguousarray(hidden, dtype=np.float32)
+            keep.append(state)
+            embd = llc.llama_embd(state.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.hidden_width)
+            if not llc.llama_batch_ext_set_embd_token(self.batch, idx, embd):
+                raise RuntimeError(f"llama.cpp refused a hidden state of {self.hidden_width} values for the head "
+                                   f"{self.path!r}")
+            llc.llama_batch_ext_set_output_logits(self.batch, idx, True)
+        rc = llc.llama_process(self.ctx, llc.LLAMA_PROCESS_TYPE_DECODE, self.batch)
+        if rc != 0:
+            raise RuntimeError(f"the head's decode failed with {rc} ({self.path!r}): " + " | ".join(recent_errors))
+        n = len(rows)
+        logits = np.empty((n, self.vocab_size), dtype=np.float32)
+        ctypes.memmove(logits.ctypes.data, llc.llama_get_logits(self.ctx), logits.nbytes)
+        hidden = np.empty((n, self.hidden_width), dtype=np.float32)
+        for i in range(n):
+            ctypes.memmove(hidden[i].ctypes.data, self._get_hidden_ith(self.ctx, i), hidden[i].nbytes)
+        return logits, hidden
+
+    def free(self) -> None:
+        if self.ctx:
+            llc.llama_batch_ext_free(self.batch)
+            llc.llama_free(self.ctx)
+            self.ctx = None

@@ -1,0 +1,137 @@
+"""Random-weight head drafts: a `gemma4-assistant` GGUF (the Gemma 4 "assistant" MTP drafter) for a gemma4 target.
+
+Read from llama.cpp's loader (`llama_model_gemma4_assistant` in src/models/gemma4-assistant.cpp, vendored in
+llama-cpp-python 0.3.36) and its converter (`Gemma4AssistantModel` in conversion/gemma.py): the gemma4 keys under
+the `gemma4-assistant` prefix, plus `embedding_length_out` (the target's hidden size) and `nextn_predict_layers`
+(every block). Its blocks have queries but no keys or values: each attends over the target's KV cache (its sliding
+layers over the target's last sliding layer, its full layers over the target's last layer), so its head widths and
+KV head counts are the target's. Tensors: `token_embd` (its own width, tied as the full-vocabulary output),
+`nextn.pre_projection` [d, 2 * d_target] (the target's scaled token embedding beside the target's hidden state, in),
+`nextn.post_projection` [d_target, d] (the next hidden state, out), and per block the gemma4 block without
+attn_k / attn_v / attn_k_norm.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from tandem.loading import synthetic_gemma4 as gemma4
+from tandem.loading.synthetic import (
+    FILE_TYPE,
+    SUPPORTED_QTYPES,
+    TINY_MERGES,
+    TOKEN_TYPE_UNUSED,
+    _encode_matrix,
+    _value_type,
+)
+
+ASSISTANT_ARCH = "gemma4-assistant"
+
+
+def gemma4_assistant_layout(*, target_d_model: int, n_layers: int, d_model: int, d_ffn: int, n_heads: int,
+                            n_kv_heads: int, head_dim: int, vocab_size: int, rope_base: float,
+                            sliding_window: int) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], str]]]:
+    """(metadata keys, tensor specs) of an assistant for a gemma4 "dense" target with these head widths, KV heads,
+    vocabulary and window (its own width d_model, blocks n_layers: sliding, then full every third, as the target)."""
+    kv, specs = gemma4.gemma4_layout("dense", n_layers=n_layers, d_model=d_model, d_ffn=d_ffn, n_heads=n_heads,
+                                     n_kv_heads=n_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
+                                     rope_base=rope_base, sliding_window=sliding_window, tie_embeddings=True)
+    kv = {key.replace("gemma4.", f"{ASSISTANT_ARCH}.", 1): value for key, value in kv.items()}
+    kv[f"{ASSISTANT_ARCH}.embedding_length_out"] = target_d_model
+    kv[f"{ASSISTANT_ARCH}.nextn_predict_layers"] = n_layers
+    without_kv = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")
+    specs = [spec for spec in specs if not spec[0].endswith(without_kv)]
+    specs += [
+        ("nextn.pre_projection.weight", (d_model, 2 * target_d_model), "matrix"),
+        ("nextn.post_projection.weight", (target_d_model, d_model), "matrix"),
+    ]
+    return kv, specs
+
+
+def write_gemma4_assistant(
+    path: str | os.PathLike[str],
+    target_d_model: int = 64,
+    qtype: str = "F32",
+    n_layers: int = 3,
+    d_model: int = 32,
+    d_ffn: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 32,
+    vocab_size: int | None = None,
+    context_length: int = 512,
+    seed: int = 0,
+    *,
+    rope_base: float = 1_000_000.0,
+    rms_eps: float = 1e-6,
+    sliding_window: int = 8,
+    metadata: dict[str, Any] | None = None,
+) -> str:
+    """Write a random-weight gemma4-assistant GGUF for a gemma4 "dense" target written by
+    `tandem.loading.synthetic.write_tiny_gguf(arch="gemma4", ...)` with the same n_kv_heads, head_dim,
+    vocab_size and sliding_window, and d_model = target_d_model; return its path. Its own width d_model may differ
+    but not equal it (llama.cpp tells the two apart by it; the real assistants are narrower). qtype: the
+    matrices' storage type; metadata: keys to add or replace (None deletes one), for testing the loader's errors."""
+    from gguf import GGUFWriter
+
+    if qtype not in SUPPORTED_QTYPES:
+        raise ValueError(f"unsupported qtype {qtype!r}; supported: {', '.join(SUPPORTED_QTYPES)}")
+    if d_model == target_d_model:
+        raise ValueError(f"the assistant's width must differ from its target's ({d_model}): llama.cpp requires it")
+    path = os.fspath(path)
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = gemma4.tiny_gemma4_vocab(TINY_MERGES)
+    vocab_size = vocab_size or len(tokens)
+    if vocab_size < len(tokens):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tiny tokenizer's {len(tokens)} tokens")
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    types += [TOKEN_TYPE_UNUSED] * (vocab_size - len(types))
+    layout_kv, specs = gemma4_assistant_layout(
+        target_d_model=target_d_model, n_layers=n_layers, d_model=d_model, d_ffn=d_ffn, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, head_dim=head_dim, vocab_size=vocab_size, rope_base=rope_base,
+        sliding_window=sliding_window)
+    a = ASSISTANT_ARCH
+    kv: dict[str, Any] = {
+        "general.name": f"tiny-{a}-{qtype.lower()}",
+        "general.file_type": FILE_TYPE.get(qtype, 0),
+        "general.quantization_version": 2,
+        f"{a}.context_length": context_length,
+        f"{a}.block_count": n_layers,
+        f"{a}.attention.layer_norm_rms_epsilon": float(rms_eps),
+        **layout_kv,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        **gemma4.tokenizer_kv(),
+    }
+    for key, value in (metadata or {}).items():
+        if value is None:
+            kv.pop(key, None)
+        else:
+            kv[key] = value
+
+    writer = GGUFWriter(path, a)
+    for key, value in kv.items():
+        if isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        else:
+            writer.add_key_value(key, value, _value_type(value))
+    for name, shape, kind in specs:
+        if kind == "norm":
+            writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+        elif kind in ("rope_freqs", "scale"):
+            writer.add_tensor(name, gemma4.special_tensor(kind, shape, rng))
+        else:
+            std = 0.1 if name == "token_embd.weight" else min(0.1, 1.0 / math.sqrt(shape[-1]))
+            values = (std * rng.standard_normal(shape)).astype(np.float32)
+            array, raw_dtype = _encode_matrix(values, qtype, std, rng)
+            writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
