@@ -161,6 +161,28 @@ def test_draft_auto_finds_the_head_beside_the_target_and_models_heads_says_which
         loaded.close()
 
 
+def test_the_doctor_and_the_costs_time_a_head_beside_its_target(tiny_model_path, head_path, capsys):
+    import json
+
+    from tandem.cli import main
+
+    target = tiny_model_path(**TARGET)
+    assert main(["doctor", "--json", "--repeats", "2", "--model", target, "--draft", head_path, "--backend",
+                 "llama.cpp", "--threads", "1", "--slots", "2"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["draft_kind"] == "head" and d["draft_step_ms_standalone"] is None  # a head has no step alone
+    assert d["draft_step_ms_paired"] > 0 and d["draft_step_ms_target_idle"] > 0
+    assert all(row["draft_step_ms"] > 0 for row in d["batched"].values())
+
+
+def test_the_one_request_costs_price_a_head_with_no_catch_up(pair):
+    from tandem.engine.calibration import measure_costs
+
+    target, head = pair
+    costs = measure_costs(target, head, 3)
+    assert costs.draft_step_ms > 0 and costs.catch_up_ms_per_token == 0.0
+
+
 # --- sampled: the target's distribution, drafts of 2-3 tokens, 4 sequences a verify ---------------------------------
 SAMPLING = dict(temperature=1.0, top_k=3)  # the biased three, each model weighing them by its own logits
 N_GENERATED = 5

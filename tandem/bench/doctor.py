@@ -32,6 +32,7 @@ from tandem.backends.base import Model
 from tandem.engine.calibration import time_forwards_ms
 from tandem.engine.costs import NGRAM_STEP_MS, CostModel
 from tandem.sampling import argmax
+from tandem.speculative.compat import is_head
 from tandem.speculative.policy import expected_tokens
 
 DEFAULT_REPEATS = 5
@@ -76,6 +77,7 @@ class DoctorReport:
     synthetic: bool = False
     shapes: dict[str, str] | None = None
     batched: dict[int, dict] | None = None  # --slots: B -> the batched engine's costs and plan (batched_costs)
+    draft_kind: str = "model"  # "model", or "head": a head draft (no step alone: it reads the target's KV)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -97,8 +99,9 @@ def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, c
     token = draft.tokenizer.bos_token_id or 0
     vocab = draft.vocab_size if target is None else min(draft.vocab_size, target.vocab_size)
     capacity = context + k + 2
-    draft_kv = draft.new_batched_cache(1, capacity, drafting=True)
     target_kv = target.new_batched_cache(1, capacity) if target is not None else None
+    # a head draft runs over the target's KV (and needs one); its context is the target's, fed below
+    draft_kv = target_kv.attach_head(draft) if is_head(draft) else draft.new_batched_cache(1, capacity, drafting=True)
 
     def drafting_step() -> int:
         if draft_kv.drafts_greedy:
@@ -109,9 +112,10 @@ def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, c
         return k
 
     try:
-        draft_kv.forward([(0, [token] * context)], [True])
         if target_kv is not None:
             target_kv.forward([(0, [token] * context)], [True])
+        if not is_head(draft):
+            draft_kv.forward([(0, [token] * context)], [True])
         deadline, run, steps = time.perf_counter() + warmup_s, 0, [[] for _ in verifying]
         while min(len(s) for s in steps) < repeats * STEPS_PER_REPEAT:
             block = run // STEPS_PER_REPEAT % len(verifying)
@@ -239,7 +243,7 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
         best_draft_len=best, predicted_speedup=predicted, break_even_acceptance=even,
         flags=diagnose(paired_over, verify_ms, ratio, bytes_ratio, drift, idle_over),
         verdict=make_verdict(costs, even, predicted, best),
-        synthetic=synthetic, shapes=shapes,
+        synthetic=synthetic, shapes=shapes, draft_kind="head" if draft is not None and is_head(draft) else "model",
     )
 
 
@@ -252,7 +256,8 @@ def batched_costs(target: Model, draft: Model | None, slots: int, k: int,
     from tandem.engine import calibration, planner
 
     target_kv = target.new_batched_cache(slots, min(target.n_ctx, 256))
-    draft_kv = draft.new_batched_cache(slots, min(draft.n_ctx, 256), drafting=True) if draft is not None else None
+    draft_kv = None if draft is None else target_kv.attach_head(draft) if is_head(draft) else \
+        draft.new_batched_cache(slots, min(draft.n_ctx, 256), drafting=True)
     try:
         costs = calibration.measure(target_kv, draft_kv, k,
                                     lambda: (target.synchronize(), draft and draft.synchronize()))
@@ -301,7 +306,8 @@ def format_report(r: DoctorReport, device_name: str = "") -> str:
         f"tandem doctor — {r.backend} on {r.device}{f' ({device_name})' if device_name else ''}"
         + (" — SYNTHETIC random-weight models " + str(r.shapes) if r.synthetic else ""),
         f"  target: {r.target}",
-        f"  draft:  {r.draft or '(none: prompt lookup costs)'}",
+        f"  draft:  {r.draft or '(none: prompt lookup costs)'}"
+        + (" (a head draft: it runs over the target's KV, so it has no step alone)" if r.draft_kind == "head" else ""),
         f"  draft step, draft alone (per token):          {ms(r.draft_step_ms_standalone)}",
         f"  draft step, target loaded and idle:           {ms(r.draft_step_ms_target_idle)}",
         f"  draft step, target loaded, k={r.draft_len_paired} (per token): {ms(r.draft_step_ms_paired)}"
@@ -339,10 +345,11 @@ def run_doctor(args: argparse.Namespace) -> int:
     draft = load_draft(args, backend=None)
     if isinstance(draft, str):
         draft = None  # "ngram": no draft model to time; costs are prompt lookup's
-    if draft is not None:
+    if draft is not None and not is_head(draft):
         log(f"timing the draft's steps alone (k = {k}, {repeats} repeats; the first compiles)")
     standalone = None
-    if draft is not None:  # timed as the idle and paired steps are (see measure), so that the ratios compare like
+    if draft is not None and not is_head(draft):  # timed as the idle and paired steps are (see measure), so that
+        # the ratios compare like with like; a head draft has no step alone (it reads the target's KV)
         standalone = time_draft_steps(draft, None, k, repeats, warmup_s=WARMUP_S)[0]
     log("loading the target")
     target = load_target(args)

@@ -312,10 +312,37 @@ def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
         seq.close()
 
 
+def time_head_step_ms(target: Model, head: Model, repeats: int = REPEATS, context: int = CONTEXT) -> float:
+    """Median ms of a head draft's step (one token over the target's KV of `context` tokens: a head runs only
+    beside its target, docs/decisions/0003); the first is a warm-up."""
+    context = max(1, min(context, target.n_ctx - 2))
+    kv = target.new_batched_cache(1, context + 2)
+    head_kv = kv.attach_head(head)
+    try:
+        token = target.tokenizer.bos_token_id or 0
+        kv.forward([(0, [token] * context)], [True])
+        times = []
+        for _ in range(repeats + 1):
+            target.synchronize()
+            started = time.perf_counter()
+            head_kv.forward([(0, [token])], [True])
+            target.synchronize()
+            times.append(1000.0 * (time.perf_counter() - started))
+        return statistics.median(times[1:])
+    finally:
+        head_kv.close()
+        kv.close()
+
+
 def _measure_once(target: Model, draft: Model | None, k_max: int) -> CostModel:
+    from tandem.speculative.compat import is_head
+
     verify_ms = time_forwards_ms(target, {1, 2, k_max + 1})
     if draft is None:
         return CostModel(draft_step_ms=NGRAM_STEP_MS, verify_ms=verify_ms, catch_up_ms_per_token=0.0)
+    if is_head(draft):  # reads the target's KV: nothing to catch up on
+        return CostModel(draft_step_ms=time_head_step_ms(target, draft), verify_ms=verify_ms,
+                         catch_up_ms_per_token=0.0)
     draft_ms = time_forwards_ms(draft, [1, CATCH_UP_ROWS[0]], drafting=True)
     return CostModel(draft_step_ms=draft_ms[1], verify_ms=verify_ms,
                      catch_up_ms_per_token=draft_ms[CATCH_UP_ROWS[0]] / CATCH_UP_ROWS[0])

@@ -145,8 +145,8 @@ class Engine:
         self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
-        self.policy = DraftPolicy(None, shared_prior(target), self.drafter, self.target_kv, draft_max,
-                                  synthetic_acceptance)
+        prior = shared_prior(target, "head" if self.head else "shared")
+        self.policy = DraftPolicy(None, prior, self.drafter, self.target_kv, draft_max, synthetic_acceptance)
         if self.proposer and draft_max > 0 and measure_costs:
             self.calibrate()
         self.waiting: deque[Generation] = deque()

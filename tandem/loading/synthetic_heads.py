@@ -135,3 +135,48 @@ def write_gemma4_assistant(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Random pairs of real shapes for a GPU (a gemma4 target and its assistant), written by `python -m
+# tandem.loading.synthetic_heads`. The target shapes follow the published Gemma 4 configs as far as this tree's
+# tiny writer models them (sliding layers of head_dim, every third layer full with twice the width); the
+# assistants' widths and depths are assumptions (check them against the real *-assistant config.json).
+PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "tiny": (dict(n_layers=3, d_model=64, d_ffn=128, n_heads=4, n_kv_heads=2, head_dim=32),
+             dict(n_layers=3, d_model=32, d_ffn=64, n_heads=4)),
+    "31b": (dict(n_layers=60, d_model=5376, d_ffn=21504, n_heads=32, n_kv_heads=16, head_dim=256,
+                 vocab_size=262144, sliding_window=1024),
+            dict(n_layers=4, d_model=1024, d_ffn=4096, n_heads=8)),
+}
+
+
+def write_head_pair(folder: str | os.PathLike[str], preset: str = "tiny", qtype: str = "Q8_0",
+                    head_qtype: str = "Q8_0", seed: int = 0) -> tuple[str, str]:
+    """(target path, head path): a random gemma4 target of the preset's shape and an assistant that fits it, side
+    by side in `folder` (so `--draft auto` finds it)."""
+    from tandem.loading.synthetic import write_tiny_gguf
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    target_shape, head_shape = PRESETS[preset]
+    os.makedirs(folder, exist_ok=True)
+    target = write_tiny_gguf(os.path.join(folder, f"gemma4-{preset}-{qtype}.gguf"), arch="gemma4", layout="dense",
+                             qtype=qtype, seed=seed, tie_embeddings=True, context_length=8192, **target_shape)
+    shared = {key: target_shape[key] for key in ("n_kv_heads", "head_dim", "vocab_size", "sliding_window")
+              if key in target_shape}
+    head = write_gemma4_assistant(os.path.join(folder, f"gemma4-{preset}-{qtype}-assistant-{head_qtype}.gguf"),
+                                  target_d_model=target_shape["d_model"], qtype=head_qtype, seed=seed + 1,
+                                  context_length=8192, **shared, **head_shape)
+    return target, head
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write a random gemma4 target and its assistant head draft")
+    parser.add_argument("folder")
+    parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    parser.add_argument("--qtype", default="Q8_0", help="the target's matrices (e.g. Q4_K for a Q4_K_M stand-in)")
+    parser.add_argument("--head-qtype", default="Q8_0")
+    args = parser.parse_args()
+    print(*write_head_pair(args.folder, args.preset, args.qtype, args.head_qtype), sep="\n")

@@ -194,14 +194,15 @@ class AcceptancePrior:
 _priors_lock = threading.Lock()
 
 
-def shared_prior(target) -> AcceptancePrior:
+def shared_prior(target, drafter: str = "shared") -> AcceptancePrior:
     """The process-wide acceptance prior of a target's requests (kept on the target, like its costs): per source,
-    so prompt lookup alone and mixed with a draft share what lookup accepted."""
+    so prompt lookup alone and mixed with a draft share what lookup accepted. drafter: "head" keeps a head draft's
+    own (it drafts in the draft model's place, and accepts what a draft model would not)."""
     priors = target.__dict__.setdefault("_tandem_priors", {})
     with _priors_lock:
-        if "shared" not in priors:
+        if drafter not in priors:
             lookup = NgramProposer()
             defaults = {s: NGRAM_PRIOR for s in lookup.sources}
             defaults[lookup.sources[0]] = LONG_MATCH_PRIOR
-            priors["shared"] = AcceptancePrior(defaults)
-        return priors["shared"]
+            priors[drafter] = AcceptancePrior(defaults)
+        return priors[drafter]
