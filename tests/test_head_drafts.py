@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
 
-from conftest import assert_speculated  # noqa: E402
+from conftest import assert_speculated, cheap_drafting  # noqa: E402
 from sampling_reference import exact_distribution  # noqa: E402
 from test_lossless import chi_square_pvalue, residual_from_target, residual_from_target_after_an_accept  # noqa: E402
 
@@ -25,7 +25,7 @@ from tandem.loading.synthetic_heads import write_gemma4_assistant  # noqa: E402
 from tandem.logits.options import logits_settings  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
 from tandem.speculative.compat import HeadMismatchError, check_head  # noqa: E402
-from tandem.speculative.verify import verify_sampled  # noqa: E402
+from tandem.speculative.verify import verify_greedy, verify_sampled  # noqa: E402
 
 TARGET = dict(arch="gemma4", layout="dense", n_layers=3, qtype="Q8_0", seed=5, tie_embeddings=True)  # d_model 64
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "hi"]
@@ -122,6 +122,33 @@ def test_greedy_with_the_head_is_the_target_alone_and_batched(pair):
     assert_speculated(unbiased.stats, accepted=False)
 
 
+def test_the_greedy_comparison_catches_a_rule_that_keeps_a_rejected_draft(pair, monkeypatch):
+    """Control: a verify that keeps the first draft whether or not the target agrees drifts from plain decoding."""
+    target, head = pair
+
+    def keeps_the_first(draft_tokens, target_tokens):
+        n, tokens = verify_greedy(draft_tokens, target_tokens)
+        return (1, draft_tokens[:1] + [target_tokens[1]]) if n == 0 and draft_tokens else (n, tokens)
+
+    plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
+    monkeypatch.setattr(verification_module, "verify_greedy", keeps_the_first)
+    wrong = tandem.generate(target, prompts=PROMPTS, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
+                            draft_policy="fixed", draft_max=4)
+    assert [r.tokens for r in wrong] != plain
+
+
+def test_the_adaptive_policy_drafts_with_a_head_where_it_pays_and_stays_exact(pair, monkeypatch, tmp_path):
+    target, head = pair
+    cheap_drafting(monkeypatch, tmp_path)  # costs as a GPU's: drafting pays on acceptance alone
+    engine = Engine(target, head, slots=3, draft_max=4, prompt_lookup=False)
+    logits = logits_settings(logit_bias=TWO_TOKENS, vocab=target.vocab_size)
+    ids = [target.tokenizer.encode(p) for p in PROMPTS]
+    results = engine.generate([Request(p, max_tokens=40, logits=logits) for p in ids])
+    plain = [tandem.generate(target, prompt=p, max_tokens=40, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
+    assert [r.tokens for r in results] == plain
+    assert_speculated(*(r.stats for r in results), rejected=True)
+
+
 def test_a_head_that_does_not_fit_its_target_is_a_clear_error(pair, tiny_model_path, tmp_path):
     target, head = pair
     wider = write_gemma4_assistant(tmp_path / "wider.gguf", target_d_model=96, seed=1)
@@ -136,6 +163,15 @@ def test_a_head_that_does_not_fit_its_target_is_a_clear_error(pair, tiny_model_p
         wide.close()
         qwen.close()
     check_head(target, head)
+
+
+def test_a_head_where_the_target_runs_in_a_worker_process_is_a_clear_error(tiny_model_path, head_path):
+    target = tandem.load(tiny_model_path(**TARGET), backend="llama.cpp", n_ctx=64, threads=1, isolation="process")
+    try:
+        with pytest.raises(ValueError, match="runs no head drafts"):
+            tandem.generate(target, prompt="hi", max_tokens=2, draft=head_path)
+    finally:
+        target.close()
 
 
 def test_draft_auto_finds_the_head_beside_the_target_and_models_heads_says_which_fit(tmp_path, capsys):
