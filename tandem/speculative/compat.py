@@ -44,7 +44,7 @@ def is_head(model: Model) -> bool:
     """Whether a model is a head draft (it drafts from a target's hidden states and cannot run alone)."""
     from tandem.config import HEAD_ARCHITECTURES
 
-    return model.config.architecture in HEAD_ARCHITECTURES
+    return getattr(model.config, "architecture", None) in HEAD_ARCHITECTURES
 
 
 def head_problems(target_config, head_config) -> list[str]:
