@@ -20,7 +20,7 @@ from test_lossless import chi_square_pvalue, residual_from_target, residual_from
 
 import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
-from tandem.engine import verification as verification_module  # noqa: E402
+from tandem.engine import outcomes as outcomes_module  # noqa: E402
 from tandem.loading.synthetic_heads import write_gemma4_assistant  # noqa: E402
 from tandem.logits.options import logits_settings  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
@@ -131,7 +131,7 @@ def test_the_greedy_comparison_catches_a_rule_that_keeps_a_rejected_draft(pair, 
         return (1, draft_tokens[:1] + [target_tokens[1]]) if n == 0 and draft_tokens else (n, tokens)
 
     plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
-    monkeypatch.setattr(verification_module, "verify_greedy", keeps_the_first)
+    monkeypatch.setattr(outcomes_module, "verify_greedy", keeps_the_first)
     wrong = tandem.generate(target, prompts=PROMPTS, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
                             draft_policy="fixed", draft_max=4)
     assert [r.tokens for r in wrong] != plain
@@ -247,7 +247,7 @@ def sample_with_head(target, head, prompt_ids, monkeypatch, verify=verify_sample
                                                                           0) + 1
         return n_accepted, token
 
-    monkeypatch.setattr(verification_module, "verify_sampled", recording)
+    monkeypatch.setattr(outcomes_module, "verify_sampled", recording)
     engine = Engine(target, head, slots=SLOTS, draft_max=3, measure_costs=False, prompt_lookup=False)
     logits = logits_settings(logit_bias=THREE_TOKENS, vocab=target.vocab_size)
     counts, stats = {}, []
