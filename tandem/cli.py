@@ -148,7 +148,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         for path, problems in found:
             print(f"{path}: " + ("fits" if not problems else "does not fit: " + "; ".join(problems)))
         if not found:
-            print(f"no head draft beside {target} (tandem runs gemma4-assistant heads: docs/decisions/0003)")
+            print(f"no head draft beside {target} (tandem runs gemma4-assistant heads: docs/decisions/0004)")
     return 0
 
 

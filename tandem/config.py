@@ -11,7 +11,7 @@ SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "gemma4", "gemma4-assista
 # Read and run by the llama.cpp backend only: the torch backend has no model for them (gemma4: per-layer head widths
 # and KV head counts, values shared with keys, per-layer token embeddings, layers that reuse another layer's KV).
 LLAMACPP_ONLY_ARCHITECTURES = ("gemma4", "gemma4-assistant")
-# Head drafts: files that draft from a target's hidden states rather than run alone (docs/decisions/0003), by the
+# Head drafts: files that draft from a target's hidden states rather than run alone (docs/decisions/0004), by the
 # target architecture each reads.
 HEAD_ARCHITECTURES = {"gemma4-assistant": "gemma4"}
 

@@ -1,4 +1,4 @@
-"""Head drafts on llama.cpp (docs/decisions/0003-head-drafts.md): a random gemma4-assistant GGUF that llama.cpp's own
+"""Head drafts on llama.cpp (docs/decisions/0004-head-drafts.md): a random gemma4-assistant GGUF that llama.cpp's own
 loader takes, its MTP context over a gemma4 target's, the hidden-state hand-off, and speculation with it exact
 (greedy == plain alone and batched; sampled against the target's distribution, with wrong residuals caught).
 

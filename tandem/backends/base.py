@@ -162,7 +162,7 @@ class BatchedCache(ABC):
         raise NotImplementedError(f"{type(self).__name__} drafts through forward")
 
     def attach_head(self, head: Model) -> BatchedCache:
-        """A head draft's cache over this one (docs/decisions/0003-head-drafts.md): length(slot) is this cache's, a
+        """A head draft's cache over this one (docs/decisions/0004-head-drafts.md): length(slot) is this cache's, a
         forward of one token per slot drafts from the hidden state this cache computed before it (or the head's
         own, within a draft round). Only where the backend hands hidden states to a head."""
         raise ValueError(f"{type(self).__name__} runs no head drafts: llama.cpp in this process does (CPU, Vulkan, "

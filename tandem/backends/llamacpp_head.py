@@ -1,5 +1,5 @@
 """A head draft on llama.cpp (the Gemma 4 assistant), without torch: its context over the target's, and the
-hidden-state hand-off (docs/decisions/0003-head-drafts.md).
+hidden-state hand-off (docs/decisions/0004-head-drafts.md).
 
 llama.cpp's MTP driver (`common_speculative_impl_draft_mtp` in common/speculative.cpp) does this inside
 llama-server; here tandem's own loop drives the same calls, so verification, batching and the policy stay tandem's:

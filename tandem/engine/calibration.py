@@ -314,7 +314,7 @@ def time_forwards_ms(model: Model, sizes: Iterable[int], repeats: int = REPEATS,
 
 def time_head_step_ms(target: Model, head: Model, repeats: int = REPEATS, context: int = CONTEXT) -> float:
     """Median ms of a head draft's step (one token over the target's KV of `context` tokens: a head runs only
-    beside its target, docs/decisions/0003); the first is a warm-up."""
+    beside its target, docs/decisions/0004); the first is a warm-up."""
     context = max(1, min(context, target.n_ctx - 2))
     kv = target.new_batched_cache(1, context + 2)
     head_kv = kv.attach_head(head)

@@ -212,7 +212,7 @@ class Drafter:
 
 
 class HeadDrafter(Drafter):
-    """A head draft (the Gemma 4 assistant: docs/decisions/0003-head-drafts.md) in the draft model's place: the same
+    """A head draft (the Gemma 4 assistant: docs/decisions/0004-head-drafts.md) in the draft model's place: the same
     draft loop (greedy, sampled, under a grammar), over the head's cache on the target's (BatchedCache.attach_head).
     It reads the target's KV and hidden states, so it has nothing to catch up on, prefill or feed ahead, and it
     reads no evidence in hindsight: llama.cpp takes a sequence's rows only at the target's next position (Y = X + 1),
