@@ -470,31 +470,41 @@ def test_a_claude_code_request_is_answered(servers):
 
 # --- fuzzing the new routes from their documented schemas ------------------------------------------------------------
 
-def drawn_from(schema: dict):
+# Free-string fields that name a kind: drawn from the kinds both APIs define, so bodies reach each kind's handling
+# (as free text they almost never did: an injected 500 for system blocks without text went unseen)
+KINDS = {"type": ["text", "image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking",
+                  "input_text", "output_text", "input_image", "refusal", "message", "function_call",
+                  "function_call_output", "reasoning", "function", "web_search", "json_schema", "json_object",
+                  "auto", "any", "tool", "none", "required", "ephemeral", "enabled"],
+         "role": ["user", "assistant", "system", "developer", "tool"]}
+
+
+def drawn_from(schema: dict, name: str = ""):
     """A hypothesis strategy for JSON matching `schema` (the keywords pydantic writes: type, enum, const, anyOf,
     properties/required, items, bounds), with unknown fields added. hypothesis-jsonschema 0.23 fails on this
     hypothesis ('many' object has no attribute 'more'), so this small one stands in."""
     from hypothesis import strategies as st
 
     if not schema:
-        return ANY_JSON
+        return ANY_JSON if name not in KINDS else st.sampled_from(KINDS[name]) | ANY_JSON
     if "enum" in schema or "const" in schema:
         return st.sampled_from(schema.get("enum") or [schema["const"]])
     if "anyOf" in schema:
-        return st.one_of(*[drawn_from(s) for s in schema["anyOf"]])
+        return st.one_of(*[drawn_from(s, name) for s in schema["anyOf"]])
     kind = schema.get("type")
     if kind == "object":
-        properties = {**{k: drawn_from(v) for k, v in schema.get("properties", {}).items()},
+        properties = {**{k: drawn_from(v, k) for k, v in schema.get("properties", {}).items()},
                       "unknown_field": ANY_JSON}
         required = [k for k in properties if k in schema.get("required", [])]
         optional = sorted(set(properties) - set(required))  # a few at a time: most requests set a few fields
         return st.lists(st.sampled_from(optional), max_size=4, unique=True).flatmap(
             lambda keys: st.fixed_dictionaries({k: properties[k] for k in required + keys}))
     if kind == "array":
-        return st.lists(drawn_from(schema.get("items", {})), min_size=schema.get("minItems", 0),
+        return st.lists(drawn_from(schema.get("items", {}), name), min_size=schema.get("minItems", 0),
                         max_size=min(schema.get("maxItems", 3), 3))
     if kind == "string":
-        return st.text(min_size=schema.get("minLength", 0), max_size=12)
+        text = st.text(min_size=schema.get("minLength", 0), max_size=12)
+        return st.sampled_from(KINDS[name]) | text if name in KINDS else text
     if kind == "integer":
         return st.integers(schema.get("minimum", -5), min(schema.get("maximum", 2**40), 2**40))
     if kind == "number":
@@ -527,6 +537,23 @@ def fuzzed(paths):
         yield http, bodies
 
 
+def answered_well(http, path: str, body) -> None:
+    """A 200 or a 4xx in the route's error shape, never a 5xx; a stream ends with its API's last event."""
+    with http.stream("POST", path, json=body) as r:
+        raw = r.read()
+    event(f"{path} {r.status_code}")
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (path, r.status_code, raw[:300])
+    if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
+        last = raw.decode().strip().split("\n\n")[-1]
+        assert last.startswith(("event: response.", "event: message_stop", "event: error")), last[:200]
+    elif r.status_code != 200:
+        error = json.loads(raw)
+        if path.startswith("/v1/messages"):
+            assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, error
+        else:
+            assert set(error["error"]) == {"message", "type", "param", "code"}, error
+
+
 def test_fuzzed_bodies_of_the_new_routes_get_200_or_their_apis_4xx(fuzzed):
     """Bodies drawn from the document's own schemas (and some with a field replaced by any JSON): a 200 or a 4xx in
     the route's error shape, never a 5xx; the server still answers afterwards."""
@@ -542,19 +569,62 @@ def test_fuzzed_bodies_of_the_new_routes_get_200_or_their_apis_4xx(fuzzed):
             body["model"] = "tiny"  # a drawn name is a 404; the swap below may still put any JSON there
         if swap is not None:
             body = {**body, swap[0]: swap[1]}
-        with http.stream("POST", path, json=body) as r:
-            raw = r.read()
-        event(f"{path} {r.status_code}")
-        assert r.status_code == 200 or 400 <= r.status_code < 500, (path, r.status_code, raw[:300])
-        if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
-            last = raw.decode().strip().split("\n\n")[-1]
-            assert last.startswith(("event: response.", "event: message_stop", "event: error")), last[:200]
-        elif r.status_code != 200:
-            error = json.loads(raw)
-            if path.startswith("/v1/messages"):
-                assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, error
-            else:
-                assert set(error["error"]) == {"message", "type", "param", "code"}, error
+        answered_well(http, path, body)
+
+    check()
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def places(value, at=()):
+    """Every path to a value inside JSON (dict keys and list indexes), the whole body's () first."""
+    yield at
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield from places(inner, (*at, key))
+
+
+def replaced(body, at, new):
+    if not at:
+        return new
+    copy = dict(body) if isinstance(body, dict) else list(body)
+    copy[at[0]] = replaced(body[at[0]], at[1:], new)
+    return copy
+
+
+def test_valid_bodies_with_one_value_replaced_get_200_or_their_apis_4xx(fuzzed):
+    """Schema-drawn bodies mostly fail the first check (a message's role); these start from bodies that work (Codex
+    CLI's and Claude Code's recorded ones, a tool round trip) and replace one value anywhere inside, with a kind's
+    name, a block, a list or any JSON: every handler behind the first check is reached."""
+    http, _ = fuzzed
+    bases = {"/v1/responses": [json.loads((FIXTURES / "codex_responses_request.json").read_text()),
+                               {"model": "tiny", "input": [{"role": "user", "content": "hi"},
+                                                           {"type": "function_call", "call_id": "c1", "name": "f",
+                                                            "arguments": "{}"},
+                                                           {"type": "function_call_output", "call_id": "c1",
+                                                            "output": "ok"}], "max_output_tokens": 4}],
+             "/v1/messages": [json.loads((FIXTURES / "claude_code_messages_request.json").read_text()),
+                              {"model": "tiny", "max_tokens": 4, "system": [{"type": "text", "text": "be brief"}],
+                               "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}]}
+    bases["/v1/messages/count_tokens"] = [{k: v for k, v in b.items() if k != "max_tokens"}
+                                          for b in bases["/v1/messages"]]
+    for bodies in bases.values():
+        for body in bodies:
+            body["model"] = "tiny"
+            for key in ("max_tokens", "max_output_tokens"):
+                if key in body:
+                    body[key] = 4
+    blocks = st.fixed_dictionaries({"type": st.sampled_from(KINDS["type"])},
+                                   optional={"text": st.text(max_size=8) | ANY_JSON, "id": st.text(max_size=4),
+                                             "content": ANY_JSON, "input": ANY_JSON, "name": st.text(max_size=4)})
+    values = st.sampled_from(KINDS["type"] + KINDS["role"]) | blocks | st.lists(blocks, max_size=3) | ANY_JSON
+    cases = st.sampled_from(sorted(bases)).flatmap(lambda path: st.sampled_from(bases[path]).flatmap(
+        lambda body: st.tuples(st.just(path), st.just(body), st.sampled_from(list(places(body))[1:]), values)))
+
+    @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(cases)
+    def check(case):
+        path, body, at, new = case
+        answered_well(http, path, replaced(body, at, new))
 
     check()
     assert http.get("/health").json()["status"] == "ok"
