@@ -183,8 +183,9 @@ _engines_lock = threading.Lock()
 
 def _loaded_draft(target: Model, draft: Model | str | None) -> Model | str | None:
     """The draft as the engine takes it: a path or registry name loaded on the target's device and backend."""
-    if draft is not None and not isinstance(draft, Model) and draft != "ngram":
-        return _as_model(draft, device=target.device, backend=target.backend)
+    if draft is not None and not isinstance(draft, Model) and draft != "ngram":  # in the target's worker, if any
+        return _as_model(draft, device=target.device, backend=target.backend,
+                         isolation=getattr(target, "isolation", "auto"))
     return draft
 
 

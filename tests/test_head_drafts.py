@@ -79,7 +79,7 @@ def _first_draft(target, head, ids: list[int], verify_from: int | None = None, o
             kv.forward([(0, ids[start:] + [7, 8])], [False])
             kv.rewind(0, len(ids) - 1)
         if state_at is not None:
-            return head_kv._head.step([(0, ids[-1], len(ids) - 1, kv._rows.hidden(0, state_at))])[0][0]
+            return head_kv._drafts.head.step([(0, ids[-1], len(ids) - 1, kv._rows.hidden(0, state_at))])[0][0]
         fed = [(0, ids[-1:])] + [(s, p[-1:]) for s, p in enumerate(others, 1)]
         return head_kv.forward(fed, [True] * len(fed))[0][0].numpy()
     finally:
@@ -165,11 +165,19 @@ def test_a_head_that_does_not_fit_its_target_is_a_clear_error(pair, tiny_model_p
     check_head(target, head)
 
 
-def test_a_head_where_the_target_runs_in_a_worker_process_is_a_clear_error(tiny_model_path, head_path):
+def test_a_head_drafts_through_the_worker_process_as_in_this_one(pair, tiny_model_path, head_path):
+    """The CUDA build's way (llama.cpp in a worker process): the head's context there over the target's, one round
+    trip a draft step; the output is the target's, as in process."""
+    in_process, _ = pair
+    plain = [tandem.generate(in_process, prompt=p, max_tokens=20, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
     target = tandem.load(tiny_model_path(**TARGET), backend="llama.cpp", n_ctx=64, threads=1, isolation="process")
     try:
-        with pytest.raises(ValueError, match="runs no head drafts"):
-            tandem.generate(target, prompt="hi", max_tokens=2, draft=head_path)
+        results = tandem.generate(target, prompts=PROMPTS, max_tokens=20, logit_bias=TWO_TOKENS, draft=head_path,
+                                  draft_policy="fixed", draft_max=3)
+        assert [r.tokens for r in results] == plain
+        assert_speculated(*(r.stats for r in results), rejected=True)
+        with pytest.raises(ValueError, match="in its target's worker process"):
+            Engine(target, pair[1], slots=1, measure_costs=False)  # a head loaded in this process
     finally:
         target.close()
 

@@ -165,8 +165,8 @@ class BatchedCache(ABC):
         """A head draft's cache over this one (docs/decisions/0004-head-drafts.md): length(slot) is this cache's, a
         forward of one token per slot drafts from the hidden state this cache computed before it (or the head's
         own, within a draft round). Only where the backend hands hidden states to a head."""
-        raise ValueError(f"{type(self).__name__} runs no head drafts: llama.cpp in this process does (CPU, Vulkan, "
-                         "Metal; a CUDA build with --llamacpp-isolation none), not the torch backend or the worker")
+        raise ValueError(f"{type(self).__name__} runs no head drafts: the llama.cpp backend does (in this process "
+                         "or its worker), not the torch backend")
 
     def close(self) -> None:
         """Free the memory."""

@@ -40,7 +40,6 @@ import os
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Literal
 
-import numpy as np
 import torch
 
 from tandem.backends.base import Alongside, BatchedCache, Model, Sequence
@@ -194,57 +193,39 @@ class LlamaCppBatchedCache(BatchedCache):
 
 
 class LlamaCppHeadCache(BatchedCache):
-    """A head draft (llamacpp_head.HeadForward) over a target's batched cache. It holds no KV (it reads the
-    target's), so its length is the target's and nothing rewinds. A forward drafts from each entry's last token only
-    (the rest is in the target's KV), at the target's next position: the first of a draft round with the target's
-    hidden state at the position before, the next ones with the head's own from the step before (a round is known
-    by the target's length, which grows between two)."""
+    """A head draft over a target's batched cache (llamacpp_head.HeadDrafts): it holds no KV (it reads the
+    target's), so its length is the target's and nothing rewinds; a forward drafts from each entry's last token only
+    (the rest is in the target's KV)."""
 
     def __init__(self, head: LlamaCppModel, target: LlamaCppBatchedCache) -> None:
-        from tandem.backends.llamacpp_head import HeadForward
+        from tandem.backends.llamacpp_head import HeadDrafts
 
         self.model, self.target = head, target
         self.slots, self.capacity = target.slots, target.capacity
-        rows = target._rows
-        self.width = head.config.head_input_width
-        rows.keep_hidden(self.width)
-        self._head = HeadForward(head.weights.model, rows.context.ctx, target.capacity, target.slots,
-                                 rows.context.unified, head.n_threads, head.vocab_size, self.width, head.path)
-        self._round: dict[int, tuple[int, np.ndarray]] = {}  # slot -> (target length, the head's hidden state)
+        self._drafts = HeadDrafts(head.weights, target._rows, head.config.head_input_width)
 
     def length(self, slot: int) -> int:
         return self.target.length(slot)
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         self._check(batch)
-        rows = []
-        for slot, tokens in batch:
-            position = self.target.length(slot)
-            kept = self._round.get(slot)
-            if kept is not None and kept[0] == position:
-                hidden = kept[1]
-            else:  # a round's first draft; a zero state where the target's row was never read (a copied prefix)
-                hidden = self.target._rows.hidden(slot, position - 1)
-                hidden = hidden if hidden is not None else np.zeros(self.width, dtype=np.float32)
-            rows.append((slot, int(tokens[-1]), position, hidden))
-        logits, hidden = self._head.step(rows)
-        for i, (slot, _, position, _) in enumerate(rows):
-            self._round[slot] = (position, hidden[i])
-        return [torch.from_numpy(logits[i : i + 1]) for i in range(len(rows))]
+        logits = self._drafts.step([(slot, tokens[-1]) for slot, tokens in batch])
+        return [torch.from_numpy(logits[i : i + 1]) for i in range(len(batch))]
 
     def rewind(self, slot: int, length: int) -> None:
-        self._round.pop(slot, None)  # the target rewinds itself; the head holds nothing
+        self._drafts.forget(slot)  # the target rewinds itself; the head holds nothing
 
     def close(self) -> None:
-        if self._head is not None:
-            self._head.free()
-            self._head = None
+        if self._drafts is not None:
+            self._drafts.close()
+            self._drafts = None
 
 
 class LlamaCppModel(Model):
     """A GGUF file loaded by llama.cpp: weights once, one context per sequence."""
 
     backend = "llama.cpp"
+    isolation = "none"  # llama.cpp runs in this process (a draft given by path loads here too)
 
     def __init__(
         self,

@@ -24,6 +24,7 @@ from collections.abc import Sequence as Seq
 import llama_cpp.llama_cpp as llc
 import numpy as np
 
+from tandem.backends.llamacpp_core import Allocator, BatchedForward, LlamaCppWeights, new_rows
 from tandem.backends.llamacpp_runtime import recent_errors
 
 # llama-ext.h's staging API, by its Itanium-mangled names (libllama exports them; llama-cpp-python does not bind them)
@@ -99,9 +100,10 @@ class HeadForward:
         self.batch = llc.llama_batch_ext_init(ctx)
         self._position = (ctypes.c_int32 * 1)()
 
-    def step(self, rows: Seq[tuple[int, int, int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, rows: Seq[tuple[int, int, int, np.ndarray]], allocate: Allocator = new_rows
+             ) -> tuple[np.ndarray, np.ndarray]:
         """rows: (sequence id, token, position, hidden state [hidden_width] float32), at most n_batch. Returns the
-        logits [n, vocab] and the next hidden states [n, hidden_width] (copies)."""
+        logits [n, vocab] (from allocate) and the next hidden states [n, hidden_width] (a copy)."""
         llc.llama_batch_ext_clear(self.batch)
         keep = []  # the hidden rows must outlive the call
         for seq, token, position, hidden in rows:
@@ -121,7 +123,7 @@ class HeadForward:
         if rc != 0:
             raise RuntimeError(f"the head's decode failed with {rc} ({self.path!r}): " + " | ".join(recent_errors))
         n = len(rows)
-        logits = np.empty((n, self.vocab_size), dtype=np.float32)
+        logits = allocate(n, self.vocab_size)
         ctypes.memmove(logits.ctypes.data, llc.llama_get_logits(self.ctx), logits.nbytes)
         hidden = np.empty((n, self.hidden_width), dtype=np.float32)
         for i in range(n):
@@ -133,3 +135,44 @@ class HeadForward:
             llc.llama_batch_ext_free(self.batch)
             llc.llama_free(self.ctx)
             self.ctx = None
+
+
+class HeadDrafts:
+    """A head draft over a target's BatchedForward: a draft step per call, for the engine's draft loop (the
+    backend's head cache in this process, or the worker's). The head holds no KV, so a step feeds each slot's
+    newest token at the target's next position: the round's first with the target's hidden state at the position
+    before, the next ones with the head's own from the step before (a round is known by the target's length, which
+    grows between two)."""
+
+    def __init__(self, head: LlamaCppWeights, target: BatchedForward, width: int) -> None:
+        """head: the head's weights; width: the target hidden width it reads (its embedding_length_out)."""
+        target.keep_hidden(width)
+        self.target, self.width = target, width
+        self.head = HeadForward(head.model, target.context.ctx, target.capacity, target.slots, target.context.unified,
+                                head.n_threads, head.vocab_size, width, head.path)
+        self._round: dict[int, tuple[int, np.ndarray]] = {}  # slot -> (target length, the head's hidden state)
+
+    def step(self, entries: Seq[tuple[int, int]], allocate: Allocator = new_rows) -> np.ndarray:
+        """entries: (slot, its newest token). The logits [n, vocab] of each entry's next token."""
+        rows = []
+        for slot, token in entries:
+            position = self.target.lengths[slot]
+            kept = self._round.get(slot)
+            if kept is not None and kept[0] == position:
+                hidden = kept[1]
+            else:  # a round's first draft; a zero state where the target's row was never read (a copied prefix)
+                hidden = self.target.hidden(slot, position - 1)
+                hidden = hidden if hidden is not None else np.zeros(self.width, dtype=np.float32)
+            rows.append((slot, int(token), position, hidden))
+        logits, hidden = self.head.step(rows, allocate)
+        for i, (slot, _, position, _) in enumerate(rows):
+            self._round[slot] = (position, hidden[i])
+        return logits
+
+    def forget(self, slot: int) -> None:
+        """A new round for slot whatever the target's length (a new sequence in it)."""
+        self._round.pop(slot, None)
+
+    def close(self) -> None:
+        self.head.free()
+

@@ -343,6 +343,46 @@ class WorkerBatchedCache(BatchedCache):
         self._lengths[dst] = length
         return True
 
+    def attach_head(self, head: Model) -> WorkerHeadCache:
+        if not isinstance(head, WorkerModel) or head.worker is not self.model.worker:
+            raise ValueError(f"a head draft must be loaded in its target's worker process (isolation='process'), "
+                             f"got {head!r}")
+        return WorkerHeadCache(head, self)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            if self.model.worker.dead is None:
+                self.model.worker.call("close", self.handle)
+
+
+class WorkerHeadCache(BatchedCache):
+    """A head draft over a target's cache in the worker (llamacpp_head.HeadDrafts there): a draft step is one round
+    trip, the target's pending rewinds applied first, its logits back through the shared buffer."""
+
+    def __init__(self, head: WorkerModel, target: WorkerBatchedCache) -> None:
+        self.model, self.target = head, target
+        self.slots, self.capacity = target.slots, target.capacity
+        self.handle = head.worker.call("head", head.handle, target.handle, head.config.head_input_width)
+        self._forgotten: set[int] = set()  # slots whose next step starts a round (sent with it)
+        self._open = True
+
+    def length(self, slot: int) -> int:
+        return self.target.length(slot)
+
+    def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
+        import torch
+
+        self._check(batch)
+        entries = [(slot, int(tokens[-1])) for slot, tokens in batch]
+        forgotten, self._forgotten = sorted(self._forgotten), set()
+        _, rows = self.model.worker.call("head_step", self.handle, self.target.handle, self.target._take_rewinds(),
+                                         forgotten, entries, rows=(len(entries), self.model.vocab_size))
+        return [torch.from_numpy(rows[i : i + 1]) for i in range(len(entries))]
+
+    def rewind(self, slot: int, length: int) -> None:
+        self._forgotten.add(slot)  # the target rewinds itself; the head holds nothing
+
     def close(self) -> None:
         if self._open:
             self._open = False
@@ -499,6 +539,20 @@ class _Worker:
                     if pick}
         if op == "rewind":
             return self.objects[args[0]].rewind(args[1])
+        if op == "head":  # a head draft over a target's batched cache (llamacpp_head)
+            from tandem.backends.llamacpp_head import HeadDrafts
+
+            head, target, width = args
+            return self.add(HeadDrafts(self.objects[head], self.objects[target], width))
+        if op == "head_step":  # the target's rewinds first: the head drafts at its length
+            handle, target, rewinds, forgotten, entries = args
+            for slot, length in rewinds.items():
+                self.objects[target].rewind(slot, length)
+            drafts = self.objects[handle]
+            for slot in forgotten:
+                drafts.forget(slot)
+            drafts.step(entries, self.allocate)
+            return None
         if op == "batch_greedy_drafts":
             feeds, counts, vocab_limit, steady = args
             drawn, forwards = cache.greedy_drafts(feeds, counts, vocab_limit, steady)
