@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "gemma4", "gemma4-assistant")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3", "gemma4", "gemma4-assistant", "eagle3")
 # Read and run by the llama.cpp backend only: the torch backend has no model for them (gemma4: per-layer head widths
 # and KV head counts, values shared with keys, per-layer token embeddings, layers that reuse another layer's KV).
-LLAMACPP_ONLY_ARCHITECTURES = ("gemma4", "gemma4-assistant")
+LLAMACPP_ONLY_ARCHITECTURES = ("gemma4", "gemma4-assistant", "eagle3")
 # Head drafts: files that draft from a target's hidden states rather than run alone (docs/decisions/0004), by the
 # target architecture each reads.
-HEAD_ARCHITECTURES = {"gemma4-assistant": "gemma4"}
+HEAD_ARCHITECTURES = {"gemma4-assistant": "gemma4", "eagle3": "llama"}
 
 # How a model loads when nothing else is asked for: the defaults of `tandem.load`, the CLI and the server alike (a
 # Python caller got torch in float32 where the CLI got llama.cpp: 1.4 tok/s in 12.4 GB against 20-25 in 2.8 GB on a
@@ -48,7 +48,8 @@ class ModelConfig:
     sliding_window_pattern: int = 0  # gemma3: every Nth layer is global, the rest local (0 = all global)
     sliding_layers: tuple[bool, ...] = ()  # gemma4: per layer, True = sliding window (overrides the pattern)
     global_head_dim: int | None = None  # gemma4: head width of the full-attention layers
-    head_input_width: int | None = None  # a head draft (gemma4-assistant): the target hidden width it reads
+    head_input_width: int | None = None  # a head draft (gemma4-assistant, eagle3): the target hidden width it reads
+    head_target_layers: tuple[int, ...] = ()  # eagle3: the target layers whose inputs it fuses
     attn_scale: float | None = None  # softmax scale; None = 1/sqrt(head_dim)
     embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(d_model)
     activation: str = "silu"  # silu (SwiGLU) or gelu_tanh (GeGLU)

@@ -21,7 +21,7 @@ from test_lossless import chi_square_pvalue, residual_from_target, residual_from
 import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
 from tandem.engine import outcomes as outcomes_module  # noqa: E402
-from tandem.loading.synthetic_heads import write_gemma4_assistant  # noqa: E402
+from tandem.loading.synthetic_heads import write_eagle3, write_gemma4_assistant  # noqa: E402
 from tandem.logits.options import logits_settings  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
 from tandem.speculative.compat import HeadMismatchError, check_head  # noqa: E402
@@ -47,6 +47,27 @@ def pair(tiny_model_path, head_path):
     target.close()
 
 
+EAGLE_TARGET = dict(arch="llama", n_layers=4, qtype="Q8_0", seed=3)  # d_model 64, the tiny byte-level vocabulary
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(tiny_model_path, tmp_path_factory):
+    """A llama target and a random EAGLE-3 drafter reading its layers 0, 2 and 3."""
+    path = write_eagle3(tmp_path_factory.mktemp("eagle3") / "eagle3.gguf", target_d_model=64, target_layers=(0, 2, 3),
+                        seed=4)
+    target = tandem.load(tiny_model_path(**EAGLE_TARGET), backend="llama.cpp", n_ctx=128, n_threads=1)
+    head = tandem.load(path, backend="llama.cpp", n_ctx=128, n_threads=1)
+    yield target, head
+    head.close()
+    target.close()
+
+
+@pytest.fixture(scope="module", params=["gemma4-assistant", "eagle3"])
+def both(request):
+    """Each layout's (target, head)."""
+    return request.getfixturevalue("pair" if request.param == "gemma4-assistant" else "eagle_pair")
+
+
 def test_llamacpp_loads_the_head_and_reads_it_as_one(pair):
     import llama_cpp.llama_cpp as llc
 
@@ -64,11 +85,12 @@ def test_llamacpp_rejects_a_head_without_its_target_width(tmp_path):
 
 
 def _first_draft(target, head, ids: list[int], verify_from: int | None = None, others: list[list[int]] = (),
-                 state_at: int | None = None) -> np.ndarray:
+                 state_at: int | None = None, catch_up: bool = True) -> np.ndarray:
     """The head's logits [V] for the token after ids[-1] (slot 0 of a fresh batched target cache that took ids[:-1]:
     as a prompt, or up to verify_from as a prompt and the rest as a verify's rows, two drafts past them rewound).
     others: other slots' prompts, drafted for in the same head forward. state_at: draft from the target's hidden
-    state at that position instead of the one before the pending token (a control)."""
+    state at that position instead of the one before the pending token; catch_up=False: EAGLE-3 without its
+    catch-up on the verify's rows (controls)."""
     kv = target.new_batched_cache(1 + len(others), 64)
     head_kv = kv.attach_head(head)
     try:
@@ -76,6 +98,8 @@ def _first_draft(target, head, ids: list[int], verify_from: int | None = None, o
         entries = [(0, ids[:start])] + [(s, p[:-1]) for s, p in enumerate(others, 1)]
         kv.forward(entries, [True] * len(entries))
         if verify_from is not None:
+            if not catch_up:  # an EAGLE-3 drafter's hook on the target's decodes, off (a control)
+                kv._rows.on_rows = None
             kv.forward([(0, ids[start:] + [7, 8])], [False])
             kv.rewind(0, len(ids) - 1)
         if state_at is not None:
@@ -106,8 +130,21 @@ def test_a_sequences_draft_is_the_same_alone_and_beside_others(pair):
                                atol=1e-4)
 
 
-def test_greedy_with_the_head_is_the_target_alone_and_batched(pair):
-    target, head = pair
+def test_eagle3_drafts_from_the_pairs_its_catch_up_wrote(eagle_pair):
+    target, head = eagle_pair
+    assert head.config.architecture == "eagle3" and head.config.head_target_layers == (0, 2, 3)
+    ids = target.tokenizer.encode(PROMPTS[0]) + [300, 301, 302]
+    from_prompt = _first_draft(target, head, ids)
+    assert np.isfinite(from_prompt).all() and from_prompt.shape == (target.vocab_size,)
+    # the pairs a verify's rows wrote (those of the rejected drafts dropped) give the draft a prompt's give
+    np.testing.assert_allclose(_first_draft(target, head, ids, verify_from=len(ids) - 3), from_prompt, atol=1e-4)
+    # control: without the catch-up after the verify (its pairs and states never written) the draft differs
+    without = _first_draft(target, head, ids, verify_from=len(ids) - 3, catch_up=False)
+    assert np.abs(without - from_prompt).max() > 1e-2
+
+
+def test_greedy_with_the_head_is_the_target_alone_and_batched(both):
+    target, head = both
     plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
     alone = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
                              draft_policy="fixed", draft_max=3) for p in PROMPTS]
@@ -137,8 +174,8 @@ def test_the_greedy_comparison_catches_a_rule_that_keeps_a_rejected_draft(pair, 
     assert [r.tokens for r in wrong] != plain
 
 
-def test_the_adaptive_policy_drafts_with_a_head_where_it_pays_and_stays_exact(pair, monkeypatch, tmp_path):
-    target, head = pair
+def test_the_adaptive_policy_drafts_with_a_head_where_it_pays_and_stays_exact(both, monkeypatch, tmp_path):
+    target, head = both
     cheap_drafting(monkeypatch, tmp_path)  # costs as a GPU's: drafting pays on acceptance alone
     engine = Engine(target, head, slots=3, draft_max=4, prompt_lookup=False)
     logits = logits_settings(logit_bias=TWO_TOKENS, vocab=target.vocab_size)
@@ -235,8 +272,8 @@ SLOTS = 4
 
 
 @pytest.fixture(scope="module")
-def sampled_setup(pair):
-    target, head = pair
+def sampled_setup(both):
+    target, head = both
     prompt_ids = target.tokenizer.encode(PROMPTS[1])
     bias = np.zeros(target.vocab_size)
     bias[list(THREE_TOKENS)] = list(THREE_TOKENS.values())

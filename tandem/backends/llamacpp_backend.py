@@ -198,11 +198,11 @@ class LlamaCppHeadCache(BatchedCache):
     (the rest is in the target's KV)."""
 
     def __init__(self, head: LlamaCppModel, target: LlamaCppBatchedCache) -> None:
-        from tandem.backends.llamacpp_head import HeadDrafts
+        from tandem.backends.llamacpp_head import drafts_for
 
         self.model, self.target = head, target
         self.slots, self.capacity = target.slots, target.capacity
-        self._drafts = HeadDrafts(head.weights, target._rows, head.config.head_input_width)
+        self._drafts = drafts_for(head.config, head.weights, target._rows)
 
     def length(self, slot: int) -> int:
         return self.target.length(slot)
@@ -213,7 +213,7 @@ class LlamaCppHeadCache(BatchedCache):
         return [torch.from_numpy(logits[i : i + 1]) for i in range(len(batch))]
 
     def rewind(self, slot: int, length: int) -> None:
-        self._drafts.forget(slot)  # the target rewinds itself; the head holds nothing
+        self._drafts.forget(slot, length)  # a new sequence in slot: the target rewinds itself
 
     def close(self) -> None:
         if self._drafts is not None:

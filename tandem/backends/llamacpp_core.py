@@ -267,6 +267,8 @@ class BatchedForward:
         # per slot: positions [0, n) computed as prompt rows by the GEMM (see reusable)
         self._gemm_end = [0] * slots
         self.hidden_width = 0  # > 0: the hidden state of each read row is kept (keep_hidden)
+        # an EAGLE-3 drafter's take_in(seq_ids, positions, tokens), run after every decode (llamacpp_head)
+        self.on_rows: Callable[[list[int], list[int], list[int]], None] | None = None
         self._hidden: list[dict[int, np.ndarray]] = [{} for _ in range(slots)]
 
     def keep_hidden(self, width: int) -> None:
@@ -346,6 +348,8 @@ class BatchedForward:
                                     alongside if call is calls[-1] else None)
                 if self.hidden_width:
                     self._keep_rows(seq_ids, positions, wanted)
+                if self.on_rows is not None:
+                    self.on_rows(seq_ids, positions, tokens)
                 if scratch:
                     out[targets] = rows
             if in_place:

@@ -363,8 +363,8 @@ class WorkerHeadCache(BatchedCache):
     def __init__(self, head: WorkerModel, target: WorkerBatchedCache) -> None:
         self.model, self.target = head, target
         self.slots, self.capacity = target.slots, target.capacity
-        self.handle = head.worker.call("head", head.handle, target.handle, head.config.head_input_width)
-        self._forgotten: set[int] = set()  # slots whose next step starts a round (sent with it)
+        self.handle = head.worker.call("head", head.handle, target.handle, head.config)
+        self._forgotten: dict[int, int] = {}  # slot -> the length a new sequence there keeps (sent with the next step)
         self._open = True
 
     def length(self, slot: int) -> int:
@@ -375,13 +375,13 @@ class WorkerHeadCache(BatchedCache):
 
         self._check(batch)
         entries = [(slot, int(tokens[-1])) for slot, tokens in batch]
-        forgotten, self._forgotten = sorted(self._forgotten), set()
+        forgotten, self._forgotten = self._forgotten, {}
         _, rows = self.model.worker.call("head_step", self.handle, self.target.handle, self.target._take_rewinds(),
                                          forgotten, entries, rows=(len(entries), self.model.vocab_size))
         return [torch.from_numpy(rows[i : i + 1]) for i in range(len(entries))]
 
     def rewind(self, slot: int, length: int) -> None:
-        self._forgotten.add(slot)  # the target rewinds itself; the head holds nothing
+        self._forgotten[slot] = length  # a new sequence in slot: the target rewinds itself
 
     def close(self) -> None:
         if self._open:
@@ -540,17 +540,17 @@ class _Worker:
         if op == "rewind":
             return self.objects[args[0]].rewind(args[1])
         if op == "head":  # a head draft over a target's batched cache (llamacpp_head)
-            from tandem.backends.llamacpp_head import HeadDrafts
+            from tandem.backends.llamacpp_head import drafts_for
 
-            head, target, width = args
-            return self.add(HeadDrafts(self.objects[head], self.objects[target], width))
+            head, target, config = args
+            return self.add(drafts_for(config, self.objects[head], self.objects[target]))
         if op == "head_step":  # the target's rewinds first: the head drafts at its length
             handle, target, rewinds, forgotten, entries = args
             for slot, length in rewinds.items():
                 self.objects[target].rewind(slot, length)
             drafts = self.objects[handle]
-            for slot in forgotten:
-                drafts.forget(slot)
+            for slot, length in forgotten.items():
+                drafts.forget(slot, length)
             drafts.step(entries, self.allocate)
             return None
         if op == "batch_greedy_drafts":

@@ -29,7 +29,7 @@ GGUF_MAGIC = b"GGUF"
 
 # Per-architecture default rope base when the file leaves `{arch}.rope.freq_base` out.
 DEFAULT_ROPE_BASE = {"llama": 10000.0, "qwen2": 1_000_000.0, "gemma3": 1_000_000.0, "gemma4": 1_000_000.0,
-                     "gemma4-assistant": 1_000_000.0}
+                     "gemma4-assistant": 1_000_000.0, "eagle3": 10000.0}
 DEFAULT_RMS_EPS = 1e-6
 GEMMA3_ROPE_BASE_LOCAL = 10000.0  # gemma3's sliding-window layers (not stored in GGUF; llama.cpp hard-codes it)
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # 5 local layers, then one global
@@ -432,6 +432,10 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         )
         if arch == "gemma4-assistant":  # its blocks read the target's KV; its input, the target's hidden state
             common["head_input_width"] = int(gf.require(key("embedding_length_out")))
+
+    elif arch == "eagle3":  # one decoder block over [its token embedding, the fused target features]
+        common = dict(head_input_width=int(gf.require(key("target_hidden_size"))),
+                      head_target_layers=tuple(int(x) for x in gf.require(key("target_layers"))))
 
     bos = gf.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(

@@ -180,3 +180,89 @@ if __name__ == "__main__":
     parser.add_argument("--head-qtype", default="Q8_0")
     args = parser.parse_args()
     print(*write_head_pair(args.folder, args.preset, args.qtype, args.head_qtype), sep="\n")
+
+
+def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
+                 target_layers: tuple[int, int, int] = (0, 1, 1), qtype: str = "F32", d_model: int = 64,
+                 d_ffn: int = 128, n_heads: int = 4, n_kv_heads: int = 2,
+                 vocab_size: int | None = None, context_length: int = 512, seed: int = 0, *,
+                 rope_base: float = 10000.0, rms_eps: float = 1e-6) -> str:
+    """Write a random-weight EAGLE-3 drafter (llama.cpp's `eagle3` architecture, `llama_model_eagle3` in
+    src/models/eagle3.cpp) for a tiny `llama` target of width target_d_model written by write_tiny_gguf: `fc` fuses
+    the inputs of the target's `target_layers` (3 ids, each below its layer count) into d_model, one
+    decoder block reads [its token embedding, the fused features] (2 * d_model wide), and it has its own token
+    embedding and output (the tiny vocabulary). Return its path."""
+    from gguf import GGUFWriter
+
+    from tandem.loading.synthetic import tiny_vocab
+
+    if len(target_layers) != 3:
+        raise ValueError(f"EAGLE-3 reads exactly 3 target layers, got {target_layers}")
+    path = os.fspath(path)
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = tiny_vocab()
+    vocab_size = vocab_size or len(tokens)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    types += [TOKEN_TYPE_UNUSED] * (vocab_size - len(types))
+    endoftext, im_end = tokens.index("<|endoftext|>"), tokens.index("<|im_end|>")
+    head_dim = d_model // n_heads
+    a = "eagle3"
+    kv: dict[str, Any] = {
+        "general.name": f"tiny-{a}-{qtype.lower()}",
+        "general.file_type": FILE_TYPE.get(qtype, 0),
+        f"{a}.context_length": context_length,
+        f"{a}.embedding_length": d_model,
+        f"{a}.feed_forward_length": d_ffn,
+        f"{a}.block_count": 1,
+        f"{a}.attention.head_count": n_heads,
+        f"{a}.attention.head_count_kv": n_kv_heads,
+        f"{a}.attention.layer_norm_rms_epsilon": float(rms_eps),
+        f"{a}.rope.freq_base": float(rope_base),
+        f"{a}.rope.dimension_count": head_dim,
+        f"{a}.target_layers": [int(x) for x in target_layers],
+        f"{a}.target_hidden_size": target_d_model,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": endoftext,
+        "tokenizer.ggml.eos_token_id": im_end,
+        "tokenizer.ggml.padding_token_id": endoftext,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+    q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
+    specs = [
+        ("token_embd.weight", (vocab_size, d_model), "matrix"),
+        ("fc.weight", (d_model, 3 * target_d_model), "matrix"),
+        ("blk.0.attn_norm.weight", (d_model,), "norm"),
+        ("blk.0.attn_norm_2.weight", (d_model,), "norm"),
+        ("blk.0.attn_q.weight", (q_width, 2 * d_model), "matrix"),
+        ("blk.0.attn_k.weight", (kv_width, 2 * d_model), "matrix"),
+        ("blk.0.attn_v.weight", (kv_width, 2 * d_model), "matrix"),
+        ("blk.0.attn_output.weight", (d_model, q_width), "matrix"),
+        ("blk.0.ffn_norm.weight", (d_model,), "norm"),
+        ("blk.0.ffn_gate.weight", (d_ffn, d_model), "matrix"),
+        ("blk.0.ffn_up.weight", (d_ffn, d_model), "matrix"),
+        ("blk.0.ffn_down.weight", (d_model, d_ffn), "matrix"),
+        ("output_norm.weight", (d_model,), "norm"),
+        ("output.weight", (vocab_size, d_model), "matrix"),
+    ]
+    writer = GGUFWriter(path, a)
+    for key, value in kv.items():
+        if isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        else:
+            writer.add_key_value(key, value, _value_type(value))
+    for name, shape, kind in specs:
+        if kind == "norm":
+            writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        std = 0.1 if name == "token_embd.weight" else min(0.1, 1.0 / math.sqrt(shape[-1]))
+        array, raw_dtype = _encode_matrix((std * rng.standard_normal(shape)).astype(np.float32), qtype, std, rng)
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -61,7 +61,12 @@ def head_problems(target_config, head_config) -> list[str]:
                         f"{target_config.d_model}")
     if head_config.vocab_size != target_config.vocab_size:
         problems.append(f"vocabulary of {head_config.vocab_size} tokens, the target's {target_config.vocab_size}")
-    if (head_config.head_dim, head_config.global_head_dim) != (target_config.head_dim, target_config.global_head_dim):
+    if head_config.architecture == "eagle3":  # its own KV; the layers it reads must exist
+        if any(not 0 <= layer < target_config.n_layers for layer in head_config.head_target_layers):
+            problems.append(f"it reads target layers {list(head_config.head_target_layers)}, the target has "
+                            f"{target_config.n_layers}")
+    elif (head_config.head_dim, head_config.global_head_dim) != (target_config.head_dim,
+                                                                  target_config.global_head_dim):
         problems.append(f"head widths {head_config.head_dim}/{head_config.global_head_dim} (sliding/full), the "
                         f"target's KV {target_config.head_dim}/{target_config.global_head_dim}")
     return problems
