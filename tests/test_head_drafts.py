@@ -219,6 +219,20 @@ def test_a_head_drafts_through_the_worker_process_as_in_this_one(pair, tiny_mode
         target.close()
 
 
+def test_eagle3_drafts_through_the_worker_process_as_in_this_one(eagle_pair, tiny_model_path):
+    in_process, head = eagle_pair
+    plain = [tandem.generate(in_process, prompt=p, max_tokens=16, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
+    target = tandem.load(tiny_model_path(**EAGLE_TARGET), backend="llama.cpp", n_ctx=64, threads=1,
+                         isolation="process")
+    try:
+        results = tandem.generate(target, prompts=PROMPTS, max_tokens=16, logit_bias=TWO_TOKENS, draft=head.path,
+                                  draft_policy="fixed", draft_max=3)
+        assert [r.tokens for r in results] == plain
+        assert_speculated(*(r.stats for r in results), rejected=True)
+    finally:
+        target.close()
+
+
 def test_draft_auto_finds_the_head_beside_the_target_and_models_heads_says_which_fit(tmp_path, capsys):
     from tandem.api import load_pair
     from tandem.cli import main
