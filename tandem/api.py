@@ -10,14 +10,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tandem.backends.base import Model
-from tandem.config import BACKENDS, DEFAULT_BACKEND, DEFAULT_DEVICE, default_dtype
+from tandem.config import BACKENDS, DEFAULT_BACKEND, DEFAULT_DEVICE, EngineConfig, default_dtype
 from tandem.engine import Engine, Request
 from tandem.engine.generation import GenerationChunk, GenerationResult
 from tandem.logits.options import logits_settings
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import DRAFT_MODEL_SOURCE
-
-DEFAULT_DRAFT_MAX = 8
 
 
 def load(
@@ -205,7 +203,9 @@ def _fits(kept: _OneRequestEngine, key: _EngineKey, draft_max: int) -> bool:
 def _one_request_engine(target: Model, key: _EngineKey, draft_max: int, measure_costs: bool) -> Iterator[Engine]:
     """A kept engine of the target that serves `key` (the most recently used; built, or built anew for a longer
     draft, as needed; the least recently used beyond MAX_KEPT_ENGINES dropped), held for one call."""
-    draft_max = max(draft_max, DEFAULT_DRAFT_MAX) if key.draft is not None else 0
+    # An engine drafts up to the default draft_max at least, so that calls asking for less share it (each call's
+    # request still drafts at most its own draft_max: Generation.draft_max).
+    draft_max = max(draft_max, EngineConfig.draft_max) if key.draft is not None else 0
     with _engines_lock:
         kept_engines: dict[_EngineKey, _OneRequestEngine] = target.__dict__.setdefault("_tandem_engines", {})
         kept = next((k for k in reversed(kept_engines.values()) if _fits(k, key, draft_max)), None)
@@ -302,8 +302,8 @@ def stream_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: int | None = None,
-    draft_max: int = DEFAULT_DRAFT_MAX,
-    draft_policy: str = "adaptive",
+    draft_max: int = EngineConfig.draft_max,
+    draft_policy: str = EngineConfig.draft_policy,
     stop: str | Seq[str] | None = None,
     n_ctx: int | None = None,
     synthetic_acceptance: float | None = None,
@@ -383,7 +383,7 @@ def generate(target: Model | str, prompt: str | Seq[int] | None = None, messages
 def generate_batch(target: Model | str, prompts: Seq[str | Seq[int] | list[dict]], draft: Model | str | None = None,
                    slots: int | None = None, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                    top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                   draft_max: int = DEFAULT_DRAFT_MAX, draft_policy: str = "adaptive",
+                   draft_max: int = EngineConfig.draft_max, draft_policy: str = EngineConfig.draft_policy,
                    stop: str | Seq[str] | None = None, n_ctx: int | None = None, ignore_eos: bool = False,
                    synthetic_acceptance: float | None = None, prompt_lookup: bool | None = None,
                    **logits_options) -> list[GenerationResult]:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from tandem.config import BACKENDS, DEFAULT_BACKEND, DEFAULT_DEVICE
+from tandem.config import BACKENDS, DEFAULT_BACKEND, DEFAULT_DEVICE, DRAFT_POLICIES, EngineConfig, ServerConfig
 from tandem.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -20,8 +20,9 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
                            f"name, 'ngram', or 'auto' (the head beside the target's file) [{DEFAULT_DRAFT} with the "
                            "default target]")
         group.add_argument("--no-draft", action="store_true", help="plain decoding")
-        p.add_argument("--draft-max", type=int, default=8, help="most draft tokens per iteration [8]")
-        p.add_argument("--draft-policy", choices=["adaptive", "fixed"], default="adaptive",
+        p.add_argument("--draft-max", type=int, default=EngineConfig.draft_max,
+                       help=f"most draft tokens per iteration [{EngineConfig.draft_max}]")
+        p.add_argument("--draft-policy", choices=DRAFT_POLICIES, default=EngineConfig.draft_policy,
                        help="adaptive: pick k (or none) from measured costs; fixed: always --draft-max [adaptive]")
         p.add_argument("--draft-device", default=None, help="device of the draft [same as --device]")
         p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false", default=None,
@@ -214,11 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--api-key", default=None)
-    s.add_argument("--max-queue", type=int, default=64)
-    s.add_argument("--slots", type=int, default=4, help="requests decoded together at most (continuous batching)")
+    s.add_argument("--max-queue", type=int, default=ServerConfig.max_queue)
+    s.add_argument("--slots", type=int, default=EngineConfig.slots,
+                   help="requests decoded together at most (continuous batching)")
     s.add_argument("--kv-budget-mib", type=float, default=None,
                    help="KV memory for all slots' contexts, MiB (default: half the free memory); fewer slots fit less")
-    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get a 413 [4 MiB]")
+    s.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help="larger request bodies get a 413 [4 MiB]")
     s.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="the model id clients see; repeat it for aliases, which requests may name too [the --model "
                    "file's name without directory and .gguf]")
@@ -230,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "loopback only; otherwise: any]")
     s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="an origin browsers may call from, e.g. http://localhost:3000 (repeatable) [CORS off]")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long the streams in flight may take to finish before they are cut [30]")
+    s.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s, metavar="SECONDS",
+                   help="on SIGTERM, how long streams in flight may take to finish before they are cut [%(default)s]")
     s.set_defaults(func=cmd_serve)
 
     lt = sub.add_parser("loadtest", help="N concurrent streaming clients against a running server")
@@ -273,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--synthetic-shape", default=None, metavar="TARGET[,DRAFT]",
                    help="random-weight models of named shapes instead of files, e.g. qwen2.5-32b,qwen2.5-1.5b")
     d.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement; medians reported [5]")
-    d.add_argument("--slots", type=int, default=4,
+    d.add_argument("--slots", type=int, default=EngineConfig.slots,
                    help="also time batched forwards of 1, 2, 4, ... up to this many sequences (0: skip) [4]")
     d.set_defaults(func=cmd_doctor)
     return parser

@@ -23,6 +23,42 @@ DEFAULT_BACKEND = "auto"  # llama.cpp for quantised GGUF off CUDA/MPS where it i
 DEFAULT_DEVICE = "cpu"
 
 
+DRAFT_POLICIES = ("adaptive", "fixed")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the batched engine runs: the defaults of `Engine`, `tandem.load/generate`, the CLI and the server alike."""
+
+    slots: int = 4  # sequences decoded together at most: the KV pool holds a context for each
+    draft_max: int = 8  # most draft tokens a sequence proposes an iteration; a request may ask for fewer
+    draft_policy: str = "adaptive"  # "adaptive": draft lengths from measured costs; "fixed": always draft_max
+    prompt_lookup: bool = True  # with a draft model, adaptive requests also draft by prompt lookup where text repeats
+    prefill_chunk: int = 512  # prompt tokens prefilled a step across sequences: decoding streams keep flowing
+    idle_prefill_chunks: int = 4  # prompt chunks a step takes while no sequence decodes (a burst of arrivals)
+    kv_memory_fraction: float = 0.5  # the KV budget where none is given: this share of the device's free memory
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "prefill_chunk", "idle_prefill_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_max < 0:
+            raise ValueError(f"draft_max must be >= 0, got {self.draft_max}")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"unknown draft policy {self.draft_policy!r}; choose adaptive or fixed")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What a server admits and how it answers: the defaults of `create_app` and `tandem serve` alike."""
+
+    max_queue: int = 64  # requests that may wait for a slot; one more gets a 503 with Retry-After
+    max_body_bytes: int = 4 * 2**20  # larger request bodies get a 413 without being read
+    retry_after_s: int = 1  # what a 503 for a full queue asks the client to wait
+    shutdown_timeout_s: float = 30.0  # a drain waits this long for running requests before it cuts them
+    measure_at_start_s: float = 30.0  # a GPU's full cost measurement before the first request, at most
+
+
 def default_dtype(device: str) -> str:
     """The torch backend's compute dtype where none is asked for: bfloat16 on CUDA, float32 elsewhere."""
     return "bfloat16" if str(device).startswith("cuda") else "float32"

@@ -143,7 +143,7 @@ def test_chunked_prefill_interleaves_with_decoding(pair64):
 def test_prompts_prefill_in_larger_chunks_while_nothing_decodes(pair64):
     """With no stream to keep flowing, a prompt takes several chunks a step (the last of a burst of arrivals then
     waits fewer steps for its first token); its output is unchanged."""
-    from tandem.engine.engine import IDLE_PREFILL_CHUNKS
+    from tandem.config import EngineConfig
 
     target, _ = pair64
     engine = Engine(target, None, slots=2, prefill_chunk=4)
@@ -152,7 +152,8 @@ def test_prompts_prefill_in_larger_chunks_while_nothing_decodes(pair64):
     while gen.prefilling:
         engine.step()
         steps += 1
-    assert steps == -(-gen.prompt_len // (4 * IDLE_PREFILL_CHUNKS)) < gen.prompt_len // 4, (steps, gen.prompt_len)
+    burst = 4 * EngineConfig.idle_prefill_chunks
+    assert steps == -(-gen.prompt_len // burst) < gen.prompt_len // 4, (steps, gen.prompt_len)
     while engine.busy:
         engine.step()
     assert gen.tokens[gen.prompt_len :] == alone(target, PROMPTS[4], max_tokens=4).tokens

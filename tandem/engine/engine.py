@@ -18,11 +18,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from tandem.backends.base import Alongside, ContextOverflowError, Model
+from tandem.config import EngineConfig
 from tandem.engine import calibration
 from tandem.engine.cost_store import costs_path, kept_costs
 from tandem.engine.costs import BatchCosts
@@ -48,10 +49,6 @@ from tandem.speculative.proposer import NgramProposer
 
 log = logging.getLogger("tandem.engine")
 
-DEFAULT_SLOTS = 4
-DEFAULT_DRAFT_MAX = 8
-PREFILL_CHUNK = 512  # prompt tokens prefilled a step, across sequences: decoding streams keep flowing meanwhile
-IDLE_PREFILL_CHUNKS = 4  # prompt chunks a step takes while no sequence is decoding
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 
 
@@ -88,32 +85,25 @@ class Engine:
     Args:
         target: the model whose output this is.
         draft: None, a Model of the same tokenizer, or "ngram" (prompt lookup).
-        slots: sequences decoded together at most (the KV pool holds this many contexts).
+        config: slots, draft_max, draft_policy, prompt_lookup, prefill chunks (tandem.config.EngineConfig); `settings`
+            given by name replace its fields (Engine(target, draft, slots=2)).
         n_ctx: tokens a sequence may hold (default the target's n_ctx).
         kv_budget_bytes: KV memory for target and draft together; slots shrink to fit (default: a fraction of
             the free memory). A budget that holds no whole context is an error.
-        draft_max: the most drafts a sequence proposes an iteration.
         measure_costs: time the batched forwards now, for the adaptive planner (else every drafting request
             drafts draft_max, as draft_policy "fixed").
-        prompt_lookup: with a draft model, an adaptive request also drafts by prompt lookup where its text repeats
-            (each iteration, per sequence, whichever source the estimates favour).
         run_ahead: plain steps a lone sequence queues per host sync (tandem.engine.run_ahead); default RUN_AHEAD
             where the device runs asynchronously of the host (CUDA) and the target's cache takes device tokens,
             else 1 (elsewhere steps computed past a stop token would cost their full time).
     """
 
-    def __init__(self, target: Model, draft: Model | str | None = None, slots: int = DEFAULT_SLOTS,
-                 n_ctx: int | None = None, kv_budget_bytes: int | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
-                 prefill_chunk: int = PREFILL_CHUNK, synthetic_acceptance: float | None = None,
-                 measure_costs: bool = True, prompt_lookup: bool = True, run_ahead: int | None = None) -> None:
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
+    def __init__(self, target: Model, draft: Model | str | None = None, config: EngineConfig | None = None, *,
+                 n_ctx: int | None = None, kv_budget_bytes: int | None = None,
+                 synthetic_acceptance: float | None = None, measure_costs: bool = True, run_ahead: int | None = None,
+                 **settings) -> None:
+        config = replace(config or EngineConfig(), **settings)
         if run_ahead is not None and run_ahead < 1:
             raise ValueError(f"run_ahead must be >= 1, got {run_ahead}")
-        if draft_max < 0:
-            raise ValueError(f"draft_max must be >= 0, got {draft_max}")
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target = target
         self.n_ctx = n_ctx or target.n_ctx
         self.draft_model = draft if isinstance(draft, Model) else None
@@ -125,9 +115,9 @@ class Engine:
         elif self.draft_model is not None:
             check_compatible(target, self.draft_model)
         self.proposer = DRAFT_MODEL if self.draft_model else "ngram" if draft == "ngram" else None
-        self.prompt_lookup = prompt_lookup
         models = [target] + ([self.draft_model] if self.draft_model and not self.head else [])  # a head has no KV
-        self.slots = fit_slots(models, slots, self.n_ctx, kv_budget_bytes)
+        self.config = replace(config, slots=fit_slots(models, config.slots, self.n_ctx, kv_budget_bytes,
+                                                       config.kv_memory_fraction))
         self.device = torch.device(getattr(target, "torch_device", "cpu"))
         self.target_kv = target.new_batched_cache(self.slots, self.n_ctx)
         self.drafter = None
@@ -142,16 +132,23 @@ class Engine:
             run_ahead = RUN_AHEAD if self.device.type == "cuda" else 1
         self.run_ahead = run_ahead
         self._queued_steps = RunAhead(self.device, self.run_ahead) if self.run_ahead > 1 else None
-        self.draft_max, self.prefill_chunk = draft_max, prefill_chunk
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
         prior = shared_prior(target, "head" if self.head else "shared")
-        self.policy = DraftPolicy(None, prior, self.drafter, self.target_kv, draft_max, synthetic_acceptance)
-        if self.proposer and draft_max > 0 and measure_costs:
+        self.policy = DraftPolicy(None, prior, self.drafter, self.target_kv, config.draft_max, synthetic_acceptance)
+        if self.proposer and config.draft_max > 0 and measure_costs:
             self.calibrate()
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self._drafted: tuple[int, int] | None = None  # (sequences, forwards) of a step's steady draft (_propose)
+
+    @property
+    def slots(self) -> int:
+        return self.config.slots
+
+    @property
+    def draft_max(self) -> int:
+        return self.config.draft_max
 
     @property
     def costs(self) -> BatchCosts | None:
@@ -213,7 +210,7 @@ class Engine:
         if bad is not None:
             raise ValueError(f"token id {bad} is out of range [0, {vocab})")
         proposer = self.proposer
-        if proposer == DRAFT_MODEL and self.prompt_lookup and request.draft_policy == "adaptive":
+        if proposer == DRAFT_MODEL and self.config.prompt_lookup and request.draft_policy == "adaptive":
             proposer = "mixed"  # a fixed draft length is the draft model's, as in tandem.generate
         sources = ([DRAFT_MODEL] if proposer in (DRAFT_MODEL, "mixed") else []) + \
             (list(LOOKUP_SOURCES) if proposer in ("ngram", "mixed") else [])
@@ -315,11 +312,11 @@ class Engine:
         return events
 
     def _prompt_chunks(self, decoding: bool) -> list[tuple[Generation, list[int]]]:
-        """This step's prompt rows per prefilling sequence, PREFILL_CHUNK in all. The chunk bounds what prompts add
-        to a step only to keep decoding streams flowing; with none decoding (a burst of arrivals) the prompts take
-        IDLE_PREFILL_CHUNKS chunks at once, so the last of the burst does not wait a step for every chunk before it."""
+        """This step's prompt rows per prefilling sequence, config.prefill_chunk in all. The chunk bounds what prompts
+        add to a step only to keep decoding streams flowing; with none decoding (a burst of arrivals) the prompts take
+        config.idle_prefill_chunks chunks at once, so the last of the burst does not wait a step for each before it."""
         prefills, align = [], self.target_kv.prefill_align
-        budget = self.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)
+        budget = self.config.prefill_chunk * (1 if decoding else self.config.idle_prefill_chunks)
         for gen in self.running:
             if gen.prefilling and budget > 0:
                 remaining = gen.prompt_len - gen.fed

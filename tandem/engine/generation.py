@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.config import DRAFT_POLICIES
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.logits.processor import LogitsProcessor, LogitsSettings
 from tandem.sampling import SamplingParams, make_generator
@@ -78,7 +79,7 @@ class Request:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.draft_max is not None and self.draft_max < 0:
             raise ValueError(f"draft_max must be >= 0, got {self.draft_max}")
-        if self.draft_policy not in ("adaptive", "fixed"):
+        if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"unknown draft policy {self.draft_policy!r}; choose adaptive or fixed")
 
 
@@ -219,6 +220,7 @@ class Generation:
         self.proposer = proposer if request.speculate else None  # "draft-model" | "ngram" | "mixed" | None
         self.stats = GenerationStats(proposer=self.proposer or "none",
                                      policy=request.draft_policy if self.proposer else "none")
+        # The engine's draft_max is a ceiling (a server's operator sets it): a request may ask for fewer, not more.
         self.draft_max = draft_max if request.draft_max is None else min(request.draft_max, draft_max)
         self.ngram = NgramProposer() if self.proposer in ("ngram", "mixed") else None
         random = not self.sampling.greedy

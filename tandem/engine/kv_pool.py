@@ -19,7 +19,6 @@ import torch
 from tandem.backends.base import Model
 
 log = logging.getLogger("tandem.engine")
-KV_MEMORY_FRACTION = 0.5  # default KV budget: this fraction of the device's free memory at start-up
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -91,12 +90,12 @@ class SlotTable:
         self._contents[slot] = self._contents[slot][:keep]
 
 
-def fit_slots(models: Seq[Model], slots: int, n_ctx: int, budget_bytes: int | None) -> int:
-    """Slots whose KV (every model's, n_ctx tokens each) fits the budget: at most `slots`, at least one, or an
-    error saying what one context needs."""
+def fit_slots(models: Seq[Model], slots: int, n_ctx: int, budget_bytes: int | None, fraction: float) -> int:
+    """Slots whose KV (every model's, n_ctx tokens each) fits the budget (default: `fraction` of the device's free
+    memory): at most `slots`, at least one, or an error saying what one context needs."""
     per_slot = sum(m.kv_bytes_per_token() for m in models) * n_ctx
     explicit = budget_bytes is not None
-    budget = budget_bytes if explicit else default_kv_budget(models[0])
+    budget = budget_bytes if explicit else default_kv_budget(models[0], fraction)
     if budget is None:
         return slots
     fit = budget // per_slot
@@ -109,14 +108,14 @@ def fit_slots(models: Seq[Model], slots: int, n_ctx: int, budget_bytes: int | No
     return min(slots, fit)
 
 
-def default_kv_budget(model: Model) -> int | None:
-    """KV_MEMORY_FRACTION of the free memory of the model's device (None where unknown)."""
+def default_kv_budget(model: Model, fraction: float) -> int | None:
+    """`fraction` of the free memory of the model's device (None where unknown)."""
     device = torch.device(getattr(model, "torch_device", "cpu"))
     if device.type == "cuda":
-        return int(KV_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0])
+        return int(fraction * torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return None
-    return int(KV_MEMORY_FRACTION * available)
+    return int(fraction * available)

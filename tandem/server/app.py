@@ -43,8 +43,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from tandem.api import DEFAULT_DRAFT_MAX
 from tandem.backends.base import Model
+from tandem.config import EngineConfig, ServerConfig
 from tandem.engine import Engine
 from tandem.engine import Request as EngineRequest
 from tandem.engine.cost_store import Calibrator, machine_busy, model_threads
@@ -62,9 +62,6 @@ from tandem.server.turns import chat_prompt
 
 log = logging.getLogger("tandem.server")
 
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait
-MEASURE_AT_START_S = 30.0  # a GPU's full cost measurement before the first request, at most (seconds)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
              "/v1/models", "/health", "/metrics", "/openapi.json")
 NOT_READY = {  # status -> what a request gets while the server is not ready
@@ -141,7 +138,7 @@ class Server:
             if not str(target.device).startswith("cpu"):
                 # A GPU times the whole measurement in seconds; a server loaded from its start is never idle and
                 # planned from the estimate all along (H100, 4-64 clients: 0.68-0.93x plain; decisions/0001).
-                self.calibrator.measure_now(MEASURE_AT_START_S)
+                self.calibrator.measure_now(ServerConfig.measure_at_start_s)
             log.info("costs: %s (%s)", self.calibrator.source, self.costs_summary())
             self.idle_work.append(lambda: self.calibrator.step(hurry=self.scheduler.has_waiting))
         self.scheduler.attach(self.engine)
@@ -203,7 +200,7 @@ class Server:
         if self.status != "ready":
             code = "shutting_down" if self.status == "draining" else "not_ready"
             raise APIError(503, f"{NOT_READY[self.status]}; retry later", type="server_error", code=code,
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+                           headers={"Retry-After": str(ServerConfig.retry_after_s)})
 
     def kv_usage(self) -> float:
         """Fraction of the KV memory the running sequences hold (slots are reserved whole: Engine.kv_usage)."""
@@ -277,8 +274,7 @@ class Server:
                 request = EngineRequest(
                     ids, sampling, max_tokens=min(requested, room) if requested is not None else room,
                     stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []), speculate=enabled,
-                    # The server's draft_max is a ceiling: requests may lower k, not raise it past the operator's.
-                    draft_max=self.draft_max if draft_max is None else min(draft_max, self.draft_max),
+                    draft_max=draft_max,  # None: the server's; more is capped there (Generation.draft_max)
                     draft_policy=self.draft_policy, logprobs=req.logprobs_count(),
                     logits=logits,
                 )
@@ -293,10 +289,10 @@ class Server:
             self.scheduler.submit_all(jobs)
         except QueueFullError as e:
             raise APIError(503, f"the server is busy: {e}; retry later", type="server_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                           headers={"Retry-After": str(ServerConfig.retry_after_s)}) from None
         except ShuttingDownError as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                           headers={"Retry-After": str(ServerConfig.retry_after_s)}) from None
 
     def cancel(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -323,18 +319,18 @@ def create_app(
     warm_up: WarmUp | None = None,
     model_name: str | None = None,
     aliases: Seq[str] = (),
-    draft_max: int = DEFAULT_DRAFT_MAX,
-    draft_policy: str = "adaptive",
+    draft_max: int = EngineConfig.draft_max,
+    draft_policy: str = EngineConfig.draft_policy,
     api_key: str | None = None,
-    max_queue: int = 64,
+    max_queue: int = ServerConfig.max_queue,
     slots: int = 1,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int = ServerConfig.max_body_bytes,
     allowed_hosts: frozenset[str] | None = frozenset(),
     cors_origins: Seq[str] = (),
     accept_any_model: bool = False,
     kv_usage: Callable[[], float] | None = None,
     kv_budget_bytes: int | None = None,
-    prompt_lookup: bool = True,
+    prompt_lookup: bool = EngineConfig.prompt_lookup,
 ) -> FastAPI:
     """The FastAPI app serving `target` (speculatively with `draft`: a Model, "ngram" or None).
 
