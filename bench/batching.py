@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu"), ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"])
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads [every core]")
-    ap.add_argument("--synthetic-shape", help="TARGET[,DRAFT]: random weights of these shapes (tandem.models.shapes)")
+    ap.add_argument("--synthetic-shape",
+                    help="TARGET[,DRAFT]: random weights of these shapes (tandem.synthetic.shapes)")
     ap.add_argument("--requests", default="8", help="comma-separated: one run of each count")
     ap.add_argument("--configs", default="plain,fixed,adaptive", help="of plain, fixed, adaptive")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -51,14 +52,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1)))
     if args.synthetic_shape:
-        from tandem.models.shapes import random_model
+        from tandem.synthetic.shapes import random_model
 
         shapes = args.synthetic_shape.split(",")
         target = random_model(shapes[0], device=args.device, dtype=args.dtype, seed=0)
         draft = random_model(shapes[1], device=args.device, dtype=args.dtype, seed=1) if len(shapes) > 1 else None
         print(f"models: {', '.join(shapes)} with random weights (synthetic)")
     elif args.model is None:
-        from tandem.loading.synthetic import write_tiny_gguf
+        from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
         folder = tempfile.mkdtemp(prefix="tandem-bench-")
         quantized = args.backend == "llama.cpp"  # llama.cpp's CPU rows are batch-invariant for quantized weights

@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--draft-max", type=int, default=8)
     ap.add_argument("--draft-seed", type=int, default=0, help="tiny draft's weights: 0 = the target's (agrees)")
-    ap.add_argument("--synthetic-shape", help="TARGET,DRAFT: random weights of these shapes (tandem.models.shapes)")
+    ap.add_argument("--synthetic-shape", help="TARGET,DRAFT: random weights of these shapes (tandem.synthetic.shapes)")
     ap.add_argument("--synthetic-acceptance", type=float, default=None)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="then cProfile one more run, top N functions")
@@ -99,14 +99,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.synthetic_shape:
-        from tandem.models.shapes import random_model
+        from tandem.synthetic.shapes import random_model
 
         shapes = args.synthetic_shape.split(",")
         target = random_model(shapes[0], device=args.device, dtype=args.dtype, seed=0)
         draft = random_model(shapes[1], device=args.device, dtype=args.dtype, seed=1)
         print(f"models: {', '.join(shapes)} with random weights (synthetic)")
     elif args.model is None:
-        from tandem.loading.synthetic import write_tiny_gguf
+        from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
         folder = tempfile.mkdtemp(prefix="tandem-bench-")
         args.model = write_tiny_gguf(os.path.join(folder, "t.gguf"), qtype="F32", seed=0, context_length=1024)

@@ -29,8 +29,8 @@ from step_parts import iterations, iterations_traced
 import tandem
 from tandem.engine import Engine, Request
 from tandem.engine.generation import DRAFT_MODEL
-from tandem.loading.synthetic import write_tiny_gguf
 from tandem.sampling import SamplingParams
+from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
 PROMPT_TOKENS = 48
 WARMUP_TOKENS = 16  # tandem.bench.bench's warm-up length

@@ -49,7 +49,7 @@ def main() -> None:
 
         fused_projections.BLOCK_ROWS = args.block_rows
         print(f"fused_projections.BLOCK_ROWS = {args.block_rows}")
-    from tandem.models.shapes import random_model
+    from tandem.synthetic.shapes import random_model
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; synthetic weights (random, real shapes)")
     for shape in args.shapes.split(","):

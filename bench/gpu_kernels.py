@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.models import fused_projections as fp
-from tandem.models.shapes import get_shape
 from tandem.models.transformer import apply_rope, rope_tables
+from tandem.synthetic.shapes import get_shape
 
 
 def graph_us(fn, n_layers: int, replays: int = 30) -> float:

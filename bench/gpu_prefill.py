@@ -17,7 +17,7 @@ import torch
 
 from tandem.backends.torch_backend import TorchSequence
 from tandem.backends.torch_graphs import GRAPH_ROWS
-from tandem.models.shapes import random_model
+from tandem.synthetic.shapes import random_model
 
 
 def timed_ms(fn, repeats: int = 10) -> float:

@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tandem.backends import torch_backend
-from tandem.models.shapes import random_model
+from tandem.synthetic.shapes import random_model
 
 shape, rows, compiled = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 span = int(sys.argv[4]) if len(sys.argv) > 4 else 256

@@ -94,7 +94,7 @@ def main() -> None:
             raise SystemExit(f"no launch constant {module_name or 'fused_projections'}.{name}")
         setattr(module, name, int(value))
         print(f"{module.__name__}.{name} = {value}", flush=True)
-    from tandem.models.shapes import random_model, weight_bytes
+    from tandem.synthetic.shapes import random_model, weight_bytes
 
     bandwidth = copy_bandwidth_gb_s("cuda")
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth:.0f} GB/s (read + write)", flush=True)

@@ -23,7 +23,7 @@
 #   loadtest  issue 22's load test (bench/serve_load.py): tandem plain and adaptive at 1/4/16/64 clients (4x as many
 #             requests, max_tokens 128) and a 10-turn conversation; needs pair. Then loadllama: llama-server (CUDA,
 #             from setup) plain and with the draft, -np = clients, one table with loadtest's numbers (~5 min each)
-#   regimewrite random-weight GGUFs of the report's regime in /root/m/big/ (tandem/models/random_gguf.py, the real
+#   regimewrite random-weight GGUFs of the report's regime in /root/m/big/ (tandem/synthetic/random_gguf.py, the real
 #             Qwen tokenizer from /root/m/T.gguf, else from .xfer/qwen-tokenizer.gguf, made here with --extract-tokenizer):
 #             a Qwen2.5-32B-shape target in MIX (Q4_0 ~18.6 GB, default; Q4_K_M ~19.9 GB; Q6_K ~26.9 GB: one big
 #             target at a time on the 64 GiB disk, the other removed) and 1.5B- and 0.5B-shape Q4_0 drafts (~1 GB)
@@ -233,10 +233,10 @@ regimewrite)
     mix=${MIX:-Q4_0}; mkdir -p /root/m/big
     for f in /root/m/big/T32_*.gguf; do [ "$f" = /root/m/big/T32_$mix.gguf ] || rm -f "$f"; done
     write() {  # to a temporary name first: a call cut off mid-file leaves nothing that looks finished
-        [ -f $1 ] || { python3 -m tandem.models.random_gguf $1.part --shape $2 --mix $3 --tokenizer-from $tok \
+        [ -f $1 ] || { python3 -m tandem.synthetic.random_gguf $1.part --shape $2 --mix $3 --tokenizer-from $tok \
             && mv $1.part $1; }
     }
-    # TSHAPE / DSHAPE: other shapes (tandem.models.shapes.parse_shape), for a dry run of these phases on a CPU
+    # TSHAPE / DSHAPE: other shapes (tandem.synthetic.shapes.parse_shape), for a dry run of these phases on a CPU
     write /root/m/big/T32_$mix.gguf ${TSHAPE:-qwen2.5-32b} $mix 2>&1 | tail -3
     write /root/m/big/D1.5b_Q4_0.gguf ${DSHAPE:-qwen2.5-1.5b} Q4_0 2>&1 | tail -1
     write /root/m/big/D0.5b_Q4_0.gguf ${DSHAPE:-qwen2.5-0.5b} Q4_0 2>&1 | tail -1

@@ -48,7 +48,7 @@
 #   .whl       wheels: llama_cpp_python (CPU build; its Python package, CUDA_LIBS=1 swaps in CUDA libraries),
 #              llguidance; .whs: gguf, diskcache
 #   .xfer      llama-src.tar.xz (llama-cpp-python 0.3.36's vendored llama.cpp, no build*/docs/models/media),
-#              qwen-tokenizer.gguf (python -m tandem.models.random_gguf ... --extract-tokenizer REAL.gguf)
+#              qwen-tokenizer.gguf (python -m tandem.synthetic.random_gguf ... --extract-tokenizer REAL.gguf)
 #   .vk        llama_cpp/ of llama-cpp-python 0.3.36 built with -DGGML_VULKAN=on (as .ci/vulkan), one copy per
 #              library soname (libllama.so, libggml*.so.0), 34 MB; .gl: Debian's libvulkan1 (the loader) and libglvnd0,
 #              libglx0, libgl1, libegl1, libopengl0, libgles2 .debs: NVIDIA's Vulkan driver is libGLX_nvidia, which

@@ -29,7 +29,7 @@ rm -rf "$tmp"/llama.cpp.src/{build*,docs,models,media}
 tar -C "$tmp" -cf - llama.cpp.src | xz -T0 -6 > .xfer/llama-src.tar.xz
 
 real=$($py -c "from tandem.loading import registry; print(registry.pull('qwen2.5-coder-1.5b-instruct', progress=False))")
-$py -m tandem.models.random_gguf .xfer/qwen-tokenizer.gguf --extract-tokenizer "$real"
+$py -m tandem.synthetic.random_gguf .xfer/qwen-tokenizer.gguf --extract-tokenizer "$real"
 
 (cd .gl && apt-get download libvulkan1 libglvnd0 libglx0 libgl1 libegl1 libopengl0 libgles2)
 

@@ -42,8 +42,8 @@ import tandem
 from tandem.backends.base import BatchedCache
 from tandem.engine import Engine, Request
 from tandem.engine.costs import CostModel
-from tandem.loading.synthetic import write_tiny_gguf
 from tandem.sampling import SamplingParams
+from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
 GRAPH_MS = {"cuda": {"target": 2.9, "draft": 2.3}, "vulkan": {"target": 4.1, "draft": 1.7}}
 CAPTURE_MS = {"target": (4.3, 14.7), "draft": (2.3, 4.6)}  # CUDA's second forward: (graph updated, instantiated)

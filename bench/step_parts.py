@@ -1,21 +1,20 @@
-"""Where an engine step's time goes in the loop: each decoding step timed whole and in its parts (the plan, with
-any evidence read; the draft, its catch-up and steps; the target's forward; the host's reading of its rows,
-outcomes.read_outcomes; the rest, bookkeeping), keyed by the target's rows in the forward before and in this
-one ("N (prompts)": a step that took in prompt rows), with the steps' total. What a step costs beyond the forwards
-the calibration timed alone, whether a change of shape is where it goes, and what a round's prompt steps cost an
-engine that drafts against one that does not. Used by bench/regime_trace.py and bench/gpu_report_regime.py
---step-parts.
+"""Where an engine step's time goes in the loop: each decoding step timed whole and in its parts (the plan, with any
+evidence read; the draft, its catch-up and steps; the target's forward; the host's reading of its rows,
+outcomes.read_outcomes; the rest, bookkeeping), keyed by the target's rows in the forward before and in this one ("N
+(prompts)": a step that took in prompt rows), with the steps' total (the engine's step hook, StepTimes). What a step
+costs beyond the forwards the calibration timed alone, whether a change of shape is where it goes, and what a round's
+prompt steps cost an engine that drafts against one that does not. Used by bench/regime_trace.py and
+bench/gpu_report_regime.py --step-parts.
 """
 
 from __future__ import annotations
 
-import functools
 import statistics
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tandem.engine import Engine
+from tandem.engine.engine import StepTimes
 from tandem.engine.generation import DRAFT_MODEL
 from tandem.speculative.stats import GenerationStats
 
@@ -29,37 +28,20 @@ class StepParts:
         self.steps: dict[tuple, list[tuple[float, ...]]] = {}
 
     def instrument(self, engine: Engine) -> None:
+        """Record every step of `engine` through the target's forward (its step hook; a lone sequence's queued
+        plain steps are not among them)."""
         kind = "adaptive" if engine.drafter is not None else "plain"
-        step, plan, propose = engine.step, engine.policy.plan, engine._propose
-        forward, picking, outcomes = engine.target_kv.forward, engine.target_kv.forward_picking, engine._outcomes
-        now: dict[str, float] = {}
-        shape = {"before": None}
+        before = {"rows": None}
 
-        def timed(name, fn):
-            def run(*a, **k):
-                started = time.perf_counter()
-                out = fn(*a, **k)
-                now[name] = now.get(name, 0.0) + 1000.0 * (time.perf_counter() - started)
-                return out
-            return run
+        def record(times: StepTimes) -> None:
+            rows = f"{times.rows} (prompts)" if times.prompts else times.rows
+            ms = [times.ended - times.started, times.planned - times.started, times.drafted - times.planned,
+                  times.forwarded - times.drafted, times.finished - times.forwarded]
+            self.steps.setdefault((kind, times.sequences, before["rows"], rows), []).append(
+                tuple(1000.0 * s for s in ms))
+            before["rows"] = times.rows
 
-        def timed_forward(batch, last_only, *picks, forward=forward):
-            now["rows"], now["sequences"], now["prompts"] = sum(len(r) for _, r in batch), len(batch), any(last_only)
-            return timed("forward", forward)(batch, last_only, *picks)
-
-        def timed_step():
-            now.clear()
-            out = timed("step", step)()
-            if "rows" in now:  # a step through the target's forward (not a lone sequence's queued plain steps)
-                rows = f"{now['rows']} (prompts)" if now["prompts"] else now["rows"]
-                self.steps.setdefault((kind, now["sequences"], shape["before"], rows), []).append(
-                    tuple(now.get(p, 0.0) for p in PARTS))
-                shape["before"] = now["rows"]
-            return out
-
-        engine.step, engine.policy.plan, engine._propose = timed_step, timed("plan", plan), timed("draft", propose)
-        engine.target_kv.forward, engine._outcomes = timed_forward, timed("outcomes", outcomes)
-        engine.target_kv.forward_picking = functools.partial(timed_forward, forward=picking)
+        engine.step_hook = record
 
     def clear(self) -> None:
         self.steps.clear()

@@ -109,7 +109,7 @@ def main() -> None:
     time_processing()
     schema = SCHEMA
     if args.tiny:
-        from tandem.loading.synthetic import write_tiny_gguf
+        from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
         folder = tempfile.mkdtemp(prefix="tandem-structured-")
         shape = dict(seed=0, d_model=256, d_ffn=1024, n_layers=8, n_heads=4, n_kv_heads=2,

@@ -220,7 +220,7 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory):
 
     K-quant qtypes get K_QUANT_SHAPES unless the caller passes shapes.
     """
-    from tandem.loading.synthetic import write_tiny_gguf
+    from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
     root = tmp_path_factory.mktemp("tiny_gguf")
     cache: dict[tuple, str] = {}

@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from dataclasses import replace
 from tandem.models import fused_projections as fp
-from tandem.models.shapes import get_shape
+from tandem.synthetic.shapes import get_shape
 from tandem.models.transformer import apply_rope, rms_norm, rope_tables
 
 device = sys.argv[1]

@@ -8,8 +8,8 @@ import pytest
 import tandem
 from tandem.cli import main
 from tandem.loading.gguf import open_gguf
-from tandem.loading.synthetic import tiny_vocab
 from tandem.speculative.compat import VocabularyMismatchError, check_compatible
+from tandem.synthetic.tiny_gguf import tiny_vocab
 
 
 @pytest.fixture(scope="module")

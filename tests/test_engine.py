@@ -140,6 +140,27 @@ def test_chunked_prefill_interleaves_with_decoding(pair64):
     assert len(chunks[first.id]) == 40
 
 
+def test_step_hook_is_told_each_step_in_order(pair64):
+    """Engine.step_hook (what bench/step_parts.py reads, instead of patching the engine's parts): each step through
+    the target's forward, its clock readings in order, its rows and sequences as the forward ran them."""
+    target, _ = pair64
+    engine = Engine(target, None, slots=2, prefill_chunk=4)
+    told = []
+    engine.step_hook = told.append
+    gens = [engine.add(r) for r in requests(target, PROMPTS[:2], max_tokens=3)]
+    prompt_rows = sum(g.prompt_len for g in gens)
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+    assert len(told) == steps
+    for times in told:
+        assert times.started <= times.planned <= times.drafted <= times.forwarded <= times.finished <= times.ended
+    assert sum(t.rows for t in told if t.prompts) + sum(t.rows for t in told if not t.prompts) == \
+        prompt_rows + sum(len(g.tokens) - g.prompt_len - 1 for g in gens)
+    assert told[0].prompts and told[0].sequences == 2 and not told[-1].prompts
+
+
 def test_prompts_prefill_in_larger_chunks_while_nothing_decodes(pair64):
     """With no stream to keep flowing, a prompt takes several chunks a step (the last of a burst of arrivals then
     waits fewer steps for its first token); its output is unchanged."""
@@ -1107,7 +1128,7 @@ def test_synthetic_acceptance_draws_the_evidence_too(tiny_model_path):
         gen = engine.add(requests(target, PROMPTS[:1], max_tokens=40, sampling=SamplingParams(seed=7))[0])
         while len(gen.tokens) - gen.prompt_len < 17:
             engine.step()
-        engine.drafter.read_evidence([gen], synthetic)
+        engine.drafter.read_evidence([gen])
         assert engine.drafter.kv.length(gen.slot) == len(gen.tokens) - 1  # caught up but the pending token
         evidence = gen.stats.sources["draft-model"]
         assert evidence["evidence_positions"] == 16

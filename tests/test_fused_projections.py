@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from tandem.models import fused_projections
-from tandem.models.shapes import get_shape, random_model
+from tandem.synthetic.shapes import get_shape, random_model
 from tandem.models.transformer import Transformer, rms_norm, rope_tables
 
 device = sys.argv[1]

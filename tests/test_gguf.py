@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tandem.loading.gguf import GGUFError, open_gguf
-from tandem.loading.synthetic import SUPPORTED_QTYPES
 from tandem.loading.weights import expected_tensors, load_weights
+from tandem.synthetic.tiny_gguf import SUPPORTED_QTYPES
 
 GGUF_PY_QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16")
 # Worst-case absolute error of a round trip of N(0, 1) data, a little above each format's step.
@@ -76,7 +76,7 @@ def test_dequantize_round_trip(tmp_path, qtype):
 
     tandem dequantises with gguf-py too, so this checks our writer and reader, not gguf-py's decoding: the hand
     decodings below (Q8_0, Q6_K) are the independent references."""
-    from tandem.loading.synthetic import write_tiny_gguf
+    from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "rt.gguf", qtype=qtype, seed=3)
     gf = open_gguf(path)

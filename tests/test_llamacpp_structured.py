@@ -23,6 +23,7 @@ from conftest import BOUNDED_SCHEMA, K_QUANT_SHAPES, assert_speculated, count_ba
 
 import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
+from tandem.engine import engine as engine_module  # noqa: E402
 from tandem.engine import outcomes as outcomes_module  # noqa: E402
 from tandem.logits.grammar import COMPACT_JSON  # noqa: E402
 from tandem.logits.options import logits_settings  # noqa: E402
@@ -189,16 +190,16 @@ def shifted_rows(monkeypatch, engine, draft_model) -> None:
 def draft_rows(monkeypatch, engine, draft_model) -> None:
     """Planted error: the rows scored are the draft's at the same positions (verification still reads the
     target's)."""
-    swapped, outcomes, score_rows = {}, engine._outcomes, outcomes_module.score_rows
+    swapped, outcomes, score_rows = {}, engine_module.read_outcomes, outcomes_module.score_rows
 
-    def with_draft_rows(decoding, firsts, proposals):
+    def with_draft_rows(decoding, firsts, proposals, *args):
         swapped.clear()
         for gen, rows in decoding + firsts:
             drafts = [int(t) for t in proposals.get(gen.id, ([], None))[0]]
             swapped[id(rows)] = draft_model.logits(gen.tokens + drafts)[-rows.shape[0]:].clone()
-        return outcomes(decoding, firsts, proposals)
+        return outcomes(decoding, firsts, proposals, *args)
 
-    monkeypatch.setattr(engine, "_outcomes", with_draft_rows)
+    monkeypatch.setattr(engine_module, "read_outcomes", with_draft_rows)
     monkeypatch.setattr(outcomes_module, "score_rows", lambda logits, *a: score_rows(swapped[id(logits)], *a))
 
 

@@ -18,7 +18,7 @@ import sys
 import torch
 from tandem.backends.torch_backend import TorchBatchedCache
 from tandem.models import fused_projections
-from tandem.models.shapes import random_model
+from tandem.synthetic.shapes import random_model
 
 device = sys.argv[1]
 model = random_model("tiny", device=device, dtype="float16" if device == "cpu" else "bfloat16", n_ctx=160,

@@ -1,4 +1,4 @@
-"""Random-weight GGUFs of named shapes (tandem.models.random_gguf): llama-quantize's type choices, the copied
+"""Random-weight GGUFs of named shapes (tandem.synthetic.random_gguf): llama-quantize's type choices, the copied
 tokenizer, the same bytes whatever the number of writing processes, and a file llama.cpp loads and decodes."""
 
 import hashlib
@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.loading.random_blocks import random_rows
-from tandem.loading.synthetic import write_tiny_gguf
-from tandem.models.random_gguf import (
+from tandem.synthetic.random_blocks import random_rows
+from tandem.synthetic.random_gguf import (
     extract_tokenizer,
     plan_tensors,
     tensor_qtype,
     tokenizer_metadata,
     write_random_gguf,
 )
-from tandem.models.shapes import get_shape, parse_shape
+from tandem.synthetic.shapes import get_shape, parse_shape
+from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
 # A shape small enough for milliseconds, with 256-wide rows so the K-quant mixes need no fallback.
 SMALL = "tiny:d_model=256,d_ffn=512,n_heads=4,n_kv_heads=2,n_layers=2,vocab_size=600"

@@ -124,7 +124,7 @@ def _check_synthetic_backend(args: argparse.Namespace) -> None:
 def load_target(args: argparse.Namespace) -> Model:
     shapes = synthetic_shapes(args)
     if shapes is not None:
-        from tandem.models.shapes import random_model
+        from tandem.synthetic.shapes import random_model
 
         _check_synthetic_backend(args)
         return random_model(shapes["target"], args.device, compute_dtype(args), n_ctx=args.ctx or SYNTHETIC_CTX, seed=0)
@@ -140,7 +140,7 @@ def load_draft(args: argparse.Namespace, backend: str | None) -> Model | str | N
     if shapes is not None:
         if "draft" not in shapes:
             return "ngram" if args.draft == "ngram" else None
-        from tandem.models.shapes import random_model
+        from tandem.synthetic.shapes import random_model
 
         _check_synthetic_backend(args)
         return random_model(shapes["draft"], device, compute_dtype(args), n_ctx=args.ctx or SYNTHETIC_CTX, seed=1)
@@ -382,7 +382,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tandem.bench import report
-    from tandem.models.shapes import weight_bytes
+    from tandem.synthetic.shapes import weight_bytes
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")

@@ -208,7 +208,7 @@ def make_verdict(costs: CostModel, break_even: float | None, predicted: dict[flo
 def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: int, repeats: int,
             synthetic: bool = False, shapes: dict[str, str] | None = None, log=lambda message: None) -> DoctorReport:
     """Everything but the standalone draft step, which the caller measured before loading the target."""
-    from tandem.models.shapes import weight_bytes
+    from tandem.synthetic.shapes import weight_bytes
 
     log(f"timing the target's forwards over 1..{max(VERIFY_SIZES)} tokens, two passes")
     # Two passes, each figure the faster pass's: a device still warming up, or busy with other work, shows as one

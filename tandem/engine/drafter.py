@@ -31,8 +31,10 @@ Proposal = tuple[list[int] | torch.Tensor, torch.Tensor | None]
 class Drafter:
     """A draft model and its KV slots, for the engine's steps."""
 
-    def __init__(self, model: Model, target_vocab: int, slots: int, n_ctx: int, device: torch.device) -> None:
+    def __init__(self, model: Model, target_vocab: int, slots: int, n_ctx: int, device: torch.device,
+                 synthetic_acceptance: float | None = None) -> None:
         self.model, self.target_vocab, self.device = model, target_vocab, device
+        self.synthetic = synthetic_acceptance  # benchmarks: evidence reads match with this probability
         self.kv = model.new_batched_cache(slots, n_ctx, drafting=True)
 
     def lag(self, gen: Generation) -> int:
@@ -170,7 +172,7 @@ class Drafter:
         if batch:
             self.kv.forward(batch, [True] * len(batch))
 
-    def read_evidence(self, gens: list[Generation], synthetic: float | None = None) -> None:
+    def read_evidence(self, gens: list[Generation]) -> None:
         """Catch each sequence's draft up on the tokens it has not seen but the pending one (which it takes in
         when it drafts), reading its argmax at the rows before the latest generated ones (at most EVIDENCE_ROWS):
         whether it would have predicted each is evidence of its acceptance (a greedy match; under sampling the same
@@ -198,11 +200,11 @@ class Drafter:
         at = 0
         for gen, _, first_checked in tails:
             actual = gen.tokens[first_checked:]
-            if synthetic is None:
+            if self.synthetic is None:
                 matched = [p == t for p, t in zip(predicted[at : at + len(actual)], actual, strict=True)]
             else:
                 draws = torch.rand(len(actual), generator=gen.generator, device=gen.generator.device)
-                matched = (draws < synthetic).tolist()
+                matched = (draws < self.synthetic).tolist()
             at += len(actual)
             gen.observe_evidence(DRAFT_MODEL, matched)
             gen.stats.record_catch_up(DRAFT_MODEL, ms, sum(matched), len(matched))
@@ -220,7 +222,7 @@ class HeadDrafter(Drafter):
 
     def __init__(self, model: Model, target_vocab: int, target_kv: BatchedCache, device: torch.device) -> None:
         self.model, self.target_vocab, self.device = model, target_vocab, device
-        self.kv = target_kv.attach_head(model)
+        self.kv, self.synthetic = target_kv.attach_head(model), None
 
     def ahead(self, gens: list[Generation], last_drafts: list[int]) -> Alongside | None:
         return None
@@ -228,6 +230,6 @@ class HeadDrafter(Drafter):
     def prefill(self, chunks: list[tuple[Generation, int]]) -> None:
         pass
 
-    def read_evidence(self, gens: list[Generation], synthetic: float | None = None) -> None:
+    def read_evidence(self, gens: list[Generation]) -> None:
         pass
 

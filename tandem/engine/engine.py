@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,7 +59,12 @@ class StepTimes:
     started: float
     planned: float = 0.0  # after the plan
     drafted: float = 0.0  # after the drafts (where drawn on the device: when the device had them)
+    forwarded: float = 0.0  # after the target's forward was queued
     finished: float = 0.0  # after the verify's outcomes were read
+    ended: float = 0.0  # after the step's bookkeeping
+    rows: int = 0  # the target's rows in the forward
+    sequences: int = 0  # ... and the sequences they were of
+    prompts: bool = False  # ... some of them prompt rows
 
     @property
     def draft_ms(self) -> float:  # the plan and the drafts
@@ -124,7 +129,8 @@ class Engine:
         if self.head:  # drafts from the target's hidden states, over its KV
             self.drafter = HeadDrafter(self.draft_model, target.vocab_size, self.target_kv, self.device)
         elif self.draft_model:
-            self.drafter = Drafter(self.draft_model, target.vocab_size, self.slots, self.n_ctx, self.device)
+            self.drafter = Drafter(self.draft_model, target.vocab_size, self.slots, self.n_ctx, self.device,
+                                   synthetic_acceptance)
         self.table = SlotTable(self.slots)
         if not self.target_kv.steps_on_device:
             run_ahead = 1
@@ -135,12 +141,13 @@ class Engine:
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
         prior = shared_prior(target, "head" if self.head else "shared")
-        self.policy = DraftPolicy(None, prior, self.drafter, self.target_kv, config.draft_max, synthetic_acceptance)
+        self.policy = DraftPolicy(None, prior, self.drafter, self.target_kv, config.draft_max)
         if self.proposer and config.draft_max > 0 and measure_costs:
             self.calibrate()
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self._drafted: tuple[int, int] | None = None  # (sequences, forwards) of a step's steady draft (_propose)
+        self.step_hook: Callable[[StepTimes], None] | None = None  # told of each step through the target's forward
 
     @property
     def slots(self) -> int:
@@ -290,10 +297,13 @@ class Engine:
             span.stop()
         times.drafted = time.perf_counter()
         logits, target_rows = self._forward(decoding, prefills, proposals, from_device)
+        times.forwarded, times.rows, times.prompts = time.perf_counter(), target_rows, bool(prefills)
+        times.sequences = len(decoding) + len(prefills)
         self.policy.observe_shape(target_rows, any(ks))
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
                   if gen.fed + len(chunk) == gen.prompt_len]
-        outcomes, scored = self._outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals)
+        outcomes, scored = read_outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals, self.device,
+                                         self.synthetic_acceptance)
         times.finished = time.perf_counter()
         if span is not None:  # the host did not wait for the drafts: the device timed them
             times.drafted = min(times.finished, times.planned + span.ms() / 1000.0)
@@ -307,8 +317,11 @@ class Engine:
         events = self._accept(decoding, proposals, outcomes, scored, times)
         events += self._accept_prompts(prefills, outcomes, scored, prefill_ms)
         self.policy.observe_yield(decoding, ks, outcomes)
-        self.policy.observe_step(decoding, ks, prefills, target_rows, 1000.0 * (time.perf_counter() - times.started),
+        times.ended = time.perf_counter()
+        self.policy.observe_step(decoding, ks, prefills, target_rows, 1000.0 * (times.ended - times.started),
                                  self._drafted)
+        if self.step_hook is not None:
+            self.step_hook(times)
         return events
 
     def _prompt_chunks(self, decoding: bool) -> list[tuple[Generation, list[int]]]:
@@ -501,7 +514,3 @@ class Engine:
             return None
         drafted = [g for g in decoding if g.draft_source == DRAFT_MODEL and proposals[g.id][0]]
         return self.drafter.ahead(drafted, [proposals[g.id][0][-1] for g in drafted])
-
-    def _outcomes(self, decoding: list[tuple[Generation, torch.Tensor]], firsts: list[tuple[Generation, torch.Tensor]],
-                  proposals: dict) -> tuple[dict[int, tuple[int, list[int]]], dict[int, list]]:
-        return read_outcomes(decoding, firsts, proposals, self.device, self.synthetic_acceptance)

@@ -65,13 +65,12 @@ class DraftPolicy:
         drafter: the draft model's side (None: prompt lookup alone, or no drafting).
         target_kv: the target's cache (a sequence's room left).
         draft_max: the most drafts an iteration.
-        synthetic_acceptance: benchmarks: evidence reads match with this probability.
     """
 
     def __init__(self, costs: BatchCosts | None, prior: AcceptancePrior, drafter: Drafter | None,
-                 target_kv: BatchedCache, draft_max: int, synthetic_acceptance: float | None = None) -> None:
+                 target_kv: BatchedCache, draft_max: int) -> None:
         self.costs, self.prior, self.drafter, self.target_kv = costs, prior, drafter, target_kv
-        self.draft_max, self.synthetic_acceptance = draft_max, synthetic_acceptance
+        self.draft_max = draft_max
         self.evidence: list[Generation] = []  # sequences whose draft read the text before drafting this step
         self.planned_acceptance: dict[int, float] = {}  # sequence id -> the acceptance its drafts were planned at
         self.drafting_run = 0  # steps in a row that drafted
@@ -399,7 +398,7 @@ class DraftPolicy:
             else:
                 ks[i] = 0
         if self.evidence:
-            self.drafter.read_evidence(self.evidence, self.synthetic_acceptance)
+            self.drafter.read_evidence(self.evidence)
             candidates = [self._candidate(g) for g in decoding]
             ks = planner.plan(candidates, self.costs, prefill_rows, self.previous_rows, self.drafting_run > 0,
                               rates)

@@ -100,10 +100,10 @@ FILE_TYPE = {
 }
 SUPPORTED_QTYPES = tuple(FILE_TYPE)
 
-from tandem.loading import synthetic_gemma4 as gemma4  # noqa: E402
-from tandem.loading.random_blocks import K_QUANTS, set_scales  # noqa: E402
-from tandem.loading.synthetic_gemma4 import tiny_gemma4_vocab  # noqa: E402
 from tandem.loading.tokenizer import CHATML_TEMPLATE  # noqa: E402  (the tiny files' chat template)
+from tandem.synthetic import gemma4  # noqa: E402
+from tandem.synthetic.gemma4 import tiny_gemma4_vocab  # noqa: E402
+from tandem.synthetic.random_blocks import K_QUANTS, set_scales  # noqa: E402
 
 
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
@@ -270,7 +270,7 @@ def write_tiny_gguf(
         tensor_qtypes, skip_tensors, shape_overrides: per-tensor storage type, tensors to leave out, and
             shapes to write instead of the correct ones (for testing the loader's errors).
         layout: gemma4 only: "dense" (the 31B's tensors) or "e2b" (per-layer embeddings, shared KV layers);
-            see tandem.loading.synthetic_gemma4.
+            see tandem.synthetic.gemma4.
     """
     from gguf import GGUFWriter
 

@@ -1,10 +1,10 @@
 """Random-weight GGUFs of real model shapes, 32B ones included, quantised as llama-quantize would, carrying a real
 model's tokenizer: llama.cpp benchmarks of a big target beside a small draft without downloading either.
 
-    python -m tandem.models.random_gguf OUT.gguf --shape qwen2.5-32b --mix Q4_0 --tokenizer-from REAL.gguf
-    python -m tandem.models.random_gguf TOKENIZER.gguf --extract-tokenizer REAL.gguf   # metadata only, ~7 MB
+    python -m tandem.synthetic.random_gguf OUT.gguf --shape qwen2.5-32b --mix Q4_0 --tokenizer-from REAL.gguf
+    python -m tandem.synthetic.random_gguf TOKENIZER.gguf --extract-tokenizer REAL.gguf   # metadata only, ~7 MB
 
-The quantised blocks are drawn directly (`tandem.loading.random_blocks`: random bits, scales set for values of
+The quantised blocks are drawn directly (`tandem.synthetic.random_blocks`: random bits, scales set for values of
 spread min(0.1, 1/sqrt(row length)), random signs: activations stay finite through 64 layers), never quantised from
 floats, and written by parallel processes straight to their offsets in the file: memory holds one chunk per process,
 and a 32B Q4_0 file (~18 GB) takes about as long as the disk needs to take it. The tokenizer and chat template are
@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 
 from tandem.config import ModelConfig
-from tandem.loading.random_blocks import block_geometry, random_rows, row_bytes
-from tandem.loading.synthetic import FILE_TYPE, TOKEN_TYPE_UNUSED, architecture_kv, tensor_specs
-from tandem.models.shapes import parse_shape
+from tandem.synthetic.random_blocks import block_geometry, random_rows, row_bytes
+from tandem.synthetic.shapes import parse_shape
+from tandem.synthetic.tiny_gguf import FILE_TYPE, TOKEN_TYPE_UNUSED, architecture_kv, tensor_specs
 
 MIXES = ("Q4_0", "Q8_0", "Q4_K", "Q4_K_M", "Q6_K")
 MIX_FILE_TYPE = {**FILE_TYPE, "Q4_K": 14, "Q4_K_M": 15}  # llama_ftype: MOSTLY_Q4_K_S = 14, MOSTLY_Q4_K_M = 15
@@ -256,12 +256,12 @@ def _chunks(path: str, plans: list[TensorPlan], data_start: int, alignment: int,
 def write_random_gguf(path: str | os.PathLike[str], shape: ModelConfig | str, mix: str = "Q4_0",
                       tokenizer_from: str | os.PathLike[str] | None = None, seed: int = 0, workers: int | None = None,
                       log: Callable[[str], None] = lambda message: None) -> WriteSummary:
-    """Write a random-weight GGUF of `shape` (a name or spec for tandem.models.shapes.parse_shape, or a config).
+    """Write a random-weight GGUF of `shape` (a name or spec for tandem.synthetic.shapes.parse_shape, or a config).
 
     Args:
         mix: MIXES; which type each matrix gets follows llama-quantize (module docstring).
         tokenizer_from: a GGUF whose `tokenizer.*` keys to copy (a real model, or extract_tokenizer's output);
-            None: the tiny test tokenizer (tandem.loading.synthetic), padded to the shape's vocabulary.
+            None: the tiny test tokenizer (tandem.synthetic.tiny_gguf), padded to the shape's vocabulary.
         seed: the same seed writes the same bytes, whatever the number of workers.
         workers: processes drawing and writing chunks (default: every core, at most 16); 1 draws in this process.
     """
@@ -300,8 +300,8 @@ def write_random_gguf(path: str | os.PathLike[str], shape: ModelConfig | str, mi
 def _tiny_tokenizer() -> dict[str, MetadataValue]:
     from gguf import GGUFValueType
 
-    from tandem.loading.synthetic import tiny_vocab
     from tandem.loading.tokenizer import CHATML_TEMPLATE
+    from tandem.synthetic.tiny_gguf import tiny_vocab
 
     tokens, types, merges = tiny_vocab()
     array, string, u32 = GGUFValueType.ARRAY, GGUFValueType.STRING, GGUFValueType.UINT32
@@ -323,7 +323,7 @@ def _tiny_tokenizer() -> dict[str, MetadataValue]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="the GGUF to write")
-    p.add_argument("--shape", help="a name of tandem.models.shapes, optionally with overrides: "
+    p.add_argument("--shape", help="a name of tandem.synthetic.shapes, optionally with overrides: "
                                    "qwen2.5-0.5b:n_layers=4,vocab_size=152064")
     p.add_argument("--mix", default="Q4_0", choices=MIXES)
     p.add_argument("--tokenizer-from", help="a GGUF whose tokenizer to copy (default: the tiny test tokenizer)")

@@ -92,9 +92,9 @@ def weight_count(config: ModelConfig) -> int:
 
 
 def tiny_tokenizer(vocab_size: int):
-    """The tiny test tokenizer (tandem.loading.synthetic), built in memory: encodes any text to ids < ~310."""
-    from tandem.loading.synthetic import tiny_vocab
+    """The tiny test tokenizer (tandem.synthetic.tiny_gguf), built in memory: encodes any text to ids < ~310."""
     from tandem.loading.tokenizer import CHATML_TEMPLATE, Tokenizer, _build_backend
+    from tandem.synthetic.tiny_gguf import tiny_vocab
 
     tokens, types, merges = tiny_vocab()
     if vocab_size < len(tokens):
