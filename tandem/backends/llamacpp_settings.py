@@ -35,8 +35,6 @@ def launches_asynchronously(device: str) -> bool:
 def steady_shapes(device: str) -> bool:
     """Whether a draft should keep its forwards' shape steady (one row a sequence a forward, a 2-token catch-up in
     two forwards) on this device: llama.cpp rebuilds a context's graph when a forward's shape differs from the one
-    before (and CUDA re-captures it), which on a GPU costs about a draft step. Measured on an H100 with a 1.5B Q4_0
-    draft (bench/results/h100-2026-12-05f-regime, bench/llamacpp_graph_reuse.py): a 1-row step after a 2-row one
-    3.7 ms on Vulkan where after a 1-row one 1.9, on CUDA 4.4 where 2.0 (the 32B target: +4.1 and +2.9 ms). On a CPU
-    the rebuild is 0.4-1.8 ms of a 20-60 ms step, where a forward more costs the whole step."""
+    before (and CUDA re-captures it), which on a GPU costs about a draft step; on a CPU the rebuild is a small part
+    of a step, where a forward more costs the whole step (docs/decisions/0005)."""
     return device.split(":")[0].lower() != "cpu"

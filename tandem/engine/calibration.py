@@ -40,19 +40,15 @@ STABLE_TOLERANCE = 0.05  # ... until two in a row agree within this on every fig
 ESTIMATE_RUNS = 2  # estimate: timed forwards of each size
 AHEAD_PAIRS = 7  # feed-ahead: differences of a verify with and without the feed (_feed_ahead_ms)
 # Rows a sequence at which the target's forward is timed: 1, 2 and k_max + 1, then PROBE_ROWS; where V there is
-# off the line through the others by NONLINEAR, FINE_ROWS too. V(n) need be no straight line: on llama.cpp's Vulkan
-# build (H200/H100) 2-8 rows added 4.8 ms each and the 9th 120 ms (its matrix-vector kernel takes up to 8 columns), so
-# a line from V(2) to V(9) put V(3) at 1.8x its cost and a 2-token draft never ran. On a CPU V is a line and the probe
-# is all it costs (each row is a step's work there: an engine of 4 slots calibrates in seconds, not tens of them).
+# off the line through the others by NONLINEAR, FINE_ROWS too. V(n) need be no straight line (llama.cpp's Vulkan
+# matrix-vector kernel takes up to 8 columns); on a CPU it is one, and the probe is all it costs.
+# The measurements behind these constants: docs/decisions/0003-cost-model.md.
 PROBE_ROWS = (5,)
 FINE_ROWS = (3, 8)
 NONLINEAR = 0.15
 CATCH_UP_ROWS = (8, 32)  # a draft's catch-up forward is timed over these many tokens
 # A change of shape is timed between a plain step and a verify of this many drafts (+ 1 rows): a typical one. Between
-# 1 and 2 rows ggml-cuda updates its captured graph in place, but a verify of 4 rows takes other kernels and the
-# capture instantiates a new graph: on an H100 (32B Q4_0 target) 7.2 ms a change timed 1-2 rows (the shape changed
-# from uncaptured), 17.6 ms as the loop pays it (bench/llamacpp_episode.py), 11-16 ms timed so. Priced at 7.2, 2
-# requests drafted in runs too short to repay it (0.96x plain; 1.00x priced right).
+# 1 and 2 rows ggml-cuda updates its captured graph in place, where a verify of 4 rows instantiates a new one.
 SWITCH_DRAFTS = 3
 
 
@@ -98,11 +94,9 @@ def measure_steps(target: BatchedCache, draft: BatchedCache | None, k_max: int, 
             yield f"the draft's step over {b} sequences"
             costs.draft_step[b] = _time(draft, b, 1, synchronize)
     if draft is not None:
-        # Two sizes, a base and a price a token: on a GPU a forward's cost hardly grows with its tokens (Vulkan, H200:
-        # 2.0 ms + 0.47 a token), where an 8-token forward's price a token priced a prompt's catch-up several times
-        # over; on a CPU the base is near 0. Each reading its last row, as the drafter's catch-ups do: read back
-        # whole, a 152k vocabulary's rows are 0.6 MB a token, and on this CPU cost a 0.5B draft 35% more at 32 rows
-        # (bench/catch_up_rows.py); an evidence read's rows read back are priced apart (evidence_row_ms).
+        # Two sizes, a base and a price a token: on a GPU a forward's cost hardly grows with its tokens, on a CPU
+        # the base is near 0. Each reads its last row, as the drafter's catch-ups do (a 152k vocabulary's rows are
+        # 0.6 MB a token); an evidence read's rows read back are priced apart (evidence_row_ms).
         yield "the draft's catch-up"
         short = _time(draft, 1, CATCH_UP_ROWS[0], synchronize, last_only=True)
         long = _time(draft, 1, CATCH_UP_ROWS[1], synchronize, last_only=True) \
@@ -220,9 +214,7 @@ def _time(cache: BatchedCache, batch: int, rows: int, synchronize, after: int | 
 def _feed_ahead_ms(target: BatchedCache, draft: BatchedCache, batch: int, rows: int, synchronize) -> float:
     """What feeding a draft row a slot beside a verify of `rows` rows a slot adds to it: the median of AHEAD_PAIRS
     differences, the verify timed alone and with the feed in turn (the first two pairs dropped: ggml-cuda captures
-    its graphs on a shape's second forward). Two medians taken apart moved with the host: on an H200 one calibration
-    read 4.10 ms where one minutes before read 1.05, and the engine then fed nothing ahead; on an H100 they read
-    0.30-0.97 where the forwards one by one put it at 0.93 (bench/calibration_spread.py)."""
+    its graphs on a shape's second forward): two medians taken apart moved with the host."""
     slots = _scratch(target, batch)
     _rewind(draft, slots, 0)
     target.forward([(s, [0] * CONTEXT) for s in slots], [True] * batch)
@@ -268,9 +260,7 @@ def _rewind(cache: BatchedCache, slots: list[int], length: int) -> None:
 
 def warm_up(model: Model, seq: Sequence, context: int, seconds: float) -> None:
     """One-token forwards on seq (rolled back to `context` after each) for `seconds`, at least three: a device idle
-    before it runs at idle clocks, and Vulkan drivers build pipelines on first use. On an H200 through NVIDIA's
-    Vulkan driver the doctor's target steps, timed first in a lease, read 6.5-7.5 ms where the bench's ran 2.4-2.9
-    ms a minute later (and a second doctor run 2.35 ms); what exactly was cold is not pinned down."""
+    before it runs at idle clocks, and Vulkan drivers build pipelines on first use."""
     token = model.tokenizer.bos_token_id or 0
     deadline, runs = time.perf_counter() + seconds, 0
     while runs < 3 or time.perf_counter() < deadline:

@@ -22,23 +22,18 @@ from tandem.speculative.policy import EVIDENCE_ROWS, expected_tokens
 
 EWMA_WEIGHT = 0.2  # weight of a new figure in the running estimates of runs and catch-ups
 # A cost the loop observes is the median of its latest OBSERVED_WINDOW timings, the figure before them counted
-# thrice at first: a one-off (a shape's first use: graph capture, a Vulkan pipeline, an allocation; 10x a step) moves
-# no estimate. An average moved by it kept drafting off for good on an H100 (CUDA, Vulkan: a plan of plain steps
-# never times a verify again to correct it).
+# thrice at first: a one-off (a shape's first use: graph capture, a pipeline built) moves no estimate.
+# The measurements behind these constants: docs/decisions/0003-cost-model.md.
 OBSERVED_WINDOW = 5
 NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
 # Feeding the last drafts beside the verify replaces the catch-up forward of a sequence whose drafts all pass, about
 # half the steps (acceptance 0.8, k = 3: 0.51): it pays where it adds less than half a draft step (BatchCosts.ahead_ms)
 AHEAD_PAYS = 0.5
 # Costs paid once for a run of iterations are spread over the iterations such runs have lasted in this engine
-# (EWMAs within RUN_LIMITS), charged whole to one iteration they would keep every start and change from happening:
-# - starting to draft: the draft's catch-up on what it missed (it was off, or the request just started), and the
-#   change of the target's shape there and back, over BatchCosts.drafting_run (CATCH_UP_ITERATIONS before any run
-#   is seen). A fixed 16 assumed every run lasts; near break-even, noise in the estimates starts runs of a step or
-#   two (emulated on an H100's costs, bench/regime_emulation.py), each paying its catch-up and two changes whole.
-# - another shape while drafting or plain: its change, over BatchCosts.shape_run (SWITCH_ITERATIONS at first).
-#   Charged whole it held k=1 where k=2 paid 12% more (an H100's CUDA graphs: 2.9 ms a change, a 1.5B draft's
-#   step 2.2); spread over a fixed 8 it let estimates that jitter change K every few steps, each paying it whole.
+# (EWMAs within RUN_LIMITS): charged whole to one iteration they would keep every start and change from happening,
+# and spread over a fixed count they would let noisy estimates start runs too short to repay them.
+# - starting to draft: the draft's catch-up and the change of shape there and back, over BatchCosts.drafting_run;
+# - another shape while drafting or plain: its change, over BatchCosts.shape_run.
 CATCH_UP_ITERATIONS = 16
 SWITCH_ITERATIONS = 8
 RUN_LIMITS = (1.0, 16.0)
@@ -237,9 +232,8 @@ class BatchCosts:
 
     def decide_feeding_ahead(self) -> BatchCosts:
         """Feed ahead at the batch sizes where the feed adds less than AHEAD_PAYS of the draft step timed with it:
-        decided once, on the calibration's figures. The loop's draft step may read dearer (H100, Vulkan: 4.5 ms where
-        2.0 timed alone); priced against that, a feed that added 1.96 ms looked cheap, and fed ahead the engine ran
-        0.80x of itself without (`bench/results/h100-2026-12-06f-feed-ahead`)."""
+        decided once, on the calibration's figures (the loop's draft step may read dearer, making a feed look cheap
+        that is not)."""
         self.ahead_pays = {b for b, ms in self.ahead_ms.items()
                            if b in self.draft_step and ms < AHEAD_PAYS * self.draft_step[b]}
         return self
@@ -279,13 +273,9 @@ class BatchCosts:
     def drafting_overrun(self, batch: int) -> float:
         """How many ms longer a drafting step of `batch` sequences takes than its costs say, beyond what a plain one
         does (>= 0): what the calibration's forwards, each timed alone and repeated, do not show (the step's host
-        work, the draft's bookkeeping, a worker process's round trips, a forward dearer in the loop). On an H100
-        (CUDA, 32B / 1.5B, 2 requests) drafting predicted at 1.23x ran at 0.90x plain, its 4- and 6-row verifies
-        23.0 and 25.9 ms in the loop against 15.2 and 19.5 timed alone, plain steps as timed. Refining each row
-        count's cost from the loop learned that one row count at a time, three steps each, while the counts not yet
-        seen still looked cheap; this one figure, for every draft length, is learned in three steps. Added, not
-        multiplied: the excess seen there was alike at 4 and 6 rows (+7.9 and +6.5 ms), a cost a step more than
-        a slower kernel. Most of it was a change of shape priced too low (see calibration.SWITCH_DRAFTS)."""
+        work, the draft's bookkeeping, a worker process's round trips, a forward dearer in the loop). One figure
+        for every draft length, learned in a few steps, and added: the excess is a cost a step, alike at every
+        row count."""
         drafting = self._overrun.get((batch, True))
         return 0.0 if drafting is None else max(0.0, drafting - self._overrun.get((batch, False), 0.0))
 
@@ -297,11 +287,9 @@ class BatchCosts:
 
     def yield_factor(self, batch: int) -> float:
         """The share of the extra tokens its plans expect that the draft model's drafting in a batch of `batch` has
-        yielded lately. A plan drafts where the estimates are high, and noise makes some of them high: in a batch the
-        highest of several noisy estimates set the draft length, and the drafting steps they started yielded 3-10%
-        fewer tokens than planned at 2 and 4 requests (acceptance 0.8, H100 costs, emulated; 5-7% on real text at 3,
-        H200 costs), enough to turn a predicted 1.07x into a loss. One sequence's estimate showed no such bias
-        (1.00-1.03). Prompt lookup's plans are not scaled: scaled, 5 requests of real text lost 1% more."""
+        yielded lately. A plan drafts where the estimates are high, and noise makes some of them high: in a batch
+        the highest of several noisy estimates sets the draft length (one sequence's shows no such bias). Prompt
+        lookup's plans are not scaled (its estimates are scored in hindsight)."""
         if batch < 2:
             return 1.0
         done, hoped = self._yield.get(batch, (0.0, 0.0))

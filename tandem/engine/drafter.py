@@ -83,8 +83,7 @@ class Drafter:
         steady = self.model.steady_shapes and not catching_up
         feeds = self._steady_feeds(gens, batch) if steady else [batch]
         if self.kv.drafts_greedy and all(g.sampling.greedy and g.processor is None for g in gens):
-            # the loop below, next to the model: on an H100 (worker process, 1.5B draft) each draft forward of a
-            # lone sequence cost the loop 0.2-0.4 ms more than timed alone (a round trip, a logits row copied twice)
+            # the loop below, next to the model: no round trip nor logits row copied a draft forward
             drafts, forwards = self.kv.greedy_drafts(feeds, [k for _, k in drafting.values()], self.target_vocab,
                                                      steady)
             return {i: (d, None) for i, d in zip(drafting, drafts, strict=True)}, None if catching_up else forwards
@@ -122,8 +121,8 @@ class Drafter:
 
     def _draft_on_device(self, gen: Generation, k: int, logits: torch.Tensor) -> tuple[torch.Tensor, list]:
         """A lone sequence's k drafts [k], each step's token fed to the next from the device (step_on_device), none
-        read back: a draft step a host synchronisation cost the 1.5B draft of a 32B target 0.15 ms a token on an
-        H200, 10% of its step. The same draws as the loop's, in the same order."""
+        read back (a host synchronisation a draft step costs a GPU's draft a tenth of its step). The same draws as
+        the loop's, in the same order."""
         tokens, dists = [], []
         rows = logits[-1:, : self.target_vocab]
         for step in range(k):

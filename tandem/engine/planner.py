@@ -104,8 +104,8 @@ def _plan_arrays(candidates: list[Candidate | None], ks: list[int], adaptive: li
                 rates.update(plain=best_rate, planned=best_rate)
             return ks
     # Every K, and for each the n most accepting draft-model candidates and the m most accepting lookup ones
-    # drafting min(K, their k_max), n and m on a grid (all up to 8, then about 12% apart), as [K, m, n] arrays: a
-    # step of 64 sequences takes ~4 ms on an H200, and trying every (K, n) in Python cost more than half of that.
+    # drafting min(K, their k_max), n and m on a grid (all up to 8, then about 12% apart), as [K, m, n] arrays:
+    # trying every (K, n) in Python would cost a large batch's step more than half its time.
     # The two kinds are ranked apart: draft-model steps are paid once per K for all model drafters, while prompt
     # lookup's drafts cost only their rows.
     models = [i for i in order if not candidates[i].lookup]
@@ -149,8 +149,7 @@ def _plan_one(candidates: list[Candidate | None], i: int, costs: BatchCosts, ext
               previous_rows: int | None, drafting: bool, rates: dict | None) -> list[int]:
     """plan() where one sequence, candidates[i], may draft and every other steps plain (a lone request's every
     step): the same arithmetic over K = 1..k_max in Python floats. plan()'s arrays cost ~40 numpy calls a step, each
-    slow in the loop, where the forwards between steps evict the host's caches: an H100's engine planned in 0.32-0.51
-    ms a step with them, 0.11-0.15 so (a 32B target's step: 17-18 ms)."""
+    slow in the loop, where the forwards between steps evict the host's caches (docs/decisions/0004)."""
     c, batch = candidates[i], len(candidates)
     ks = [0] * batch
     plain_rows = batch + extra_rows
@@ -194,8 +193,7 @@ def value_of_drafting(accepted: float, drafted: float, k_max: int, batch: int, c
     `batch` such sequences, none with anything to catch up, over the uncertainty in their acceptance: a Beta of the
     pseudo-counts, held as at least `least_strength` positions (AcceptancePrior.spread_strength). Where acceptance
     turns out too low to pay, the plan stays plain and saves 0. A sequence's share of its batch's time is a token's
-    worth of the batch's ms a token, so the figure falls as the batch grows and extra rows stop being free (valued as
-    one sequence's alone, at 4 requests on an H100's costs, it valued reads that never paid)."""
+    worth of the batch's ms a token, so the figure falls as the batch grows and extra rows stop being free."""
     strength = max(drafted, least_strength)
     value = p_no_gain = 0.0
     for a, weight in beta_grid(accepted / drafted * strength, strength, VALUE_GRID):

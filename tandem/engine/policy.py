@@ -44,8 +44,7 @@ REPLAN_PLAIN = 8  # steps a plain plan stands for while no sequence becomes hope
 
 # The draft takes in a prompt beside the target's prefill only where the chance that drafting gains nothing is at
 # most this (over the Beta of the request's acceptance, _draft_may_pay); elsewhere its first read takes the
-# prompt in, once EVIDENCE_TOKENS are generated, where that read is judged worth it. Prompts taken in on expected
-# value alone cost 2-4% at 2 and 4 requests where drafting barely paid (H100 costs, emulated).
+# prompt in, once EVIDENCE_TOKENS are generated, where that read is judged worth it (docs/decisions/0004).
 PREFILL_MAX_RISK = 0.2
 # The drafting floors (DraftPolicy._floor): bisected to this precision, from an acceptance of FLOOR_TOP down, and
 # kept this many steps before they are bisected again from the costs as learned by then.
@@ -79,7 +78,7 @@ class DraftPolicy:
         self.plain_plan: PlainPlan | None = None
         self.planned = False  # whether the last plan ran in full
         # (batch, drafted) -> [steps, predicted ms, measured ms] summed over the steady steps (observe_step):
-        # whether the planner's cost of a step is the step's (bench/engine_load.py)
+        # whether the planner's cost of a step is the step's
         self.step_times: dict[tuple[int, bool], list] = {}
         self._after_change: tuple | None = None  # (batch, drafting, ms over its costs) of a shape's first forward
         self._step_count = 0
@@ -134,9 +133,9 @@ class DraftPolicy:
         """Whether the draft takes in the prompt beside the target's prefill: where `batch` sequences drafting alike
         would likely gain (PREFILL_MAX_RISK) and the expected gain over the reply is worth PROBE_VALUE_MARGIN times
         that prefill (the first read's test, `_first_read_pays`, over the Beta of the request's prior). A draft that
-        took in nothing must catch up on the whole prompt at its first read, a cost that kept it off for good where
-        it would have paid (H200/H100, 32B target: the engine never drafted at 1 and 2 requests); a draft that
-        cannot pay on this machine (a CPU's 1.5B/0.5B pair), at this load, or likely enough leaves it to that read."""
+        took in nothing must catch up on the whole prompt at its first read, a cost that can keep it off for good
+        where it would pay; a draft that cannot pay on this machine, at this load, or likely enough leaves it to
+        that read."""
         if DRAFT_MODEL not in gen.estimates or gen.draft_max == 0:
             return False
         if gen.request.draft_policy == "fixed" or self.costs is None:  # no costs: every draft drafts its k_max
@@ -241,9 +240,7 @@ class DraftPolicy:
         """The rule for a first switch-on: wait for generated tokens to read unless the drafting
         gain given up meanwhile exceeds what drafting blind risks (the catch-up and a few wasted drafts, weighted
         by the chance that the acceptance, a Beta of the estimate's counts, turns out too low to pay). At one
-        sequence's costs whatever the batch: a wait delays every sequence of a batch alike, and valued as one
-        sequence's share of its batch it waited 8 steps where reading at once drafted 5% more (3 requests, real
-        text, H200 costs, emulated: bench/engine_emulation.py)."""
+        sequence's costs whatever the batch: a wait delays every sequence of a batch alike."""
         gain_ms, p_no_gain = self._value_of_drafting(gen, 1)
         if gen.ngram is not None:  # or the reply copies its prompt, which lookup's hindsight would show
             p_no_gain = copied_risk(p_no_gain, self.prior)
@@ -259,8 +256,7 @@ class DraftPolicy:
         EXPLORE_BUDGET of their time (AcceptancePrior.may_explore), and drafting would pay in this batch at the
         acceptance a fresh process expects (ACCEPTANCE_PRIOR; a machine where even that cannot pay, a CPU's pair,
         has nothing to find). A prior learned low otherwise keeps every later request from reading, so that none
-        records what the draft accepts now (emulated, Vulkan costs: after requests at acceptance 0.5, requests at
-        0.8 never drafted)."""
+        records what the draft accepts now."""
         if self.costs is None or gen.draft_max == 0 or \
                 not self.prior.may_explore(DRAFT_MODEL, self.costs.read_ms(self.drafter.lag(gen))):
             return False
@@ -269,9 +265,8 @@ class DraftPolicy:
     def _reread_in_budget(self, gen: Generation, batch: int) -> bool:
         """The re-probe rule: a draft back after a plain stretch reads what it missed only where
         that catch-up, which stalls the batch, costs at most PROBE_BUDGET of this sequence's share of the plain time
-        since it last ran. Its estimate fades back to a prior that may look worth drafting while its text is not:
-        re-read every few steps, it cost 2-4% at 2 requests and acceptance 0.6 on an H100's costs (emulated,
-        bench/regime_emulation.py), for reads that never switched it on."""
+        since it last ran. Its estimate fades back to a prior that may look worth drafting while its text is not,
+        and reads every few steps that never switch it on would cost more than they find."""
         idle = gen.plain_iterations - gen.estimates[DRAFT_MODEL].settled_at
         return self.costs.read_ms(self.drafter.lag(gen)) <= PROBE_BUDGET * idle * self.costs.plain_share_ms(batch)
 
@@ -371,7 +366,7 @@ class DraftPolicy:
         # a plain stretch, it reads where the plan would draft and the catch-up is within the probe budget; a draft
         # that has shown fewer positions than a read would (a few drafts verified, never read) also where the read
         # passes the first read's test (a plan at its faded estimate, and a budget that a dear catch-up never
-        # meets, kept a request plain after two unlucky drafts: Vulkan, H100).
+        # meets, would keep a request plain after two unlucky drafts).
         for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
             if gen.draft_source != DRAFT_MODEL or not self._wants_evidence(gen, candidate):
                 continue
@@ -435,9 +430,8 @@ class DraftPolicy:
         """A whole step's time against what its costs predict (BatchCosts.drafting_overrun): its forwards' costs,
         and for the two forwards after a change of shape, the change (llama.cpp's CUDA build runs the first
         uncaptured and captures the second; elsewhere the first rebuilds the graph). Those two are observed as one,
-        their mean excess less the change: each alone read as overrun (H100, CUDA, 2 requests: -4 ms, then +10 and
-        a third step +11, and the median of five turned drafting off for good). Not a step that took in prompts,
-        read evidence or caught a draft up (no steady step's cost)."""
+        their mean excess less the change (each alone reads as overrun). Not a step that took in prompts, read
+        evidence or caught a draft up (no steady step's cost)."""
         first_of_shape, self._after_change = self._after_change, None
         if self.costs is None or prefills or self.evidence:
             return

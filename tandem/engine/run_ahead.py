@@ -1,8 +1,7 @@
 """Plain decode steps queued ahead of the host: a lone sequence's plain stretch without a host sync a step.
 
 Each step's input is the previous step's output, still on the device, so the host queues a step before the one
-before it has run and the GPU never waits for Python between steps (on an H200 the host's side of a step, ~0.15 ms,
-hid behind 8 queued steps: 485 -> 525 tok/s for a 1.5B model, bench/results/h200-2026-12-03b). Each token is copied
+before it has run and the GPU never waits for Python between steps (docs/decisions/0005). Each token is copied
 back as it lands, QUEUE_DEPTH steps behind the queue, so a stop token ends the run with at most QUEUE_DEPTH - 1
 steps computed past it, and dropped.
 """

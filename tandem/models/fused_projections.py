@@ -20,9 +20,8 @@ of features and every input program adds those (48 floats a row).
 Each program reads a slab of whole weight rows and one tile of BLOCK_ROWS input rows, so an output element is one
 dot in a fixed order whatever the other rows hold: padding rows never change a real row's bits (see StepGraph), nor
 do a batch's other sequences (Transformer.forward_packed, which also takes `embed_rows` and `norm_logits` below).
-A tile's programs re-read the weights (from L2): past a few tiles a step costs ~0.5-0.9 ms more a tile for a
-1.5B model on an H200; 64-row tiles re-read less but cost 40% more at one sequence (bench/results/
-h200-2026-12-04f-batching).
+A tile's programs re-read the weights (from L2); larger tiles re-read less but cost more at one sequence. The
+measurements behind the tile and launch choices: docs/decisions/0005-kernels-and-backends.md.
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ BLOCK_ROWS = 16  # rows a program takes; tl.dot's smallest tile (read at every l
 # More rows (a batch of sequences) run as more programs, BLOCK_ROWS rows each, every row in the same code and
 # reduction order: a row's result does not depend on which or how many rows share the launch (batch-invariant).
 MAX_ROWS = 1024
-# Launch configurations: the fastest of bench/gpu_kernels.py's sweep on an H200 for the 1.5B and 0.5B shapes
-# (bench/results/h200-2026-12-03d): 16 weight rows a qkv program (a 1.5B model's q/k/v over 128 programs), 2 x 32
-# rows a gate/up program.
+# Launch configurations: the fastest of a sweep on an H200 for the 1.5B and 0.5B shapes: 16 weight rows a qkv
+# program (a 1.5B model's q/k/v over 128 programs), 2 x 32 rows a gate/up program.
 QKV_PAIRS = 8
 QKV_BLOCK_K = 256  # 128 where it does not divide d_model
 QKV_LAUNCH = dict(num_warps=2, num_stages=4)
@@ -56,10 +54,8 @@ GATE_UP_LAUNCH = dict(num_warps=4, num_stages=3)
 SPLIT_BLOCK_N = 32
 SPLIT_BLOCK_K = 128
 # 32 features a program, 128 of K a step, 4 warps, 4 stages; K in up to 6 slices, none narrower than 384: among the
-# best of bench/gpu_kernels.py's sweep on an H200 for the 1.5B model's output projection (4 slices: 5.1 us a layer
-# against 8.2 for cuBLAS + the compiler's residual add and sums of squares) and down projection (6 slices: 11.1 us
-# against 15.2); the sweep's top configurations lie within 0.5 us (bench/results/h200-2026-12-04c). A 1.5B model's
-# projections run 48 x 4 and 48 x 6 programs.
+# best of the sweep for the 1.5B model's output and down projections (faster than cuBLAS with the residual add and
+# sums of squares apart). A 1.5B model's projections run 48 x 4 and 48 x 6 programs.
 SPLIT_SLICES = 6
 SPLIT_MIN_SLICE = 384
 SPLIT_LAUNCH = dict(num_warps=4, num_stages=4)

@@ -9,12 +9,10 @@ finishes, so a kernel two back has always finished too. Kernels that are not our
 without it and wait as usual. TANDEM_PDL=0 turns it off.
 
 A kernel lets the next one launch after its main loop: at its start instead, the next kernel's blocks sat waiting
-in SM slots this kernel's blocks still needed (1.5B step on an H200: 1.61-1.66 ms against 1.46, and 1.85 against
-1.45 in another lease).
+in SM slots this kernel's blocks still needed.
 
-Not done: asking L2 for a kernel's weights before its wait (cp.async.bulk.prefetch.L2, which no kernel's writes
-can make stale), so its stream from memory would start under the tail of the kernel before. On an H200 it made
-the 1.5B step slower, 1.85 ms against 1.45, and every kernel slower alone (bench/results/h200-2026-12-04c).
+Not done: asking L2 for a kernel's weights before its wait (cp.async.bulk.prefetch.L2), so its stream from memory
+would start under the tail of the kernel before: on an H200 it made every kernel slower (docs/decisions/0005).
 """
 
 from __future__ import annotations

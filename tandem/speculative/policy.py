@@ -17,31 +17,27 @@ import numpy as np
 
 from tandem.speculative.proposer import NgramProposer
 
+# The measurements behind these constants: docs/decisions/0004-acceptance-policy.md.
 # Pseudo-counts (accepted, drafted) a fresh process starts from and every estimate drifts back to while drafting is
-# off: a = 0.7, what same-family pairs reach on code and JSON (CONTEXT.md: 0.63-0.82), held weakly (2 positions),
-# so that a request's own evidence soon outweighs it.
+# off: a = 0.7, what same-family pairs reach on code and JSON, held weakly so that a request's evidence outweighs it.
 ACCEPTANCE_PRIOR = (1.4, 2.0)
 NGRAM_PRIOR = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations until the request shows otherwise ...
 LONG_MATCH_PRIOR = (1.0, 2.0)  # ... less so after a match of its longest n-gram
 # What acceptance a request may turn out to have is a Beta of the estimate's pseudo-counts, held as at least this
-# many positions: a Beta(2.8, 1.2) spreads about as much (sd 0.2) as one pair's acceptance does across prompts
-# (0.29-0.92); a weaker one puts much weight near 1, where drafting would win big, and bets on it too often.
+# many positions (about as much spread as one pair's acceptance across prompts); a weaker one puts much weight near
+# 1, where drafting would win big, and bets on it too often.
 VALUE_MIN_STRENGTH = 4.0
 # ... until completed requests show how much they differ (AcceptancePrior.spread_strength): the Beta whose spread is
 # their acceptances' spread, at most VALUE_MAX_STRENGTH positions, once PRIOR_SPREAD_REQUESTS requests are recorded.
-# Where requests all accept alike (one workload, or a benchmark's synthetic acceptance) a request's evidence cannot
-# show much the prior did not, and a Beta of 4 positions valued reads and prompts the draft took in for drafting
-# that never came: at 2 and 4 requests on an H100's costs (emulated) those cost 2-3% of plain decoding.
+# Where requests all accept alike a Beta of 4 positions values reads and prompts for drafting that never comes.
 VALUE_MAX_STRENGTH = 64.0
 PRIOR_SPREAD_REQUESTS = 3
 # Turning drafting back on may cost at most this fraction of the plain time since it went off (a re-probe after a
-# plain stretch first catches the draft up on every token it missed). At 0.1, failed probes cost 4-5% (H200).
+# plain stretch first catches the draft up on every token it missed).
 PROBE_BUDGET = 0.03
 # A request reads a draft its prior says will not pay once the requests that did not read it since the prior last
 # learned decoded plain for this fraction's worth of the read (AcceptancePrior.may_explore): a prior learned low
-# would otherwise hold for good, since a request that does not read records nothing. A workload that never accepts
-# enough pays for it: emulated on H100 costs, one request at a time, 0.2% (Vulkan) and 0.7% (CUDA: a 256-token
-# request's plain time repays a cheap prompt read each time).
+# would otherwise hold for good, since a request that does not read records nothing.
 EXPLORE_BUDGET = 0.005
 # A draft that has not run yet in a request first takes in the prompt. It does so only when the drafting that this
 # buys is worth PROBE_VALUE_MARGIN times that catch-up: the expected time saved over the rest of the reply, with the
@@ -57,7 +53,7 @@ STEADY_CATCH_UP = 2  # a draft that catches up on at most this many tokens is dr
 DEFAULT_REPLY_TOKENS = 128  # the reply length a fresh process expects (the value of drafting is per token left)
 PRIOR_REQUEST_WEIGHT = 0.3  # weight of a completed request in the shared prior's acceptance
 PRIOR_MIN_POSITIONS = 6  # a request that tried fewer draft positions says too little to move the prior
-PRIOR_MAX_STRENGTH = 6.0  # pseudo-positions the learned prior is held with: requests differ (0.44-0.92 on one pair)
+PRIOR_MAX_STRENGTH = 6.0  # pseudo-positions the learned prior is held with: requests differ
 # A reply's share made by prompt lookup is counted over this many more tokens than it has (none of them copied), so
 # that a lookup hit among a reply's first few tokens does not switch a good draft off.
 LOOKUP_SHARE_PRIOR_TOKENS = 16
