@@ -248,24 +248,12 @@ def _discard(target: Model, engine: Engine) -> None:
             del kept_engines[key]
 
 
-FLOOR_PRECISION = 0.01  # why_no_drafts: the least paying acceptance, bisected to this
-
-
 def least_paying_acceptance(costs, k_max: int, lookup: bool = False) -> float:
-    """The least acceptance (to FLOOR_PRECISION, from above) at which one sequence drafting up to k_max tokens, by
-    the draft model or by prompt lookup, beats plain steps by `costs` (a costs.BatchCosts); 1.0 where none does."""
-    from tandem.engine import planner
+    """The least acceptance (to 0.01, from above) at which one sequence drafting up to k_max tokens, by the draft
+    model or by prompt lookup, beats plain steps by `costs` (a costs.BatchCosts); 1.0 where none does."""
+    from tandem.engine.planner import paying_bracket
 
-    def pays(acceptance: float) -> bool:
-        return planner.plan([planner.Candidate(acceptance, k_max, lookup=lookup)], costs)[0] > 0
-
-    low, high = 0.0, 1.0 - FLOOR_PRECISION
-    if not pays(high):
-        return 1.0
-    while high - low > FLOOR_PRECISION:
-        middle = (low + high) / 2
-        low, high = (low, middle) if pays(middle) else (middle, high)
-    return high
+    return paying_bracket(costs, k_max, 1, lookup, precision=0.01)[1]
 
 
 def why_no_drafts(target: Model, stats) -> str | None:

@@ -37,10 +37,14 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled a step across sequences: decoding streams keep flowing
     idle_prefill_chunks: int = 4  # prompt chunks a step takes while no sequence decodes (a burst of arrivals)
     kv_memory_fraction: float = 0.5  # the KV budget where none is given: this share of the device's free memory
+    n_ctx: int | None = None  # tokens a sequence may hold (None: the target's context)
+    # plain steps a lone sequence queues a host sync (None: 8 where the device runs apart from the host, CUDA, else
+    # 1: elsewhere steps computed past a stop token cost their full time)
+    run_ahead: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("slots", "prefill_chunk", "idle_prefill_chunks"):
-            if getattr(self, name) < 1:
+        for name in ("slots", "prefill_chunk", "idle_prefill_chunks", "n_ctx", "run_ahead"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_max < 0:
             raise ValueError(f"draft_max must be >= 0, got {self.draft_max}")

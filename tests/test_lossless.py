@@ -299,7 +299,7 @@ def test_queued_plain_steps_on_the_gpu_change_no_token(tiny_model_path):
     for max_tokens, stop, expect in ((40, (), reference), (13, (), reference[:13]),
                                      (40, (reference[stop_at],), reference[:stop_at])):
         engine = Engine(target, slots=1, run_ahead=8)
-        assert engine.run_ahead == 8
+        assert engine.config.run_ahead == 8
         engine.stop_token_ids = frozenset(stop)
         assert engine.generate([Request(ids, max_tokens=max_tokens)])[0].tokens == expect, (max_tokens, stop)
 

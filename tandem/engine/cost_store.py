@@ -241,7 +241,7 @@ class Calibrator:
             self._plan_from(kept.costs)
             return
         quiet = not machine_busy(self.threads)
-        costs = estimate(engine.target_kv, self._draft_kv(), engine.draft_max, self._synchronize)
+        costs = estimate(engine.target_kv, self._draft_kv(), engine.draft_max, engine._synchronize)
         keep(self.path, costs.measured(), engine.target, engine.draft_model,
              quiet=quiet and not machine_busy(self.threads), estimate=True)
         self.source, self.estimated, self.pending = "estimate", True, True
@@ -260,7 +260,7 @@ class Calibrator:
             self.waits_for_quiet = not self._quiet and not self.estimated
             if self.waits_for_quiet:
                 return REMEASURE_WAIT_S
-            self._timings = measure_steps(engine.target_kv, self._draft_kv(), engine.draft_max, self._synchronize)
+            self._timings = measure_steps(engine.target_kv, self._draft_kv(), engine.draft_max, engine._synchronize)
             self.timings_done, self._started = 0, time.monotonic()
             log.info("measuring the costs in full while idle (planning from: %s)", self.source)
         # The timing runs in the least recently used free slots: a conversation's kept prompt is overwritten only
@@ -307,11 +307,6 @@ class Calibrator:
 
     def _draft_kv(self) -> BatchedCache | None:
         return self.engine.drafter.kv if self.engine.drafter is not None else None
-
-    def _synchronize(self) -> None:
-        for model in (self.engine.target, self.engine.draft_model):
-            if model is not None:
-                model.synchronize()
 
     def _plan_from(self, costs: BatchCosts) -> None:
         # As Engine.calibrate plans from what it measured.

@@ -1,14 +1,7 @@
-"""The batched engine: every running request advances in one step, one target forward for all of them.
-
-A step: admit waiting requests into free KV slots (reusing any prompt prefix a slot holds), let the planner pick
-each decoding sequence's draft length from the measured batched costs, draft for all drafting sequences together
-(one draft forward a draft position), then one target forward over every sequence's pending token and drafts plus
-a chunk of the prompts still prefilling, verify each sequence on its own rows with its own generator, and roll each
-slot back past what its verifier rejected. One host synchronisation a step reads every sequence's result. Plain
-decoding is the same step with k = 0; the batch, the drafts and the prompts all share it.
-
-Requests never see each other: each has its own slot, positions, sampling generator and acceptance estimate, so a
-request's output is the one it gets alone (exactly, greedy, where the backend's forward is batch-invariant: see
+"""The batched engine: every running request advances in one step, one target forward for all of them (its stages:
+Engine.step; one host synchronisation a step reads every sequence's result). Plain decoding is the same step with
+k = 0. Requests never see each other: each has its own slot, positions, sampling generator and acceptance estimate,
+so a request's output is the one it gets alone (exactly, greedy, where the forward is batch-invariant:
 docs/batching.md).
 """
 
@@ -18,7 +11,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -34,6 +27,7 @@ from tandem.engine.generation import (
     GenerationChunk,
     GenerationResult,
     Request,
+    StepTimes,
     TokenLogprob,
 )
 from tandem.engine.kv_pool import SlotTable, fit_slots
@@ -52,37 +46,6 @@ log = logging.getLogger("tandem.engine")
 LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 
 
-@dataclass
-class StepTimes:
-    """A step's clock readings (perf_counter seconds): the parts each generation's stats are told of."""
-
-    started: float
-    planned: float = 0.0  # after the plan
-    drafted: float = 0.0  # after the drafts (where drawn on the device: when the device had them)
-    forwarded: float = 0.0  # after the target's forward was queued
-    finished: float = 0.0  # after the verify's outcomes were read
-    ended: float = 0.0  # after the step's bookkeeping
-    rows: int = 0  # the target's rows in the forward
-    sequences: int = 0  # ... and the sequences they were of
-    prompts: bool = False  # ... some of them prompt rows
-
-    @property
-    def draft_ms(self) -> float:  # the plan and the drafts
-        return 1000.0 * (self.drafted - self.started)
-
-    @property
-    def draft_step_ms(self) -> float:  # the drafts alone
-        return 1000.0 * (self.drafted - self.planned)
-
-    @property
-    def verify_ms(self) -> float:
-        return 1000.0 * (self.finished - self.drafted)
-
-    @property
-    def step_ms(self) -> float:
-        return 1000.0 * (self.finished - self.started)
-
-
 class Engine:
     """Continuous batching with speculation per sequence. `add` requests, call `step` until `busy` is False, or
     call `generate` for a list of prompts.
@@ -90,27 +53,20 @@ class Engine:
     Args:
         target: the model whose output this is.
         draft: None, a Model of the same tokenizer, or "ngram" (prompt lookup).
-        config: slots, draft_max, draft_policy, prompt_lookup, prefill chunks (tandem.config.EngineConfig); `settings`
-            given by name replace its fields (Engine(target, draft, slots=2)).
-        n_ctx: tokens a sequence may hold (default the target's n_ctx).
+        config: slots, draft_max, draft_policy, prompt_lookup, n_ctx, run_ahead ... (tandem.config.EngineConfig);
+            `settings` given by name replace its fields (Engine(target, draft, slots=2)).
         kv_budget_bytes: KV memory for target and draft together; slots shrink to fit (default: a fraction of
             the free memory). A budget that holds no whole context is an error.
         measure_costs: time the batched forwards now, for the adaptive planner (else every drafting request
             drafts draft_max, as draft_policy "fixed").
-        run_ahead: plain steps a lone sequence queues per host sync (tandem.engine.run_ahead); default RUN_AHEAD
-            where the device runs asynchronously of the host (CUDA) and the target's cache takes device tokens,
-            else 1 (elsewhere steps computed past a stop token would cost their full time).
     """
 
     def __init__(self, target: Model, draft: Model | str | None = None, config: EngineConfig | None = None, *,
-                 n_ctx: int | None = None, kv_budget_bytes: int | None = None,
-                 synthetic_acceptance: float | None = None, measure_costs: bool = True, run_ahead: int | None = None,
-                 **settings) -> None:
+                 kv_budget_bytes: int | None = None, synthetic_acceptance: float | None = None,
+                 measure_costs: bool = True, **settings) -> None:
         config = replace(config or EngineConfig(), **settings)
-        if run_ahead is not None and run_ahead < 1:
-            raise ValueError(f"run_ahead must be >= 1, got {run_ahead}")
+        n_ctx = config.n_ctx or target.n_ctx
         self.target = target
-        self.n_ctx = n_ctx or target.n_ctx
         self.draft_model = draft if isinstance(draft, Model) else None
         if isinstance(draft, str) and draft != "ngram":
             raise ValueError(f"draft must be a loaded Model, 'ngram' or None, got {draft!r}")
@@ -121,23 +77,19 @@ class Engine:
             check_compatible(target, self.draft_model)
         self.proposer = DRAFT_MODEL if self.draft_model else "ngram" if draft == "ngram" else None
         models = [target] + ([self.draft_model] if self.draft_model and not self.head else [])  # a head has no KV
-        self.config = replace(config, slots=fit_slots(models, config.slots, self.n_ctx, kv_budget_bytes,
-                                                       config.kv_memory_fraction))
-        self.device = torch.device(getattr(target, "torch_device", "cpu"))
-        self.target_kv = target.new_batched_cache(self.slots, self.n_ctx)
+        slots = fit_slots(models, config.slots, n_ctx, kv_budget_bytes, config.kv_memory_fraction)
+        self.target_kv = target.new_batched_cache(slots, n_ctx)
+        run_ahead = 1 if not self.target_kv.steps_on_device else config.run_ahead or \
+            (RUN_AHEAD if self.device.type == "cuda" else 1)
+        self.config = replace(config, slots=slots, n_ctx=n_ctx, run_ahead=run_ahead)
         self.drafter = None
         if self.head:  # drafts from the target's hidden states, over its KV
             self.drafter = HeadDrafter(self.draft_model, target.vocab_size, self.target_kv, self.device)
         elif self.draft_model:
-            self.drafter = Drafter(self.draft_model, target.vocab_size, self.slots, self.n_ctx, self.device,
+            self.drafter = Drafter(self.draft_model, target.vocab_size, slots, n_ctx, self.device,
                                    synthetic_acceptance)
-        self.table = SlotTable(self.slots)
-        if not self.target_kv.steps_on_device:
-            run_ahead = 1
-        elif run_ahead is None:
-            run_ahead = RUN_AHEAD if self.device.type == "cuda" else 1
-        self.run_ahead = run_ahead
-        self._queued_steps = RunAhead(self.device, self.run_ahead) if self.run_ahead > 1 else None
+        self.table = SlotTable(slots)
+        self._queued_steps = RunAhead(self.device, run_ahead) if run_ahead > 1 else None
         self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
         prior = shared_prior(target, "head" if self.head else "shared")
@@ -158,6 +110,14 @@ class Engine:
         return self.config.draft_max
 
     @property
+    def n_ctx(self) -> int:
+        return self.config.n_ctx
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(getattr(self.target, "torch_device", "cpu"))
+
+    @property
     def costs(self) -> BatchCosts | None:
         """The measured costs the policy plans from (None: drafting requests draft their draft_max)."""
         return self.policy.costs
@@ -168,9 +128,7 @@ class Engine:
 
     @property
     def prior(self):
-        """What completed requests accepted, per source, shared by every engine on this target (tandem.generate's
-        and a server's): a new sequence's estimates start there, not at constants that may keep it drafting at no
-        acceptance."""
+        """What completed requests accepted, per source, shared by every engine on this target."""
         return self.policy.prior
 
     @prior.setter
@@ -406,8 +364,8 @@ class Engine:
         room = self.target_kv.capacity - self.target_kv.length(gen.slot)
         plain_plan = self.policy.plain_plan
         standing = plain_plan.steps + 1 if plain_plan is not None else 1
-        steps = min(self.run_ahead, LOOKUP_RUN_AHEAD if gen.ngram is not None else self.run_ahead, standing,
-                    gen.request.max_tokens - gen.emitted, room)
+        run_ahead = LOOKUP_RUN_AHEAD if gen.ngram is not None else self.config.run_ahead
+        steps = min(self.config.run_ahead, run_ahead, standing, gen.request.max_tokens - gen.emitted, room)
         length = len(gen.tokens) - 1  # the slot holds every token but the pending one
         new_tokens, forwards = self._queued_steps.run(self.target_kv, gen, steps)
         self.target_kv.rewind(gen.slot, length + len(new_tokens))  # all but the new pending token

@@ -24,6 +24,37 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass
+class StepTimes:
+    """A step's clock readings (perf_counter seconds): the parts each generation's stats are told of."""
+
+    started: float
+    planned: float = 0.0  # after the plan
+    drafted: float = 0.0  # after the drafts (where drawn on the device: when the device had them)
+    forwarded: float = 0.0  # after the target's forward was queued
+    finished: float = 0.0  # after the verify's outcomes were read
+    ended: float = 0.0  # after the step's bookkeeping
+    rows: int = 0  # the target's rows in the forward
+    sequences: int = 0  # ... and the sequences they were of
+    prompts: bool = False  # ... some of them prompt rows
+
+    @property
+    def draft_ms(self) -> float:  # the plan and the drafts
+        return 1000.0 * (self.drafted - self.started)
+
+    @property
+    def draft_step_ms(self) -> float:  # the drafts alone
+        return 1000.0 * (self.drafted - self.planned)
+
+    @property
+    def verify_ms(self) -> float:
+        return 1000.0 * (self.finished - self.drafted)
+
+    @property
+    def step_ms(self) -> float:
+        return 1000.0 * (self.finished - self.started)
+
+
+@dataclass
 class TokenLogprob:
     """The target's log-probability of an emitted token, and of its most likely alternatives at that position.
 

@@ -187,6 +187,23 @@ def _plan_one(candidates: list[Candidate | None], i: int, costs: BatchCosts, ext
     return ks
 
 
+def paying_bracket(costs: BatchCosts, k_max: int, batch: int = 1, lookup: bool = False, precision: float = 1 / 32,
+                   top: float = 0.99) -> tuple[float, float]:
+    """(low, high) around the least acceptance at which some of `batch` sequences drafting alike (nothing to catch
+    up, up to k_max tokens, by prompt lookup or by the draft model) beat plain steps by the costs, bisected to
+    `precision`; (1.0, 1.0) where none up to `top` does."""
+    def pays(acceptance: float) -> bool:
+        return plan([Candidate(acceptance, k_max, lookup=lookup)] * batch, costs)[0] > 0
+
+    low, high = 0.0, top
+    if not pays(high):
+        return 1.0, 1.0
+    while high - low > precision:
+        middle = (low + high) / 2
+        low, high = (low, middle) if pays(middle) else (middle, high)
+    return low, high
+
+
 def value_of_drafting(accepted: float, drafted: float, k_max: int, batch: int, costs: BatchCosts,
                       least_strength: float = VALUE_MIN_STRENGTH) -> tuple[float, float]:
     """(expected ms a token of one sequence that drafting saves, the probability it saves nothing) in a batch of

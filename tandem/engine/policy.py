@@ -154,12 +154,7 @@ class DraftPolicy:
         if kept is not None and kept[1] > self._step_count:
             return kept[0]
 
-        low, high = 0.0, FLOOR_TOP
-        if not self._pays(high, self.draft_max, batch, lookup):
-            low = 1.0
-        while high - low > FLOOR_PRECISION:
-            middle = (low + high) / 2
-            low, high = (low, middle) if self._pays(middle, self.draft_max, batch, lookup) else (middle, high)
+        low, _ = planner.paying_bracket(self.costs, self.draft_max, batch, lookup, FLOOR_PRECISION, FLOOR_TOP)
         self._floors[key] = (low, self._step_count + FLOOR_STEPS)
         return low
 

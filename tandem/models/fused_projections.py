@@ -1,15 +1,12 @@
 """A decode step's projections as Triton kernels (GPU, tiles of 16 rows), with the elementwise work around them fused.
 
-A graphed decode step of a small model is bound by its kernels' fixed costs, not by bytes: on an H200 the q/k/v
-projection of a 1.5B model took 4.9 us for 6 MB, then three more kernels (bias + rope for q, for k, cache writes)
-~1.5 us each plus their gaps; gate/up took 16.9 us and the SwiGLU product another kernel; and each of a layer's two
-RMS norms, with the residual add before it, was a kernel of 3.9 us. Here a layer is four kernels (and attention):
+A graphed decode step of a small model is bound by its kernels' fixed costs, not by bytes (the profile:
+docs/decisions/0005), so here a layer is four kernels (and attention), not eleven:
  - `qkv_rope`: rms_norm(x) @ W_qkv^T + b, rope on q and k, k and v written into the cache at their positions;
  - `gate_up_act`: act(rms_norm(x) @ W_gate^T) * (rms_norm(x) @ W_up^T), the [T, 2F] intermediate never stored;
    both take the norm's scale folded into W (Transformer's fuse_projections) and x as it is: each output row is
-   scaled by 1/rms(x) after the dot, so the loop over K streams x and W as a plain projection does (a first
-   version normalised x inside the loop, where x no longer went straight to the dot: its 1.5B step on an H200 was
-   1.755 ms against 1.644 with separate norm kernels);
+   scaled by 1/rms(x) after the dot, so the loop over K streams x and W as a plain projection does (x normalised
+   inside the loop no longer goes straight to the dot: slower than separate norm kernels);
  - `add_linear_split_k`: x + h @ W^T for the output and down projections, with each row's sum of squares, which
    the next kernel's norm needs. Their outputs are narrow (d_model features) and their K wide (8960 for down):
    split by features alone, a 1.5B model's down projection fills a third of an H200's SMs. So K is split too, each
