@@ -141,7 +141,7 @@ def test_chunked_prefill_interleaves_with_decoding(pair64):
 
 
 def test_step_hook_is_told_each_step_in_order(pair64):
-    """Engine.step_hook (what bench/step_parts.py reads, instead of patching the engine's parts): each step through
+    """Engine.step_hook (what lab/step_parts.py reads, instead of patching the engine's parts): each step through
     the target's forward, its clock readings in order, its rows and sequences as the forward ran them."""
     target, _ = pair64
     engine = Engine(target, None, slots=2, prefill_chunk=4)
@@ -389,7 +389,7 @@ def test_the_calibrated_change_of_shape_is_what_the_loop_pays(monkeypatch):
     """measure() prices a change of shape as the loop pays it between plain steps and verifies, each run long enough
     to be captured: the two forwards after the change, uncaptured then captured anew. Timed between 1 and 2 rows
     changing from an uncaptured forward, it found 7.2 ms on an H100 (32B Q4_0) where the loop paid 17.6: a capture
-    there updated the graph in place, the loop's instantiates one for other kernels (bench/llamacpp_episode.py)."""
+    there updated the graph in place, the loop's instantiates one for other kernels (lab/llamacpp_episode.py)."""
     cache = CapturedGraphs()
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: cache.now)
     costs = calibration.measure(cache, None, k_max=4, synchronize=lambda: None)
@@ -1199,7 +1199,7 @@ class RowsReadBack:
 
 def test_a_catch_up_is_priced_reading_its_last_row_and_a_read_its_evidence_rows(monkeypatch):
     """The drafter's catch-ups read one row back, an evidence read its last EVIDENCE_ROWS: measure() prices each so.
-    Timed reading every row, a 32-token catch-up cost a 0.5B draft 35% more on this CPU (bench/catch_up_rows.py), and
+    Timed reading every row, a 32-token catch-up cost a 0.5B draft 35% more on this CPU (lab/catch_up_rows.py), and
     on a GPU the rows' copy priced reads far above what they cost."""
     from tandem.speculative.policy import EVIDENCE_ROWS
 
@@ -1248,7 +1248,7 @@ def test_the_feed_beside_a_verify_is_timed_against_a_verify_alone_in_turn(monkey
     """measure() times what feeding the draft's row beside a verify adds as differences of the two taken in turn:
     a host stalling through several forwards, wherever in the calibration, moves both sides alike. Timed as two
     medians apart, one H200 calibration read 4.10 ms where one minutes before read 1.05, and the engine fed nothing
-    ahead (bench/calibration_spread.py)."""
+    ahead (lab/calibration_spread.py)."""
     clock, forwards = [0.0], [0]
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
     calm = calibration.measure(StallingHost(clock, forwards, range(0)), StallingHost(clock, forwards, range(0)),
