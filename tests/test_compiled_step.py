@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.backends.torch_backend import GRAPH_CHUNKS_MAX, _compile_step, load_torch, prefill_chunks
-from tandem.loading.synthetic import write_tiny_gguf
+from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
 pytest.importorskip("triton")  # _compile_step compiles only where Inductor's GPU generator is installed
 
