@@ -17,8 +17,9 @@ import statistics
 import time
 
 import tandem
+from tandem.config import POLICY
 from tandem.engine import Engine, calibration
-from tandem.engine.costs import AHEAD_PAYS, BatchCosts
+from tandem.engine.costs import BatchCosts
 
 CONTEXT = calibration.CONTEXT
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:>14}: {_percentiles(ts)}")
     added = [w - a for w, a in zip(times["verify + feed"], times["verify"], strict=True)]
     print(f"  {'feed added':>14}: {_percentiles(added)}  (half the draft step's median: "
-          f"{AHEAD_PAYS * statistics.median(times['draft step']):.3f})")
+          f"{POLICY.ahead_pays * statistics.median(times['draft step']):.3f})")
     return 0
 
 

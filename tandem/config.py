@@ -63,6 +63,85 @@ class ServerConfig:
     measure_at_start_s: float = 30.0  # a GPU's full cost measurement before the first request, at most
 
 
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The adaptive draft policy's tuning, each field with its why; the runs behind the figures are in
+    docs/decisions/0003-cost-model.md (costs) and 0004-acceptance-policy.md (acceptance, budgets, reads)."""
+
+    # Acceptance. Pseudo-counts (accepted, drafted) a fresh process starts from and every estimate drifts back to
+    # while drafting is off: a = 0.7, what same-family pairs reach on code and JSON, held weakly (2 positions).
+    acceptance_prior: tuple[float, float] = (1.4, 2.0)
+    ngram_prior: tuple[float, float] = (0.5, 2.0)  # prompt lookup proposes often-wrong continuations ...
+    long_match_prior: tuple[float, float] = (1.0, 2.0)  # ... less so after a match of its longest n-gram
+    acceptance_decay: float = 0.9  # an estimate's evidence fades this much a drafting iteration ...
+    idle_decay: float = 0.97  # ... and this much a plain one, back towards its prior
+    # What acceptance a request may turn out to have is a Beta of the estimate's counts held as at least this many
+    # positions (about one pair's spread across prompts); a weaker one bets on acceptances near 1 too often ...
+    value_min_strength: float = 4.0
+    # ... until completed requests show how much they differ: the Beta of their spread, at most this strong, once
+    # prior_spread_requests are recorded (where requests accept alike, a weak Beta values drafting that never comes).
+    value_max_strength: float = 64.0
+    prior_spread_requests: int = 3
+    prior_request_weight: float = 0.3  # weight of a completed request in the shared prior's acceptance
+    prior_min_positions: int = 6  # a request that tried fewer draft positions says too little to move the prior
+    prior_max_strength: float = 6.0  # pseudo-positions the learned prior is held with: requests differ
+    default_reply_tokens: int = 128  # the reply length a fresh process expects (drafting's value is per token left)
+    # A reply's share made by prompt lookup is counted over this many more tokens than it has (none copied), so that
+    # a lookup hit among a reply's first few tokens does not switch a good draft off.
+    lookup_share_prior_tokens: int = 16
+    # The share of a reply a fresh process expects prompt lookup to make (replies that copy their prompt are common
+    # in assistants' traffic); learnt from completed replies.
+    default_copied_share: float = 0.2
+    beta_grid: int = 32  # points of the acceptance grid the expected value of drafting is integrated over
+    value_grid: int = 16  # acceptance points value_of_drafting integrates over (a plan each)
+    # Budgets. Turning drafting back on may cost at most this share of the plain time since it went off (a re-probe
+    # first catches the draft up on every token it missed).
+    probe_budget: float = 0.03
+    # A request reads a draft its prior says will not pay once the requests that did not read it since the prior
+    # last learned decoded plain for this share's worth of the read: else a prior learned low holds for good.
+    explore_budget: float = 0.005
+    # A draft's first catch-up (the prompt) is taken where the drafting it buys is worth this many times it: the
+    # expected time saved over the rest of the reply, over what the acceptance may be.
+    probe_value_margin: float = 2.0
+    # The draft takes in a prompt beside the target's prefill only where the chance that drafting gains nothing is
+    # at most this; elsewhere its first read takes the prompt in, where that read is judged worth it.
+    prefill_max_risk: float = 0.2
+    # Reads. Generated tokens to wait for before that first catch-up: the draft reads them teacher-forced, and how
+    # many it would have predicted is this request's acceptance, measured before a single draft is verified.
+    evidence_tokens: int = 6
+    evidence_rows: int = 16  # an evidence read reads the draft's predictions of at most this many latest tokens
+    learning_iterations: int = 4  # drafting iterations a policy without that evidence spends learning a draft is poor
+    steady_catch_up: int = 2  # a draft that catches up on at most this many tokens is drafting steadily
+    # Plans. A plain plan stands this many steps while no sequence becomes hopeful (DraftPolicy.plan).
+    replan_plain: int = 8
+    # The drafting floors (DraftPolicy._floor): bisected to this precision, from an acceptance of floor_top down,
+    # and kept floor_steps steps before they are bisected again from the costs as learned by then.
+    floor_precision: float = 1.0 / 32
+    floor_top: float = 0.99
+    floor_steps: int = 256
+    values_kept: int = 4096  # values of drafting kept at most before the stale ones are dropped
+    value_counts: float = 0.25  # pseudo-counts an estimate's value of drafting is kept to (rounded estimates)
+    # Learning the costs. A cost the loop observes is the median of its latest observed_window timings: a one-off
+    # (a shape's first use: graph capture, a pipeline built) moves no estimate.
+    observed_window: int = 5
+    ewma_weight: float = 0.2  # weight of a new figure in the running estimates of runs and catch-ups
+    # Costs paid once a run (a draft's catch-up, a change of shape) are spread over the iterations such runs have
+    # lasted (EWMAs within run_limits): catch_up_iterations and switch_iterations before any run is seen.
+    catch_up_iterations: int = 16
+    switch_iterations: int = 8
+    run_limits: tuple[float, float] = (1.0, 16.0)
+    # Feeding the last drafts beside the verify replaces the catch-up forward of a sequence whose drafts all pass,
+    # about half the steps (a = 0.8, k = 3: 0.51): it pays where it adds less than this share of a draft step.
+    ahead_pays: float = 0.5
+    # What drafting yields against what its plans expected: recent drafting steps' extra tokens, each weighing
+    # yield_decay times the one after, yield_prior expected and yielded alike at first.
+    yield_decay: float = 0.99
+    yield_prior: float = 32.0
+
+
+POLICY = PolicyConfig()  # the policy's tuning (one process, one policy)
+
+
 def default_dtype(device: str) -> str:
     """The torch backend's compute dtype where none is asked for: bfloat16 on CUDA, float32 elsewhere."""
     return "bfloat16" if str(device).startswith("cuda") else "float32"

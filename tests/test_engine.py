@@ -9,11 +9,12 @@ from scipy.stats import chisquare
 
 import tandem
 from tandem.backends.base import ContextOverflowError
+from tandem.config import POLICY
 from tandem.engine import Engine, Request, calibration, planner
-from tandem.engine.costs import RUN_LIMITS, SWITCH_ITERATIONS, BatchCosts, CostModel
+from tandem.engine.costs import BatchCosts, CostModel
 from tandem.engine.kv_pool import SlotTable
 from tandem.sampling import SamplingParams
-from tandem.speculative.policy import EVIDENCE_TOKENS, LOOKUP_SHARE_PRIOR_TOKENS, AcceptancePrior
+from tandem.speculative.policy import AcceptancePrior
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "{\"name\": \"tandem\", \"items\": [1, 2,", "hi",
            "Once upon a time there was a long prompt that takes several prefill chunks to read in full"]
@@ -415,7 +416,7 @@ def test_planner_prices_a_change_of_shape(pair64, monkeypatch):
     table = costs({1: {1: 10.0, 2: 11.0, 9: 14.0}}, draft_ms=1.0)  # k = 1 pays above a = 0.2, by 8% at 0.3
     marginal = [planner.Candidate(0.3, 4)]
     assert planner.plan(marginal, table) == [1] and planner.plan(marginal, table, previous_rows=1) == [1]
-    table.switch_ms = 2.0 * SWITCH_ITERATIONS  # 2 ms a change, 2 ms a start (spread as set at first)
+    table.switch_ms = 2.0 * POLICY.switch_iterations  # 2 ms a change, 2 ms a start (spread as set at first)
     assert planner.plan(marginal, table) == [1]
     assert planner.plan(marginal, table, previous_rows=1) == [0]  # starting to draft costs the switch
     assert planner.plan(marginal, table, previous_rows=2, drafting=True) == [1]  # so does stopping
@@ -430,11 +431,11 @@ def test_planner_prices_a_change_of_shape(pair64, monkeypatch):
     assert planner.plan([planner.Candidate(0.8, 8)], h100, previous_rows=2, drafting=True) == [2]
     for _ in range(30):
         h100.observe_shape_run(1)
-    assert h100.shape_run == pytest.approx(RUN_LIMITS[0], abs=0.01)
+    assert h100.shape_run == pytest.approx(POLICY.run_limits[0], abs=0.01)
     assert planner.plan([planner.Candidate(0.8, 8)], h100, previous_rows=2, drafting=True) == [1]
     for _ in range(30):
         h100.observe_shape_run(100)
-    assert h100.shape_run == pytest.approx(RUN_LIMITS[1], rel=1e-3)
+    assert h100.shape_run == pytest.approx(POLICY.run_limits[1], rel=1e-3)
     target, draft = pair64
     engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
     engine.costs = cheap_rows(1, draft_ms=0.5)
@@ -475,7 +476,7 @@ def test_planner_expects_a_steady_drafts_extra_forward():
 
 def test_planner_prices_the_last_drafts_fed_beside_the_verify_where_that_pays():
     """Where the engine feeds the last drafts beside the verify (BatchCosts.feeds_ahead: measured to add less than
-    AHEAD_PAYS of a draft step), a steady draft pays that feed every drafting step in place of the extra forward
+    POLICY.ahead_pays of a draft step), a steady draft pays that feed every drafting step in place of the extra forward
     after all passed: K maximises E(a, K) / ((K + f) c_d + V(K + 1)), f = ahead_ms / c_d, against a brute force;
     a feed that adds more than that is not used, and the extra forward is expected again."""
     table = costs({1: {1: 10.0, 2: 10.4, 9: 14.0}, 2: {2: 10.5, 18: 16.0}}, draft_ms=1.2)
@@ -560,7 +561,7 @@ def test_plans_are_held_to_what_drafting_yielded_in_a_batch():
     assert table.yield_factor(2) == 1.0
     for _ in range(40):
         table.observe_yield(2, expected=2.0, yielded=1.0)
-    assert 0.5 < table.yield_factor(2) < 0.7  # held a while by YIELD_PRIOR, one-offs moving it little
+    assert 0.5 < table.yield_factor(2) < 0.7  # held a while by POLICY.yield_prior, one-offs moving it little
     assert planner.plan(pair, table) == [0, 0]
     table.observe_yield(1, expected=2.0, yielded=0.0)
     assert table.yield_factor(1) == 1.0 and planner.plan(pair[:1], table)[0] > 0
@@ -581,9 +582,10 @@ def test_the_value_of_drafting_is_a_sequences_share_at_its_batch():
 
 
 def test_a_draft_back_after_a_plain_stretch_rereads_within_the_probe_budget(pair64):
-    """A stale draft reads what it missed only where that catch-up (which stalls the batch) is at most PROBE_BUDGET
-    of the sequence's share of the plain time since it last ran: at a batch of two the share is half."""
-    from tandem.speculative.policy import PROBE_BUDGET
+    """A stale draft reads what it missed only where that catch-up (which stalls the batch) is at most
+    POLICY.probe_budget of the sequence's share of the plain time since it last ran: at a batch of two the share is
+    half."""
+
 
     target, draft = pair64
     engine = Engine(target, draft, slots=2, draft_max=4, measure_costs=False, prompt_lookup=False)
@@ -593,7 +595,7 @@ def test_a_draft_back_after_a_plain_stretch_rereads_within_the_probe_budget(pair
     while gen.prefilling:
         engine.step()
     lag = engine.drafter.lag(gen)
-    idle = int(np.ceil(lag / (PROBE_BUDGET * 10.0)))  # the plain stretch whose budget just pays the catch-up
+    idle = int(np.ceil(lag / (POLICY.probe_budget * 10.0)))  # the plain stretch whose budget just pays the catch-up
     gen.plain_iterations = gen.estimates["draft-model"].settled_at + idle
     assert engine.policy._reread_in_budget(gen, 1) and not engine.policy._reread_in_budget(gen, 2)
     gen.plain_iterations -= 1
@@ -603,10 +605,10 @@ def test_a_draft_back_after_a_plain_stretch_rereads_within_the_probe_budget(pair
 def test_a_draft_the_plan_keeps_off_rereads_where_the_rest_of_the_reply_repays_it(pair64):
     """A request whose first drafts failed goes plain, and its estimate fades back towards its prior. With a thin
     margin the plan at that faded point estimate still keeps it off, and where a caught-up token costs more than
-    PROBE_BUDGET of a plain step the budget never admits a read: the request drafted no more (Vulkan, H100, 32B /
+    POLICY.probe_budget of a plain step the budget never admits a read: the request drafted no more (Vulkan, H100, 32B /
     1.5B at acceptance 0.8: two rejections first, then 125 plain steps). It re-reads where what a read may switch on,
-    over the rest of the reply and the spread of its faded estimate, is worth PROBE_VALUE_MARGIN times the catch-up
-    (the first read's test); near the reply's end it does not."""
+    over the rest of the reply and the spread of its faded estimate, is worth POLICY.probe_value_margin times the
+    catch-up (the first read's test); near the reply's end it does not."""
     from tandem.engine.generation import DRAFT_MODEL
     from tandem.speculative.policy import AcceptancePrior
 
@@ -614,7 +616,7 @@ def test_a_draft_the_plan_keeps_off_rereads_where_the_rest_of_the_reply_repays_i
     engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
     engine.prior = AcceptancePrior()  # not what this module's other requests taught the pair's shared one
     vulkan = costs({1: {1: 14.0, 2: 18.6, 3: 22.3, 5: 34.0, 9: 170.0}}, draft_ms=2.2)  # H100, Vulkan, 32B / 1.5B
-    vulkan.catch_up_ms_per_token, vulkan.steady_draft = 0.67, True  # > PROBE_BUDGET * 14 ms
+    vulkan.catch_up_ms_per_token, vulkan.steady_draft = 0.67, True  # > POLICY.probe_budget * 14 ms
     vulkan.observe_draft = vulkan.observe_iteration = lambda *args: None
     engine.costs = costs({1: {1: 10.0, 9: 90.0}}, draft_ms=50.0)  # nothing drafts while the reply starts
     gen = engine.add(requests(target, PROMPTS[4:5], max_tokens=200)[0])
@@ -648,10 +650,10 @@ def test_a_prior_learned_low_is_read_again_within_the_exploration_budget(pair64)
     """Requests that the shared prior says will not repay a read decline it, and a request that does not read
     records nothing: a prior learned low held for good (after requests at acceptance 0.5, requests at 0.8 never
     drafted; Vulkan costs, emulated). Their plain time is counted, and once a read's catch-up is within
-    EXPLORE_BUDGET of it a request reads anyway; what it reads is recorded and the count starts again. Where even the
-    acceptance a fresh process expects cannot pay, nothing is explored. The output is the target's either way."""
+    POLICY.explore_budget of it a request reads anyway; what it reads is recorded and the count starts again. Where even
+    the acceptance a fresh process expects cannot pay, nothing is explored. The output is the target's either way."""
     from tandem.engine.generation import DRAFT_MODEL
-    from tandem.speculative.policy import EXPLORE_BUDGET
+
 
     target, draft = pair64
     engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
@@ -662,7 +664,7 @@ def test_a_prior_learned_low_is_read_again_within_the_exploration_budget(pair64)
     engine.costs.observe_draft = engine.costs.observe_iteration = lambda *args: None
     prompt = PROMPTS[4]
     lag = len(target.tokenizer.encode(prompt)) + 16  # at most, when the read is decided
-    engine.costs.catch_up_ms_per_token = 1.5 * 24 * 10.0 * EXPLORE_BUDGET / lag  # a request and a half's worth
+    engine.costs.catch_up_ms_per_token = 1.5 * 24 * 10.0 * POLICY.explore_budget / lag  # a request and a half's worth
 
     def run() -> tuple:
         gen = engine.add(requests(target, [prompt], max_tokens=24)[0])
@@ -672,14 +674,15 @@ def test_a_prior_learned_low_is_read_again_within_the_exploration_budget(pair64)
         return gen.estimates[DRAFT_MODEL].request_reached, gen.draft_declined
 
     assert [run() for _ in range(2)] == [(0, True)] * 2  # declined; their plain time counted
-    assert prior.may_explore(DRAFT_MODEL, 2 * 24 * 10.0 * EXPLORE_BUDGET) and \
-        not prior.may_explore(DRAFT_MODEL, 2.1 * 24 * 10.0 * EXPLORE_BUDGET)
+    assert prior.may_explore(DRAFT_MODEL, 2 * 24 * 10.0 * POLICY.explore_budget) and \
+        not prior.may_explore(DRAFT_MODEL, 2.1 * 24 * 10.0 * POLICY.explore_budget)
     reached, declined = run()  # the third reads on the budget, and the prior learns from it
-    assert reached >= EVIDENCE_TOKENS and not declined
+    assert reached >= POLICY.evidence_tokens and not declined
     assert not prior.may_explore(DRAFT_MODEL, 1e-9) and prior._requests[DRAFT_MODEL] == 9
     engine.costs.draft_step = {1: 100.0}  # not even 0.7 could pay: nothing to explore, though the budget allows
     engine.policy.set_costs(engine.costs)  # changed by hand: what the policy kept of the old ones goes
-    assert [run()[0] for _ in range(4)] == [0] * 4 and prior.may_explore(DRAFT_MODEL, 3 * 24 * 10.0 * EXPLORE_BUDGET)
+    assert [run()[0] for _ in range(4)] == [0] * 4
+    assert prior.may_explore(DRAFT_MODEL, 3 * 24 * 10.0 * POLICY.explore_budget)
 
 
 def test_a_change_of_shape_is_not_learned_as_overrun(pair64):
@@ -1091,7 +1094,7 @@ def test_the_draft_takes_in_the_prompt_beside_the_target_only_where_drafting_may
 
 def test_the_drafts_prompt_prefill_must_pay_for_itself_at_the_batch_it_joins(pair64):
     """The prompt prefill's gate: at the request's prior acceptance the batch it joins must draft, and the time that
-    saves over the reply must be worth PROBE_VALUE_MARGIN times the prefill. A batch of 1 on nearly free rows
+    saves over the reply must be worth POLICY.probe_value_margin times the prefill. A batch of 1 on nearly free rows
     prefills; the same at 2 where a second sequence makes verify rows dear does not; nor does a gain of a few
     percent that a long prompt's prefill would eat."""
     target, draft = pair64
@@ -1141,7 +1144,7 @@ def test_synthetic_acceptance_draws_the_evidence_too(tiny_model_path):
 
 def test_a_pessimistic_prior_still_reads_the_text_and_drafts_where_it_agrees(tiny_model_path):
     """A shared prior learned from requests that accepted little (0.1) keeps the plan plain, but a request still
-    reads the text once where EVIDENCE_TOKENS matches could switch drafting on: a draft that agrees then drafts,
+    reads the text once where POLICY.evidence_tokens matches could switch drafting on: a draft that agrees then drafts,
     where the prior alone would keep it off for good (and so never learn otherwise)."""
     from tandem.speculative.policy import shared_prior
 
@@ -1198,10 +1201,10 @@ class RowsReadBack:
 
 
 def test_a_catch_up_is_priced_reading_its_last_row_and_a_read_its_evidence_rows(monkeypatch):
-    """The drafter's catch-ups read one row back, an evidence read its last EVIDENCE_ROWS: measure() prices each so.
-    Timed reading every row, a 32-token catch-up cost a 0.5B draft 35% more on this CPU (lab/catch_up_rows.py), and
+    """The drafter's catch-ups read one row back, an evidence read its last POLICY.evidence_rows: measure() prices each
+    so. Timed reading every row, a 32-token catch-up cost a 0.5B draft 35% more on this CPU (lab/catch_up_rows.py), and
     on a GPU the rows' copy priced reads far above what they cost."""
-    from tandem.speculative.policy import EVIDENCE_ROWS
+
 
     clock = [0.0]
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
@@ -1209,9 +1212,10 @@ def test_a_catch_up_is_priced_reading_its_last_row_and_a_read_its_evidence_rows(
     assert costs.catch_up_ms_per_token == pytest.approx(RowsReadBack.ROW)
     assert costs.catch_up_base_ms == pytest.approx(RowsReadBack.BASE + RowsReadBack.READ)
     assert costs.evidence_row_ms == pytest.approx(RowsReadBack.READ)
-    # Drafter.read_evidence: past EVIDENCE_ROWS unseen tokens, a last-row forward of the head, then the tail's rows
-    for unseen in (0, 5, EVIDENCE_ROWS, 40):
-        head = max(0, unseen - EVIDENCE_ROWS)
+    # Drafter.read_evidence: past POLICY.evidence_rows unseen tokens, a last-row forward of the head, then the tail's
+    # rows
+    for unseen in (0, 5, POLICY.evidence_rows, 40):
+        head = max(0, unseen - POLICY.evidence_rows)
         tail = unseen - head
         paid = (head > 0) * (RowsReadBack.BASE + RowsReadBack.ROW * head + RowsReadBack.READ) + \
             (tail > 0) * (RowsReadBack.BASE + (RowsReadBack.ROW + RowsReadBack.READ) * tail)
@@ -1301,12 +1305,12 @@ def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves(pair
     gain_ms, _ = engine.policy._value_of_drafting(gen, 1)
     tokens = min(engine.prior.reply_tokens, 200 - gen.emitted)
     lag = len(gen.tokens) - engine.drafter.kv.length(gen.slot)
-    engine.costs.catch_up_ms_per_token = gain_ms * tokens / (4 * 2.0 * lag)  # PROBE_VALUE_MARGIN = 2
+    engine.costs.catch_up_ms_per_token = gain_ms * tokens / (4 * 2.0 * lag)  # POLICY.probe_value_margin = 2
     assert engine.policy._first_read_pays(gen, 1)
     for _ in range(12):  # lookup's accepted drafts make 48 of 60 tokens
         gen.stats.record_iteration(4, 4, "ngram3")
     gen.emitted = 60
-    share = 48 / (60 + LOOKUP_SHARE_PRIOR_TOKENS)
+    share = 48 / (60 + POLICY.lookup_share_prior_tokens)
     assert gen.lookup_share() == share
     copying = engine.policy._candidate(gen)
     assert copying.acceptance == pytest.approx(gen.acceptance("draft-model") * (1 - share))
@@ -1318,8 +1322,8 @@ def test_beside_a_copying_lookup_the_draft_is_worth_only_what_lookup_leaves(pair
 def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt(pair64):
     """Beside prompt lookup, a draft's first read of a long prompt it did not take in buys little on a reply that
     copies its prompt, which lookup's hindsight on the first generated tokens shows: where completed replies copied
-    most of theirs (the shared prior's copied share), the engine waits for EVIDENCE_TOKENS generated tokens before
-    that read; where they copied nothing, it reads at its first decoding step. Exact either way."""
+    most of theirs (the shared prior's copied share), the engine waits for POLICY.evidence_tokens generated tokens
+    before that read; where they copied nothing, it reads at its first decoding step. Exact either way."""
     target, draft = pair64
     text = " ".join(f"item{i} is {i * i}" for i in range(40))  # ~460 tokens the draft must catch up on
     reference = alone(target, text, max_tokens=40).tokens
@@ -1343,7 +1347,7 @@ def test_a_first_catch_up_waits_for_lookup_where_replies_copy_their_prompt(pair6
         assert tokens == reference
         first_reads[share] = first_read
     assert first_reads[0.0] is not None and first_reads[0.0] <= 2, first_reads
-    assert first_reads[0.9] is None or first_reads[0.9] > EVIDENCE_TOKENS, first_reads
+    assert first_reads[0.9] is None or first_reads[0.9] > POLICY.evidence_tokens, first_reads
 
 
 def test_a_lone_sequences_verify_takes_its_drafts_from_the_device(pair64, monkeypatch):

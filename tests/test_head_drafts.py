@@ -234,9 +234,10 @@ def test_eagle3_drafts_through_the_worker_process_as_in_this_one(eagle_pair, tin
 
 
 def test_draft_auto_finds_the_head_beside_the_target_and_models_heads_says_which_fit(tmp_path, capsys):
+    from tandem.loading.synthetic import write_tiny_gguf
+
     from tandem.api import load_pair
     from tandem.cli import main
-    from tandem.loading.synthetic import write_tiny_gguf
     from tandem.speculative.compat import find_head
 
     target = write_tiny_gguf(tmp_path / "target.gguf", **TARGET)

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from tandem.config import POLICY
 from tandem.engine import planner
 from tandem.engine.costs import BatchCosts, CostModel
 from tandem.speculative.policy import expected_tokens
@@ -300,20 +301,20 @@ def test_shared_prior_learns_per_source():
 
 def test_the_prior_learns_how_much_requests_differ():
     """AcceptancePrior.spread_strength: a Beta as wide as the spread of completed requests' acceptances. Until a
-    few requests are in, and where they differ as prompts do (0.3-0.95), it is the weak VALUE_MIN_STRENGTH; where
-    they all accept alike (one workload, a benchmark's synthetic rate) it tightens to VALUE_MAX_STRENGTH, and the
+    few requests are in, and where they differ as prompts do (0.3-0.95), it is the weak POLICY.value_min_strength; where
+    they all accept alike (one workload, a benchmark's synthetic rate) it tightens to POLICY.value_max_strength, and the
     value of drafting then stops betting on acceptances nobody shows."""
-    from tandem.speculative.policy import VALUE_MAX_STRENGTH, VALUE_MIN_STRENGTH, AcceptancePrior
+    from tandem.speculative.policy import AcceptancePrior
 
     alike, apart = AcceptancePrior(), AcceptancePrior()
     alike.record("draft-model", 80, 100)
-    assert alike.spread_strength("draft-model") == VALUE_MIN_STRENGTH
+    assert alike.spread_strength("draft-model") == POLICY.value_min_strength
     rates = (0.3, 0.95, 0.5, 0.9, 0.35, 0.85, 0.6, 0.95)
     for i, rate in enumerate(rates):
         alike.record("draft-model", 80 + (i % 2), 100)
         apart.record("draft-model", 100 * rate, 100)
-    assert alike.spread_strength("draft-model") == VALUE_MAX_STRENGTH
-    assert VALUE_MIN_STRENGTH <= apart.spread_strength("draft-model") < 8
+    assert alike.spread_strength("draft-model") == POLICY.value_max_strength
+    assert POLICY.value_min_strength <= apart.spread_strength("draft-model") < 8
     # Drafting is valued over that Beta (planner.value_of_drafting): at a prior where drafting barely pays, alike
     # requests make "no gain" as likely as the mean says, apart ones leave a long tail of acceptances that would pay.
     costs = BatchCosts(verify={1: CostModel(0.0, {1: 10.0, 2: 13.0, 9: 34.0})}, draft_step={1: 3.0})

@@ -21,8 +21,8 @@ from contextvars import ContextVar
 from typing import TypeVar
 
 from tandem.backends.base import BatchedCache, Model, Sequence
+from tandem.config import POLICY
 from tandem.engine.costs import NGRAM_STEP_MS, BatchCosts, CostModel
-from tandem.speculative.policy import EVIDENCE_ROWS
 
 T = TypeVar("T")
 log = logging.getLogger("tandem.calibration")
@@ -103,11 +103,11 @@ def measure_steps(target: BatchedCache, draft: BatchedCache | None, k_max: int, 
             if draft.capacity >= CONTEXT + CATCH_UP_ROWS[1] else short * CATCH_UP_ROWS[1] / CATCH_UP_ROWS[0]
         costs.catch_up_ms_per_token = max(0.0, long - short) / (CATCH_UP_ROWS[1] - CATCH_UP_ROWS[0])
         costs.catch_up_base_ms = max(0.0, short - CATCH_UP_ROWS[0] * costs.catch_up_ms_per_token)
-        if draft.capacity >= CONTEXT + EVIDENCE_ROWS:
+        if draft.capacity >= CONTEXT + POLICY.evidence_rows:
             yield "the draft's evidence read"
-            every = _time(draft, 1, EVIDENCE_ROWS, synchronize)
-            last = _time(draft, 1, EVIDENCE_ROWS, synchronize, last_only=True)
-            costs.evidence_row_ms = max(0.0, every - last) / (EVIDENCE_ROWS - 1)
+            every = _time(draft, 1, POLICY.evidence_rows, synchronize)
+            last = _time(draft, 1, POLICY.evidence_rows, synchronize, last_only=True)
+            costs.evidence_row_ms = max(0.0, every - last) / (POLICY.evidence_rows - 1)
     if k_max > 0:  # plain steps after a verify, and verifies after a plain step, against each repeated
         # Two forwards after the change: llama.cpp's CUDA build runs the first uncaptured and captures the second
         # (ggml-cuda's graph warm-up), replaying only from the third; elsewhere the second reuses the graph.

@@ -18,29 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem.speculative.policy import EVIDENCE_ROWS, expected_tokens
+from tandem.config import POLICY
+from tandem.speculative.policy import expected_tokens
 
-EWMA_WEIGHT = 0.2  # weight of a new figure in the running estimates of runs and catch-ups
-# A cost the loop observes is the median of its latest OBSERVED_WINDOW timings, the figure before them counted
-# thrice at first: a one-off (a shape's first use: graph capture, a pipeline built) moves no estimate.
-# The measurements behind these constants: docs/decisions/0003-cost-model.md.
-OBSERVED_WINDOW = 5
 NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
-# Feeding the last drafts beside the verify replaces the catch-up forward of a sequence whose drafts all pass, about
-# half the steps (acceptance 0.8, k = 3: 0.51): it pays where it adds less than half a draft step (BatchCosts.ahead_ms)
-AHEAD_PAYS = 0.5
-# Costs paid once for a run of iterations are spread over the iterations such runs have lasted in this engine
-# (EWMAs within RUN_LIMITS): charged whole to one iteration they would keep every start and change from happening,
-# and spread over a fixed count they would let noisy estimates start runs too short to repay them.
-# - starting to draft: the draft's catch-up and the change of shape there and back, over BatchCosts.drafting_run;
-# - another shape while drafting or plain: its change, over BatchCosts.shape_run.
-CATCH_UP_ITERATIONS = 16
-SWITCH_ITERATIONS = 8
-RUN_LIMITS = (1.0, 16.0)
-# What drafting yields against what its plans expected (BatchCosts.yield_factor): the extra tokens of recent drafting
-# steps, each step's weighing YIELD_DECAY times the one after, and YIELD_PRIOR expected and yielded alike at first.
-YIELD_DECAY = 0.99
-YIELD_PRIOR = 32.0
 
 
 def catch_up_cost(base_ms: float, per_token_ms: float, tokens):
@@ -53,8 +34,8 @@ def catch_up_cost(base_ms: float, per_token_ms: float, tokens):
 
 def observed_median(recent: dict, key: object, before: float, ms: float) -> float:
     """A cost's new estimate after a timing of `ms`: the median of its latest timings (`recent` keeps them per key),
-    seeded with its estimate `before` (see OBSERVED_WINDOW)."""
-    window = recent.setdefault(key, deque([before] * (OBSERVED_WINDOW // 2 + 1), maxlen=OBSERVED_WINDOW))
+    seeded with its estimate `before` (see POLICY.observed_window)."""
+    window = recent.setdefault(key, deque([before] * (POLICY.observed_window // 2 + 1), maxlen=POLICY.observed_window))
     window.append(ms)
     return statistics.median(window)
 
@@ -144,14 +125,14 @@ class BatchCosts:
     # A target forward whose rows differ from the forward before: llama.cpp rebuilds its graph (and, on CUDA,
     # re-captures it) where it reused it for an unchanged shape; what a start or stop of drafting costs
     switch_ms: float = 0.0
-    shape_run: float = SWITCH_ITERATIONS  # the iterations a target shape has lasted (EWMA), see observe_shape_run
-    drafting_run: float = CATCH_UP_ITERATIONS  # the iterations a run of drafting has lasted (EWMA)
+    shape_run: float = POLICY.switch_iterations  # the iterations a target shape has lasted (EWMA, observe_shape_run)
+    drafting_run: float = POLICY.catch_up_iterations  # the iterations a run of drafting has lasted (EWMA)
     # The draft steps one row a forward (Model.steady_shapes): a sequence whose drafts were all accepted has two
     # tokens to take in, one more forward before its next draft (the planner expects it: 1 - prod(1 - a^k))
     steady_draft: bool = False
     # Where the target's cache runs a feed of the draft's beside its forward (BatchedCache.overlaps: llama.cpp on a
     # GPU), per batch of drafting sequences: what feeding each one's last draft beside the verify adds to the step.
-    # Where that is less than AHEAD_PAYS draft steps (decide_feeding_ahead), the engine feeds it, and a sequence
+    # Where that is less than POLICY.ahead_pays draft steps (decide_feeding_ahead), the engine feeds it, and a sequence
     # whose drafts all pass needs no catch-up forward.
     ahead_ms: dict[int, float] = field(default_factory=dict)
     ahead_pays: set[int] = field(default_factory=set)  # the batch sizes of ahead_ms that feed ahead
@@ -219,11 +200,11 @@ class BatchCosts:
 
     def read_ms(self, tokens: int) -> float:
         """A draft's evidence read of `tokens` unseen tokens (Drafter.read_evidence): its catch-up, the logits of its
-        last EVIDENCE_ROWS rows read back, and past those a second forward (the head is read as a catch-up)."""
+        last POLICY.evidence_rows rows read back, and past those a second forward (the head is read as a catch-up)."""
         if tokens <= 0:
             return 0.0
-        second = self.catch_up_base_ms if tokens > EVIDENCE_ROWS else 0.0
-        return float(self.catch_up_ms(tokens)) + self.evidence_row_ms * (min(tokens, EVIDENCE_ROWS) - 1) + second
+        second = self.catch_up_base_ms if tokens > POLICY.evidence_rows else 0.0
+        return float(self.catch_up_ms(tokens)) + self.evidence_row_ms * (min(tokens, POLICY.evidence_rows) - 1) + second
 
     def draft_ms(self, sequences: int) -> float:
         if not self.draft_step or sequences == 0:
@@ -231,11 +212,11 @@ class BatchCosts:
         return self.draft_step[self._bucket(self.draft_step, sequences)]
 
     def decide_feeding_ahead(self) -> BatchCosts:
-        """Feed ahead at the batch sizes where the feed adds less than AHEAD_PAYS of the draft step timed with it:
-        decided once, on the calibration's figures (the loop's draft step may read dearer, making a feed look cheap
+        """Feed ahead at the batch sizes where the feed adds less than POLICY.ahead_pays of the draft step timed with
+        it: decided once, on the calibration's figures (the loop's draft step may read dearer, making a feed look cheap
         that is not)."""
         self.ahead_pays = {b for b, ms in self.ahead_ms.items()
-                           if b in self.draft_step and ms < AHEAD_PAYS * self.draft_step[b]}
+                           if b in self.draft_step and ms < POLICY.ahead_pays * self.draft_step[b]}
         return self
 
     def feeds_ahead(self, sequences: int) -> bool:
@@ -283,7 +264,7 @@ class BatchCosts:
         """A drafting step of `batch` sequences: the extra tokens (accepted drafts) its plan expected of the adaptive
         draft-model drafters (sum of E(a, k) - 1 at their estimates) and what they yielded."""
         done, hoped = self._yield.get(batch, (0.0, 0.0))
-        self._yield[batch] = (YIELD_DECAY * done + yielded, YIELD_DECAY * hoped + expected)
+        self._yield[batch] = (POLICY.yield_decay * done + yielded, POLICY.yield_decay * hoped + expected)
 
     def yield_factor(self, batch: int) -> float:
         """The share of the extra tokens its plans expect that the draft model's drafting in a batch of `batch` has
@@ -293,7 +274,7 @@ class BatchCosts:
         if batch < 2:
             return 1.0
         done, hoped = self._yield.get(batch, (0.0, 0.0))
-        return (done + YIELD_PRIOR) / (hoped + YIELD_PRIOR)
+        return (done + POLICY.yield_prior) / (hoped + POLICY.yield_prior)
 
     def observe_draft(self, sequences: int, forwards: int, ms: float) -> None:
         """`forwards` draft forwards of one row for each of `sequences` sequences took `ms` in all."""
@@ -303,4 +284,4 @@ class BatchCosts:
 
 
 def _run_average(average: float, run: int) -> float:
-    return float(np.clip(average + EWMA_WEIGHT * (run - average), *RUN_LIMITS))
+    return float(np.clip(average + POLICY.ewma_weight * (run - average), *POLICY.run_limits))

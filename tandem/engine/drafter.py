@@ -18,10 +18,10 @@ import time
 import torch
 
 from tandem.backends.base import Alongside, BatchedCache, Model
+from tandem.config import POLICY
 from tandem.engine.generation import DRAFT_MODEL, Generation
 from tandem.sampling import argmax, probs_from_logits, sample
 from tandem.speculative.compat import draft_ids
-from tandem.speculative.policy import EVIDENCE_ROWS, STEADY_CATCH_UP
 
 # Draft tokens (a list, or a tensor [k] left on the device: Drafter.draft's keep_on_device), and (sampling) the
 # distributions they came from.
@@ -79,7 +79,7 @@ class Drafter:
         gens = [gen for gen, _ in drafting.values()]
         batch = [(gen.slot, self._unseen(gen)) for gen in gens]
         active = list(drafting)
-        catching_up = max(len(rows) for _, rows in batch) > STEADY_CATCH_UP
+        catching_up = max(len(rows) for _, rows in batch) > POLICY.steady_catch_up
         steady = self.model.steady_shapes and not catching_up
         feeds = self._steady_feeds(gens, batch) if steady else [batch]
         if self.kv.drafts_greedy and all(g.sampling.greedy and g.processor is None for g in gens):
@@ -173,7 +173,7 @@ class Drafter:
 
     def read_evidence(self, gens: list[Generation]) -> None:
         """Catch each sequence's draft up on the tokens it has not seen but the pending one (which it takes in
-        when it drafts), reading its argmax at the rows before the latest generated ones (at most EVIDENCE_ROWS):
+        when it drafts), reading its argmax at the rows before the latest generated ones (at most POLICY.evidence_rows):
         whether it would have predicted each is evidence of its acceptance (a greedy match; under sampling the same
         figure stands in). Under synthetic acceptance (benchmarks) each position matches
         with that probability, drawn as the verify draws: the catch-up is paid, the random draft's argmax unread."""
@@ -183,7 +183,7 @@ class Drafter:
             seen, end = self.kv.length(gen.slot), len(gen.tokens) - 1
             unseen = self._unseen(gen, end)
             # Row i of the catch-up predicts token seen + i + 1; the first token checked is a generated one.
-            first_checked = max(gen.prompt_len, seen + 1, end + 1 - EVIDENCE_ROWS)
+            first_checked = max(gen.prompt_len, seen + 1, end + 1 - POLICY.evidence_rows)
             split = first_checked - 1 - seen
             if split > 0:
                 heads.append((gen.slot, unseen[:split]))

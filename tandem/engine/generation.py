@@ -8,17 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.config import DRAFT_POLICIES
+from tandem.config import DRAFT_POLICIES, POLICY
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.logits.processor import LogitsProcessor, LogitsSettings
 from tandem.sampling import SamplingParams, make_generator
-from tandem.speculative.policy import ACCEPTANCE_PRIOR, DRAFT_MODEL_SOURCE, NGRAM_PRIOR, lookup_share
+from tandem.speculative.policy import DRAFT_MODEL_SOURCE, lookup_share
 from tandem.speculative.proposer import NgramProposer
 from tandem.speculative.stats import GenerationStats
-
-ACCEPTANCE_DECAY = 0.9  # per drafting iteration
-IDLE_DECAY = 0.97  # per plain iteration
-
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -119,8 +115,8 @@ DRAFT_MODEL = DRAFT_MODEL_SOURCE
 
 class Estimate:
     """One proposer source's acceptance within a request: counts of accepted and reached draft positions, each
-    iteration's weighing ACCEPTANCE_DECAY times the one before, so the estimate follows the text. Started from, and
-    fading back to while unused, a prior (pseudo-counts)."""
+    iteration's weighing POLICY.acceptance_decay times the one before, so the estimate follows the text. Started from,
+    and fading back to while unused, a prior (pseudo-counts)."""
 
     def __init__(self, prior: tuple[float, float]) -> None:
         self.prior = prior
@@ -144,22 +140,22 @@ class Estimate:
     def _faded(self, idle: int) -> tuple[float, float]:
         if idle == 0:
             return self.accepted, self.drafted
-        fade = IDLE_DECAY**idle
+        fade = POLICY.idle_decay**idle
         return (self.prior[0] + fade * (self.accepted - self.prior[0]),
                 self.prior[1] + fade * (self.drafted - self.prior[1]))
 
     def observe(self, accepted: int, reached: int) -> None:
         """One drafting iteration: `reached` positions (the accepted ones and the first rejected), `accepted` kept."""
-        self.accepted = ACCEPTANCE_DECAY * self.accepted + accepted
-        self.drafted = ACCEPTANCE_DECAY * self.drafted + reached
+        self.accepted = POLICY.acceptance_decay * self.accepted + accepted
+        self.drafted = POLICY.acceptance_decay * self.drafted + reached
         self.request_accepted += accepted
         self.request_reached += reached
 
     def observe_matches(self, matched: Seq[bool]) -> None:
         """Evidence, in order: whether the source would have predicted each token; each weighs as an iteration."""
         for match in matched:
-            self.accepted = ACCEPTANCE_DECAY * self.accepted + match
-            self.drafted = ACCEPTANCE_DECAY * self.drafted + 1.0
+            self.accepted = POLICY.acceptance_decay * self.accepted + match
+            self.drafted = POLICY.acceptance_decay * self.drafted + 1.0
         self.request_accepted += sum(matched)
         self.request_reached += len(matched)
 
@@ -261,8 +257,8 @@ class Generation:
         sources = ([DRAFT_MODEL] if self.proposer in (DRAFT_MODEL, "mixed") else []) + \
             (list(self.ngram.sources) if self.ngram is not None else [])
         priors = priors or {}
-        self.estimates = {s: Estimate(priors.get(s, ACCEPTANCE_PRIOR if s == DRAFT_MODEL else NGRAM_PRIOR))
-                          for s in sources}
+        default = {DRAFT_MODEL: POLICY.acceptance_prior}
+        self.estimates = {s: Estimate(priors.get(s, default.get(s, POLICY.ngram_prior))) for s in sources}
         self.plain_iterations = 0  # estimates fade towards their priors over these (see Estimate.acceptance)
         self.draft_source: str | None = None  # the source of this iteration's drafts
         self.draft_declined = False  # the draft model's first catch-up was judged not worth it (see DraftPolicy.plan)
@@ -287,7 +283,7 @@ class Generation:
 
     def acceptance(self, source: str) -> float:
         """The source's estimate now. While it shows no evidence, each plain iteration fades it back towards its
-        prior by IDLE_DECAY (counted, not applied per source a step: a plain step costs one increment)."""
+        prior by POLICY.idle_decay (counted, not applied per source a step: a plain step costs one increment)."""
         return self.estimates[source].acceptance(self.plain_iterations)
 
     def lookup_share(self) -> float:

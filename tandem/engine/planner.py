@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.config import POLICY
 from tandem.engine.costs import BatchCosts
-from tandem.speculative.policy import VALUE_MIN_STRENGTH, beta_grid, expected_tokens
+from tandem.speculative.policy import beta_grid, expected_tokens
 
 ALL_ACCEPTED_MAX = 1.0 - 1e-9  # a^k capped below 1, for log(1 - a^k)
-VALUE_GRID = 16  # acceptance points value_of_drafting integrates over (a plan each, ~0.1 ms)
 
 
 @dataclass
@@ -205,7 +205,7 @@ def paying_bracket(costs: BatchCosts, k_max: int, batch: int = 1, lookup: bool =
 
 
 def value_of_drafting(accepted: float, drafted: float, k_max: int, batch: int, costs: BatchCosts,
-                      least_strength: float = VALUE_MIN_STRENGTH) -> tuple[float, float]:
+                      least_strength: float = POLICY.value_min_strength) -> tuple[float, float]:
     """(expected ms a token of one sequence that drafting saves, the probability it saves nothing) in a batch of
     `batch` such sequences, none with anything to catch up, over the uncertainty in their acceptance: a Beta of the
     pseudo-counts, held as at least `least_strength` positions (AcceptancePrior.spread_strength). Where acceptance
@@ -213,7 +213,7 @@ def value_of_drafting(accepted: float, drafted: float, k_max: int, batch: int, c
     worth of the batch's ms a token, so the figure falls as the batch grows and extra rows stop being free."""
     strength = max(drafted, least_strength)
     value = p_no_gain = 0.0
-    for a, weight in beta_grid(accepted / drafted * strength, strength, VALUE_GRID):
+    for a, weight in beta_grid(accepted / drafted * strength, strength, POLICY.value_grid):
         rates: dict[str, float] = {}
         plan([Candidate(a, k_max)] * batch, costs, rates=rates)
         saved = 1.0 / rates["plain"] - 1.0 / rates["planned"]

@@ -14,21 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.backends.base import BatchedCache
+from tandem.config import POLICY
 from tandem.engine import planner
 from tandem.engine.costs import BatchCosts
 from tandem.engine.drafter import Drafter
 from tandem.engine.generation import DRAFT_MODEL, Generation
-from tandem.speculative.policy import (
-    ACCEPTANCE_PRIOR,
-    EVIDENCE_TOKENS,
-    LEARNING_ITERATIONS,
-    PROBE_BUDGET,
-    PROBE_VALUE_MARGIN,
-    STEADY_CATCH_UP,
-    AcceptancePrior,
-    copied_risk,
-    expected_tokens,
-)
+from tandem.speculative.policy import AcceptancePrior, copied_risk, expected_tokens
 
 
 @dataclass
@@ -39,20 +30,8 @@ class PlainPlan:
     members: set[int]  # the sequences it was made for, and those that joined without being hopeful
 
 
-REPLAN_PLAIN = 8  # steps a plain plan stands for while no sequence becomes hopeful (see DraftPolicy.plan)
 
 
-# The draft takes in a prompt beside the target's prefill only where the chance that drafting gains nothing is at
-# most this (over the Beta of the request's acceptance, _draft_may_pay); elsewhere its first read takes the
-# prompt in, once EVIDENCE_TOKENS are generated, where that read is judged worth it (docs/decisions/0004).
-PREFILL_MAX_RISK = 0.2
-# The drafting floors (DraftPolicy._floor): bisected to this precision, from an acceptance of FLOOR_TOP down, and
-# kept this many steps before they are bisected again from the costs as learned by then.
-FLOOR_PRECISION = 1.0 / 32
-FLOOR_TOP = 0.99
-FLOOR_STEPS = 256
-VALUES_KEPT = 4096  # values of drafting kept at most before the stale ones are dropped
-VALUE_COUNTS = 0.25  # pseudo-counts an estimate's value of drafting is kept to (DraftPolicy._value_of_drafting)
 
 
 class DraftPolicy:
@@ -92,7 +71,7 @@ class DraftPolicy:
 
     def begin_step(self) -> None:
         self._step_count += 1
-        if len(self._values) > VALUES_KEPT:  # entries past their steps, from estimates no sequence holds now
+        if len(self._values) > POLICY.values_kept:  # entries past their steps, from estimates no sequence holds now
             self._values = {k: v for k, v in self._values.items() if v[1] > self._step_count}
 
     def admit(self, gens: list[Generation], batch: int) -> None:
@@ -131,11 +110,11 @@ class DraftPolicy:
 
     def _draft_may_pay(self, gen: Generation, batch: int) -> bool:
         """Whether the draft takes in the prompt beside the target's prefill: where `batch` sequences drafting alike
-        would likely gain (PREFILL_MAX_RISK) and the expected gain over the reply is worth PROBE_VALUE_MARGIN times
-        that prefill (the first read's test, `_first_read_pays`, over the Beta of the request's prior). A draft that
-        took in nothing must catch up on the whole prompt at its first read, a cost that can keep it off for good
-        where it would pay; a draft that cannot pay on this machine, at this load, or likely enough leaves it to
-        that read."""
+        would likely gain (POLICY.prefill_max_risk) and the expected gain over the reply is worth
+        POLICY.probe_value_margin times that prefill (the first read's test, `_first_read_pays`, over the Beta of the
+        request's prior). A draft that took in nothing must catch up on the whole prompt at its first read, a cost that
+        can keep it off for good where it would pay; a draft that cannot pay on this machine, at this load, or likely
+        enough leaves it to that read."""
         if DRAFT_MODEL not in gen.estimates or gen.draft_max == 0:
             return False
         if gen.request.draft_policy == "fixed" or self.costs is None:  # no costs: every draft drafts its k_max
@@ -143,19 +122,21 @@ class DraftPolicy:
         if self._floor(batch, False) >= 1.0:  # no acceptance pays at this load: nothing to value
             return False
         _, p_no_gain = self._value_of_drafting(gen, batch)
-        return p_no_gain <= PREFILL_MAX_RISK and self._first_read_pays(gen, batch)
+        return p_no_gain <= POLICY.prefill_max_risk and self._first_read_pays(gen, batch)
 
     def _floor(self, batch: int, lookup: bool) -> float:
         """The least acceptance at which some of `batch` sequences drafting alike (nothing to catch up, up to
         draft_max tokens, by prompt lookup or by the draft model) beats plain steps by the costs; 1.0 where none does.
-        Bisected to FLOOR_PRECISION from below (a lower bound), kept FLOOR_STEPS steps (the costs learn slowly)."""
+        Bisected to POLICY.floor_precision from below (a lower bound), kept POLICY.floor_steps steps (the costs learn
+        slowly)."""
         key = (id(self.costs), batch, lookup)
         kept = self._floors.get(key)
         if kept is not None and kept[1] > self._step_count:
             return kept[0]
 
-        low, _ = planner.paying_bracket(self.costs, self.draft_max, batch, lookup, FLOOR_PRECISION, FLOOR_TOP)
-        self._floors[key] = (low, self._step_count + FLOOR_STEPS)
+        low, _ = planner.paying_bracket(self.costs, self.draft_max, batch, lookup, POLICY.floor_precision,
+                                        POLICY.floor_top)
+        self._floors[key] = (low, self._step_count + POLICY.floor_steps)
         return low
 
     def _hopeful(self, decoding: list[Generation], batch: int | None = None) -> frozenset[int] | None:
@@ -171,13 +152,14 @@ class DraftPolicy:
         lookup_floor = self._floor(batch, True) if batch else 1.0
         if model_floor >= 1.0 and lookup_floor >= 1.0:
             return frozenset()  # prompt lookup's hindsight catches up when planning resumes (it is incremental)
-        explore = ACCEPTANCE_PRIOR[0] / ACCEPTANCE_PRIOR[1]
+        explore = POLICY.acceptance_prior[0] / POLICY.acceptance_prior[1]
         hopeful = set()
         for gen in decoding:
             estimate = gen.estimates.get(DRAFT_MODEL)
             if model_floor < 1.0 and estimate is not None and not gen.draft_declined:
                 accepted, drafted = estimate.counts(gen.plain_iterations)
-                hoped = max(accepted / drafted, (accepted + EVIDENCE_TOKENS) / (drafted + EVIDENCE_TOKENS), explore)
+                read = POLICY.evidence_tokens
+                hoped = max(accepted / drafted, (accepted + read) / (drafted + read), explore)
                 if hoped >= model_floor:
                     hopeful.add(gen.id)
                     continue
@@ -188,12 +170,12 @@ class DraftPolicy:
         return frozenset(hopeful)
 
     def _drafts_at(self, acceptance: float, k_max: int, batch: int) -> bool:
-        """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs (kept FLOOR_STEPS
-        steps for a given question: every new request asks it at the shared prior's counts)."""
+        """Whether `batch` sequences at this acceptance, with nothing to catch up, draft by the costs (kept
+        POLICY.floor_steps steps for a given question: every new request asks it at the shared prior's counts)."""
         key = ("drafts_at", id(self.costs), acceptance, k_max, batch)
         kept = self._values.get(key)
         if kept is None or kept[1] <= self._step_count:
-            kept = self._values[key] = (self._pays(acceptance, k_max, batch), self._step_count + FLOOR_STEPS)
+            kept = self._values[key] = (self._pays(acceptance, k_max, batch), self._step_count + POLICY.floor_steps)
         return kept[0]
 
     def _pays(self, acceptance: float, k_max: int, batch: int, lookup: bool = False) -> bool:
@@ -202,14 +184,15 @@ class DraftPolicy:
 
     def _reading_may_pay(self, candidate: planner.Candidate, prior: tuple[float, float], batch: int) -> bool:
         """Whether reading could switch on a draft that the plan keeps off at its prior: would `batch` sequences
-        draft (nothing to catch up) at the acceptance that EVIDENCE_TOKENS matches in a row would give? Without
+        draft (nothing to catch up) at the acceptance that POLICY.evidence_tokens matches in a row would give? Without
         this, a prior learned from requests that accepted little would keep every later request off unread, and so
         never learn otherwise."""
-        return self._drafts_at((prior[0] + EVIDENCE_TOKENS) / (prior[1] + EVIDENCE_TOKENS), candidate.k_max, batch)
+        read = POLICY.evidence_tokens
+        return self._drafts_at((prior[0] + read) / (prior[1] + read), candidate.k_max, batch)
 
     def _wants_evidence(self, gen: Generation, candidate: planner.Candidate) -> bool:
         """Whether the draft should read the text it missed before drafting: never read (nor verified) yet in
-        this request, or stale (more than EVIDENCE_TOKENS plain iterations since) with more than a steady
+        this request, or stale (more than POLICY.evidence_tokens plain iterations since) with more than a steady
         catch-up to read. A draft that took in the prompt waits for generated tokens to read as one that did not.
         Without costs every draft drafts its k_max, and its acceptance decides nothing."""
         if candidate.fixed or self.costs is None:
@@ -217,19 +200,19 @@ class DraftPolicy:
         estimate = gen.estimates[DRAFT_MODEL]
         if estimate.request_reached == 0:
             return True
-        return candidate.lag > 0 and gen.plain_iterations - estimate.settled_at > EVIDENCE_TOKENS
+        return candidate.lag > 0 and gen.plain_iterations - estimate.settled_at > POLICY.evidence_tokens
 
     def _first_read_pays(self, gen: Generation, batch: int) -> bool:
         """The first switch-on test at this batch size: the draft takes in the prompt only where
         the drafting this may buy over the rest of the reply (expected over the estimate's uncertainty, in a batch
-        of `batch` sequences drafting alike: planner.value_of_drafting) is worth PROBE_VALUE_MARGIN times that
+        of `batch` sequences drafting alike: planner.value_of_drafting) is worth POLICY.probe_value_margin times that
         catch-up, which stalls the whole batch. A long prompt, a reply near its end, a draft barely ahead of plain
         decoding or a batch that drafting hardly speeds decline. Of the rest, the draft serves only what prompt
         lookup leaves (as it has so far): beside a lookup that copies most of the reply, reading a long prompt
         would buy a few tokens."""
         gain_ms, _ = self._value_of_drafting(gen, batch)
         tokens = min(self.prior.reply_tokens, gen.request.max_tokens - gen.emitted) * (1.0 - gen.lookup_share())
-        return gain_ms * tokens >= PROBE_VALUE_MARGIN * self.costs.read_ms(self.drafter.lag(gen))
+        return gain_ms * tokens >= POLICY.probe_value_margin * self.costs.read_ms(self.drafter.lag(gen))
 
     def _worth_waiting(self, gen: Generation) -> bool:
         """The rule for a first switch-on: wait for generated tokens to read unless the drafting
@@ -241,42 +224,44 @@ class DraftPolicy:
             p_no_gain = copied_risk(p_no_gain, self.prior)
         read_ms = self.costs.read_ms(self.drafter.lag(gen))
         extra_row_ms = max(0.0, self.costs.target_ms(1, 2) - self.costs.target_ms(1, 1))
-        learning_ms = LEARNING_ITERATIONS * (self.costs.draft_ms(1) + extra_row_ms)
-        wait = EVIDENCE_TOKENS - (len(gen.tokens) - gen.prompt_len)
-        return wait * gain_ms < PROBE_VALUE_MARGIN * p_no_gain * (read_ms + learning_ms)
+        learning_ms = POLICY.learning_iterations * (self.costs.draft_ms(1) + extra_row_ms)
+        wait = POLICY.evidence_tokens - (len(gen.tokens) - gen.prompt_len)
+        return wait * gain_ms < POLICY.probe_value_margin * p_no_gain * (read_ms + learning_ms)
 
     def _explores(self, gen: Generation, batch: int) -> bool:
         """Whether a request reads the draft although its prior says that will not pay: where the requests since the
         prior last learned anything of the draft decoded plain long enough that this read's catch-up is within
-        EXPLORE_BUDGET of their time (AcceptancePrior.may_explore), and drafting would pay in this batch at the
-        acceptance a fresh process expects (ACCEPTANCE_PRIOR; a machine where even that cannot pay, a CPU's pair,
+        POLICY.explore_budget of their time (AcceptancePrior.may_explore), and drafting would pay in this batch at the
+        acceptance a fresh process expects (POLICY.acceptance_prior; a machine where even that cannot pay, a CPU's pair,
         has nothing to find). A prior learned low otherwise keeps every later request from reading, so that none
         records what the draft accepts now."""
         if self.costs is None or gen.draft_max == 0 or \
                 not self.prior.may_explore(DRAFT_MODEL, self.costs.read_ms(self.drafter.lag(gen))):
             return False
-        return self._drafts_at(ACCEPTANCE_PRIOR[0] / ACCEPTANCE_PRIOR[1], gen.draft_max, batch)
+        return self._drafts_at(POLICY.acceptance_prior[0] / POLICY.acceptance_prior[1], gen.draft_max, batch)
 
     def _reread_in_budget(self, gen: Generation, batch: int) -> bool:
         """The re-probe rule: a draft back after a plain stretch reads what it missed only where
-        that catch-up, which stalls the batch, costs at most PROBE_BUDGET of this sequence's share of the plain time
-        since it last ran. Its estimate fades back to a prior that may look worth drafting while its text is not,
+        that catch-up, which stalls the batch, costs at most POLICY.probe_budget of this sequence's share of the plain
+        time since it last ran. Its estimate fades back to a prior that may look worth drafting while its text is not,
         and reads every few steps that never switch it on would cost more than they find."""
         idle = gen.plain_iterations - gen.estimates[DRAFT_MODEL].settled_at
-        return self.costs.read_ms(self.drafter.lag(gen)) <= PROBE_BUDGET * idle * self.costs.plain_share_ms(batch)
+        budget = POLICY.probe_budget * idle * self.costs.plain_share_ms(batch)
+        return self.costs.read_ms(self.drafter.lag(gen)) <= budget
 
     def _value_of_drafting(self, gen: Generation, batch: int) -> tuple[float, float]:
-        """planner.value_of_drafting for this sequence: sixteen plans, so kept FLOOR_STEPS steps per estimate, its
-        counts rounded to VALUE_COUNTS: each sequence's estimate fades a little every step, and valued afresh each
-        time it was most of a small batch's plan (docs/decisions/0001)."""
+        """planner.value_of_drafting for this sequence: sixteen plans, so kept POLICY.floor_steps steps per estimate,
+        its counts rounded to POLICY.value_counts: each sequence's estimate fades a little every step, and valued afresh
+        each time it was most of a small batch's plan (docs/decisions/0001)."""
         accepted, drafted = gen.estimates[DRAFT_MODEL].counts(gen.plain_iterations)
-        key = (id(self.costs), round(accepted / VALUE_COUNTS), round(drafted / VALUE_COUNTS), gen.draft_max, batch,
-               round(self.prior.spread_strength(DRAFT_MODEL) / VALUE_COUNTS))
+        unit = POLICY.value_counts
+        key = (id(self.costs), round(accepted / unit), round(drafted / unit), gen.draft_max, batch,
+               round(self.prior.spread_strength(DRAFT_MODEL) / unit))
         kept = self._values.get(key)
         if kept is None or kept[1] <= self._step_count:
             value = planner.value_of_drafting(accepted, drafted, gen.draft_max, batch, self.costs,
                                               self.prior.spread_strength(DRAFT_MODEL))
-            kept = self._values[key] = (value, self._step_count + FLOOR_STEPS)
+            kept = self._values[key] = (value, self._step_count + POLICY.floor_steps)
         return kept[0]
 
     def _candidate(self, gen: Generation) -> planner.Candidate | None:
@@ -309,7 +294,7 @@ class DraftPolicy:
         # in the iterations after (its share of the reply so far): planned as that much less acceptance.
         acceptance = gen.acceptance(DRAFT_MODEL) * (1.0 - gen.lookup_share()) if gen.ngram is not None else \
             gen.acceptance(DRAFT_MODEL)
-        return planner.Candidate(acceptance, k_max, max(0, lag - STEADY_CATCH_UP), fixed=fixed)
+        return planner.Candidate(acceptance, k_max, max(0, lag - POLICY.steady_catch_up), fixed=fixed)
 
     def _lookup_beats_draft(self, gen: Generation, source: str, k_lookup: int, k_draft: int, lag: int) -> bool:
         """Whether one sequence drafting by lookup yields at least the tokens per ms of drafting by the draft model,
@@ -323,15 +308,15 @@ class DraftPolicy:
             verify = [self.costs.target_ms(1, k + 1) for k in range(self.draft_max + 1)]
             self._rates = (verify, [v + k * self.costs.draft_ms(1) for k, v in enumerate(verify)])
         lookup_ms, draft_ms = self._rates
-        catch_up_ms = self.costs.catch_up_ms(max(0, lag - STEADY_CATCH_UP)) / self.costs.drafting_run
+        catch_up_ms = self.costs.catch_up_ms(max(0, lag - POLICY.steady_catch_up)) / self.costs.drafting_run
         return best_rate(lookup_a, lookup_ms, k_lookup) >= best_rate(draft_a, draft_ms, k_draft, catch_up_ms)
 
 
     def plan(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
         """Draft lengths for this step (each sequence's source in gen.draft_source). Where no sequence is hopeful
-        (_hopeful) the step is plain at once. A plan of plain steps stands for REPLAN_PLAIN steps while no sequence
-        that joins the batch is hopeful; the others are tested again when it lapses (a text that starts repeating
-        waits at most that long): planning, or even testing, every sequence every step cost a batch much of a
+        (_hopeful) the step is plain at once. A plan of plain steps stands for POLICY.replan_plain steps while no
+        sequence that joins the batch is hopeful; the others are tested again when it lapses (a text that starts
+        repeating waits at most that long): planning, or even testing, every sequence every step cost a batch much of a
         plain step (docs/decisions/0001)."""
         self.evidence = []
         self.planned_acceptance = {}
@@ -346,7 +331,7 @@ class DraftPolicy:
                 return self._plain(decoding)
         hopeful = self._hopeful(decoding)
         if hopeful is not None and not hopeful:
-            self.plain_plan = PlainPlan(REPLAN_PLAIN - 1, {g.id for g in decoding})
+            self.plain_plan = PlainPlan(POLICY.replan_plain - 1, {g.id for g in decoding})
             return self._plain(decoding)
         self.planned = True
         self._rates = None  # one sequence's tokens per ms by each source, at batch 1 (see _lookup_beats_draft)
@@ -357,23 +342,23 @@ class DraftPolicy:
         # it missed, teacher-forced: how much of it it would have predicted is its acceptance on this text, known
         # before a single draft is verified, and the plan is made again with it (a
         # draft that cannot pay then never drafts, instead of drafting at the prior first). It waits for
-        # EVIDENCE_TOKENS generated tokens to read, unless waiting costs more than drafting blind risks. Back after
-        # a plain stretch, it reads where the plan would draft and the catch-up is within the probe budget; a draft
-        # that has shown fewer positions than a read would (a few drafts verified, never read) also where the read
+        # POLICY.evidence_tokens generated tokens to read, unless waiting costs more than drafting blind risks. Back
+        # after a plain stretch, it reads where the plan would draft and the catch-up is within the probe budget; a
+        # draft that has shown fewer positions than a read would (a few drafts verified, never read) also where the read
         # passes the first read's test (a plan at its faded estimate, and a budget that a dear catch-up never
         # meets, would keep a request plain after two unlucky drafts).
         for i, (gen, candidate) in enumerate(zip(decoding, candidates, strict=True)):
             if gen.draft_source != DRAFT_MODEL or not self._wants_evidence(gen, candidate):
                 continue
             reached = gen.estimates[DRAFT_MODEL].request_reached
-            first, unread = reached == 0, reached < EVIDENCE_TOKENS  # unread: fewer positions than a read shows
+            first, unread = reached == 0, reached < POLICY.evidence_tokens  # unread: fewer positions than a read shows
             generated = len(gen.tokens) - gen.prompt_len
             considered = ks[i] or unread and self._reading_may_pay(candidate, gen.estimates[DRAFT_MODEL].prior,
                                                                     len(decoding))
             if first and not (considered and self._first_read_pays(gen, len(decoding))):
                 ks[i] = 0
                 if self._explores(gen, len(decoding)):  # the prior says no, but it has not learned for long
-                    if generated >= EVIDENCE_TOKENS:
+                    if generated >= POLICY.evidence_tokens:
                         self.prior.explored(DRAFT_MODEL)
                         self.evidence.append(gen)
                 elif considered:
@@ -383,7 +368,7 @@ class DraftPolicy:
             elif not first and not (ks[i] and self._reread_in_budget(gen, len(decoding)) or
                                     unread and self._first_read_pays(gen, len(decoding))):
                 ks[i] = 0
-            elif generated >= EVIDENCE_TOKENS or not self._worth_waiting(gen):
+            elif generated >= POLICY.evidence_tokens or not self._worth_waiting(gen):
                 self.evidence.append(gen)
             else:
                 ks[i] = 0
@@ -396,7 +381,7 @@ class DraftPolicy:
                                     if k and not c.fixed and not c.lookup}
         for gen in decoding:
             gen.note_prediction(rates["planned"] / rates["plain"] if rates else 1.0)
-        self.plain_plan = PlainPlan(REPLAN_PLAIN - 1, {g.id for g in decoding}) if not any(ks) else None
+        self.plain_plan = PlainPlan(POLICY.replan_plain - 1, {g.id for g in decoding}) if not any(ks) else None
         return ks
 
     @staticmethod
