@@ -16,8 +16,7 @@ LLAMACPP_ONLY_ARCHITECTURES = ("gemma4", "gemma4-assistant", "eagle3")
 HEAD_ARCHITECTURES = {"gemma4-assistant": "gemma4", "eagle3": "llama"}
 
 # How a model loads when nothing else is asked for: the defaults of `tandem.load`, the CLI and the server alike (a
-# Python caller got torch in float32 where the CLI got llama.cpp: 1.4 tok/s in 12.4 GB against 20-25 in 2.8 GB on a
-# 2-core CPU with the default pair, issue 47).
+# Python caller got torch in float32 where the CLI got llama.cpp, 15x slower in 4x the memory: issue 47).
 BACKENDS = ("torch", "llama.cpp", "auto")
 DEFAULT_BACKEND = "auto"  # llama.cpp for quantised GGUF off CUDA/MPS where it is installed, else torch (pick_backend)
 DEFAULT_DEVICE = "cpu"
@@ -86,23 +85,15 @@ class PolicyConfig:
     prior_min_positions: int = 6  # a request that tried fewer draft positions says too little to move the prior
     prior_max_strength: float = 6.0  # pseudo-positions the learned prior is held with: requests differ
     default_reply_tokens: int = 128  # the reply length a fresh process expects (drafting's value is per token left)
-    # A reply's share made by prompt lookup is counted over this many more tokens than it has (none copied), so that
-    # a lookup hit among a reply's first few tokens does not switch a good draft off.
-    lookup_share_prior_tokens: int = 16
-    # The share of a reply a fresh process expects prompt lookup to make (replies that copy their prompt are common
-    # in assistants' traffic); learnt from completed replies.
-    default_copied_share: float = 0.2
+    lookup_share_prior_tokens: int = 16  # a reply's lookup share counts this many more tokens: early hits weigh less
+    default_copied_share: float = 0.2  # a reply's share a fresh process expects lookup to copy (then: learnt)
     beta_grid: int = 32  # points of the acceptance grid the expected value of drafting is integrated over
     value_grid: int = 16  # acceptance points value_of_drafting integrates over (a plan each)
-    # Budgets. Turning drafting back on may cost at most this share of the plain time since it went off (a re-probe
-    # first catches the draft up on every token it missed).
-    probe_budget: float = 0.03
+    probe_budget: float = 0.03  # a re-probe's catch-up may cost at most this share of the plain time since the last
     # A request reads a draft its prior says will not pay once the requests that did not read it since the prior
     # last learned decoded plain for this share's worth of the read: else a prior learned low holds for good.
     explore_budget: float = 0.005
-    # A draft's first catch-up (the prompt) is taken where the drafting it buys is worth this many times it: the
-    # expected time saved over the rest of the reply, over what the acceptance may be.
-    probe_value_margin: float = 2.0
+    probe_value_margin: float = 2.0  # a first catch-up is taken where the drafting it buys is worth this many times it
     # The draft takes in a prompt beside the target's prefill only where the chance that drafting gains nothing is
     # at most this; elsewhere its first read takes the prompt in, where that read is judged worth it.
     prefill_max_risk: float = 0.2
@@ -112,8 +103,7 @@ class PolicyConfig:
     evidence_rows: int = 16  # an evidence read reads the draft's predictions of at most this many latest tokens
     learning_iterations: int = 4  # drafting iterations a policy without that evidence spends learning a draft is poor
     steady_catch_up: int = 2  # a draft that catches up on at most this many tokens is drafting steadily
-    # Plans. A plain plan stands this many steps while no sequence becomes hopeful (DraftPolicy.plan).
-    replan_plain: int = 8
+    replan_plain: int = 8  # steps a plain plan stands while no sequence becomes hopeful (DraftPolicy.plan)
     # The drafting floors (DraftPolicy._floor): bisected to this precision, from an acceptance of floor_top down,
     # and kept floor_steps steps before they are bisected again from the costs as learned by then.
     floor_precision: float = 1.0 / 32
@@ -133,10 +123,8 @@ class PolicyConfig:
     # Feeding the last drafts beside the verify replaces the catch-up forward of a sequence whose drafts all pass,
     # about half the steps (a = 0.8, k = 3: 0.51): it pays where it adds less than this share of a draft step.
     ahead_pays: float = 0.5
-    # What drafting yields against what its plans expected: recent drafting steps' extra tokens, each weighing
-    # yield_decay times the one after, yield_prior expected and yielded alike at first.
-    yield_decay: float = 0.99
-    yield_prior: float = 32.0
+    yield_decay: float = 0.99  # drafting's yield against its plans: a step weighs this times the one after ...
+    yield_prior: float = 32.0  # ... and this many tokens expected and yielded alike at first
 
 
 POLICY = PolicyConfig()  # the policy's tuning (one process, one policy)

@@ -73,9 +73,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1) (int64, the first of equal maxima, as torch's). On the CPU through numpy: torch's CPU
-    argmax over a 152k-wide row took 0.13 ms and over 4 rows 8 ms on this 2-core machine with its cores busy
-    (its thread pool waits for them), numpy's 0.01 and 0.04 ms: per token that was 2-3% of a 1.5B model's step."""
+    """logits.argmax(dim=-1) (int64, the first of equal maxima, as torch's). On the CPU through numpy: torch's
+    thread pool waits for busy cores, ~10-200x numpy's time over a 152k-wide row (docs/decisions/0005)."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or logits.requires_grad:
         return logits.argmax(dim=-1)
     return torch.from_numpy(np.asarray(logits.numpy().argmax(axis=-1), dtype=np.int64))

@@ -284,8 +284,7 @@ class Bench:
     def measure(self, prompt: BenchPrompt, on_run=None) -> tuple[dict[str, Run], dict[str, float]]:
         """Every config on one prompt, `repeats` rounds: each config's median run, and its median over rounds of
         its speed over plain's in the same round. Rounds interleave the configs and rotate their order, and a ratio
-        within a round cancels drift slower than a round (clocks, a noisy neighbour): on an H200's Vulkan driver,
-        back-to-back runs of the very same plain loop differed by 5-15%."""
+        within a round cancels drift slower than a round (clocks, a noisy neighbour)."""
         runs: dict[str, list[Run]] = {c.name: [] for c in self.configs}
         for r in range(self.repeats):
             for config in self.configs[r % len(self.configs):] + self.configs[:r % len(self.configs)]:
@@ -420,8 +419,7 @@ def run_bench(args: argparse.Namespace) -> int:
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("warm-up", total=total)
         # Every prompt, not just the first: a longer prompt reaches attention spans (CUDA graphs) and batch sizes
-        # (Vulkan pipelines) that a first use would otherwise compile inside a timed run (seen on an H200: a plain
-        # run at 2.5x its real step time, a Vulkan prefill of 5 s).
+        # (Vulkan pipelines) that a first use would otherwise compile inside a timed run.
         for config in configs:
             for prompt in prompts:
                 progress.update(task, description=f"warm-up {config.name}: {prompt.name}")

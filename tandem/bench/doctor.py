@@ -39,9 +39,8 @@ DEFAULT_REPEATS = 5
 WARMUP_S = 1.0  # one-token forwards before the first timing of each model (see tandem.engine.calibration.warm_up)
 CONTEXT_TOKENS = 32  # tokens already in the caches when a step is timed: a short chat's worth
 VERIFY_SIZES = tuple(range(1, 17))
-# Drafting steps are cheap (an H100: k = 3 drafts and a verify, ~20 ms), and few of them read the pairing wrong: 5
-# steps a phase, each on a fresh context's first steps, read paired/alone 1.06-1.24 where 40 steps after 2 untimed
-# ones read 1.015 (bench/results/h100-2026-12-06e-draft-pairing)
+# Drafting steps are cheap, and few of them read the pairing wrong (a fresh context's first steps read it high:
+# docs/decisions/0005)
 STEPS_PER_REPEAT = 8
 WARMUP_STEPS = 3
 ACCEPTANCES = (0.5, 0.7, 0.9)
@@ -219,8 +218,7 @@ def measure(target: Model, draft: Model | None, standalone_ms: float | None, k: 
     drift = max(p[1] for p in passes) / verify_ms[1]
     if draft is not None and standalone_ms is not None:
         # Paired at the draft length the policy would run here (at the highest acceptance asked about), not past
-        # it: beyond a backend's knee the loop never drafts, and there the slow verifies between the draft runs
-        # made the draft look 19% slower (llama.cpp on an H200's Vulkan driver at k = 8; 0.95x at k = 3).
+        # it: beyond a backend's knee the loop never drafts, and the slow verifies there make the draft look slower.
         k = max(1, CostModel(draft_step_ms=standalone_ms, verify_ms=verify_ms).best_draft_len(ACCEPTANCES[-1], k))
     idle_ms = paired_ms = None
     if draft is not None:

@@ -1,12 +1,10 @@
 """A pair's measured costs kept on disk, and a server's costs kept current while it idles.
 
 Kept per device (with its thread count), pair (each file's path, size and time) and shape (`$TANDEM_HOME/costs/`,
-or $TANDEM_COSTS), so later starts decide alike (near break-even a cost read off a cold or busy device decides
-differently from one start to the next) and a changed file is measured afresh, never read stale;
-TANDEM_RECALIBRATE=1 (or `--recalibrate`) measures afresh. Costs measured while other work took the cores are kept
-marked so (`Kept.quiet`): a start on a busy machine uses them rather than pay a measurement that busy, and a start on
-a quiet one measures them again. `cached_costs`: one sequence's (tandem bench, the doctor); `Calibrator`: a server's
-batched costs, estimated at start and measured in full a timing at a time while idle.
+or $TANDEM_COSTS), so later starts decide alike and a changed file is measured afresh (TANDEM_RECALIBRATE=1 or
+`--recalibrate`: always). Costs measured while other work took the cores are kept marked so (`Kept.quiet`): a busy
+start uses them, a quiet one measures them again. `cached_costs`: one sequence's (tandem bench, the doctor);
+`Calibrator`: a server's batched costs, estimated at start and measured in full a timing at a time while idle.
 """
 
 from __future__ import annotations

@@ -35,20 +35,14 @@ def apply_repeat_penalty(logits: torch.Tensor, ids: torch.Tensor, penalty: float
     return logits.scatter(-1, ids, torch.where(picked > 0, picked / penalty, picked * penalty))
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, W] int32 words -> [N, vocab] bool, True where the token is allowed (on the words' device)."""
-    if bitmask.device.type == "cpu":
-        return torch.from_numpy(_unpack_numpy(bitmask, vocab).view(np.bool_))
-    return unpack_bitmask_torch(bitmask, vocab)
-
-
 def _unpack_numpy(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
     """[N, vocab] uint8 (0 or 1) of CPU words: numpy's unpackbits, ~50x torch's shifts on a 152k vocabulary."""
     return np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
 
 
 def unpack_bitmask_torch(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """unpack_bitmask in torch ops, for words on an accelerator."""
+    """[N, W] int32 words -> [N, vocab] bool, True where the token is allowed, in torch ops (words on an
+    accelerator)."""
     shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()

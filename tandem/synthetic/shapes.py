@@ -78,19 +78,6 @@ def parse_shape(spec: str) -> ModelConfig:
     return replace(config, **values, name=spec)
 
 
-def weight_count(config: ModelConfig) -> int:
-    """Parameters of a config (tied embeddings counted once)."""
-    from tandem.loading.weights import expected_tensors
-
-    total = 0
-    for shape in expected_tensors(config).values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total
-
-
 def tiny_tokenizer(vocab_size: int):
     """The tiny test tokenizer (tandem.synthetic.tiny_gguf), built in memory: encodes any text to ids < ~310."""
     from tandem.loading.tokenizer import CHATML_TEMPLATE, Tokenizer, _build_backend
