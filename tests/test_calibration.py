@@ -1,4 +1,4 @@
-"""A server's costs at start-up (tandem.engine.calibration.Calibrator, tandem.speculative.calibrate's kept costs):
+"""A server's costs at start-up (tandem.engine.cost_store: the Calibrator and the kept costs):
 kept from an earlier start, else estimated in seconds; measured in full while the server is idle; never read for a
 changed file. Counted in timed forwards, not seconds."""
 
