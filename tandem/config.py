@@ -65,7 +65,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class PolicyConfig:
     """The adaptive draft policy's tuning, each field with its why; the runs behind the figures are in
-    docs/decisions/0004-cost-model.md (costs) and 0005-acceptance-policy.md (acceptance, budgets, reads)."""
+    docs/decisions/0005-cost-model.md (costs) and 0006-acceptance-policy.md (acceptance, budgets, reads)."""
 
     # Acceptance. Pseudo-counts (accepted, drafted) a fresh process starts from and every estimate drifts back to
     # while drafting is off: a = 0.7, what same-family pairs reach on code and JSON, held weakly (2 positions).

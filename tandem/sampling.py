@@ -74,7 +74,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) (int64, the first of equal maxima, as torch's). On the CPU through numpy: torch's
-    thread pool waits for busy cores, ~10-200x numpy's time over a 152k-wide row (docs/decisions/0006)."""
+    thread pool waits for busy cores, ~10-200x numpy's time over a 152k-wide row (docs/decisions/0007)."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or logits.requires_grad:
         return logits.argmax(dim=-1)
     return torch.from_numpy(np.asarray(logits.numpy().argmax(axis=-1), dtype=np.int64))

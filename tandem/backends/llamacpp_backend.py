@@ -23,7 +23,7 @@ an F16 KV cache, llama.cpp's CPU flash attention splits a single query's keys ac
 span reaches 512 (contexts past 256 tokens) but not a batch's, so logits drifted by up to 3.6 after 300 tokens; a
 Q8_0 K cache takes the same unsplit kernel for 1 and n queries (exact at 100, 300 and 520 tokens, same speed),
 so the CPU default is a Q8_0 K cache with flash attention. V stays F16: that kernel reads V per query row either
-way, and a Q8_0 V costs its dequantising (docs/decisions/0006). Set GGML_CPU_TILED_MM=1 for a faster prefill
+way, and a Q8_0 V costs its dequantising (docs/decisions/0007). Set GGML_CPU_TILED_MM=1 for a faster prefill
 where exact greedy identity does not matter. GPU builds
 (Vulkan, CUDA, Metal) pick matrix-vector kernels for small batches and are not batch-invariant: measure there.
 

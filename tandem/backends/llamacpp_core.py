@@ -252,7 +252,7 @@ class BatchedForward:
     KV layout (kv_streams): on the CPU each sequence has a KV stream of its own, its keys in position order as in a
     context of its own and attention reading only its stream, so that its logits do not depend on the batch. But
     llama.cpp splits a call over several streams into ubatches of equally many rows per sequence, each a pass over
-    the weights (a verify of 3, 1, 3 and 2 rows takes four: docs/decisions/0006). GPU kernels are not batch-invariant
+    the weights (a verify of 3, 1, 3 and 2 rows takes four: docs/decisions/0007). GPU kernels are not batch-invariant
     anyway, so there the sequences share one unified cache (masked attention over every sequence's cells) and a call is
     one pass, as a lone sequence's is."""
 

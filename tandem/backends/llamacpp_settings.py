@@ -36,5 +36,5 @@ def steady_shapes(device: str) -> bool:
     """Whether a draft should keep its forwards' shape steady (one row a sequence a forward, a 2-token catch-up in
     two forwards) on this device: llama.cpp rebuilds a context's graph when a forward's shape differs from the one
     before (and CUDA re-captures it), which on a GPU costs about a draft step; on a CPU the rebuild is a small part
-    of a step, where a forward more costs the whole step (docs/decisions/0006)."""
+    of a step, where a forward more costs the whole step (docs/decisions/0007)."""
     return device.split(":")[0].lower() != "cpu"

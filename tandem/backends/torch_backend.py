@@ -133,7 +133,7 @@ class TorchBatchedCache(BatchedCache):
     way the weights are read once for every sequence in the batch. TANDEM_PACKED=0 turns the packed path off.
     TANDEM_BATCH_INVARIANT=0 runs a batch of one sequence as its TorchSequence's StepGraph (compiled, cuBLAS's
     logits) instead: a little faster, but a sequence alone and in a batch may then differ in the last bits of its
-    logits (docs/decisions/0006). A cache of one slot (`tandem.generate`'s engine) always runs that way.
+    logits (docs/decisions/0007). A cache of one slot (`tandem.generate`'s engine) always runs that way.
     Per-slot static caches rather than paged blocks: positions stay absolute (rewind moves a length, graphs keep
     their shapes), at the price of reserving a whole context a slot (docs/batching.md).
     """
@@ -374,7 +374,7 @@ class TorchModel(Model):
         """Compile the step for prompts longer than the graphs replay (one forward of GRAPH_CHUNKS_MAX + 1 tokens
         into a cache that holds nothing yet), once per kind of cache (a pool's row, a view, and a cache of its own
         are guarded apart), with the model's first sequence of that kind: else the first long prompt waits for it
-        (tens of seconds on a GPU). Dynamic shapes: every longer prompt reuses it (docs/decisions/0006)."""
+        (tens of seconds on a GPU). Dynamic shapes: every longer prompt reuses it (docs/decisions/0007)."""
         n, kind = GRAPH_CHUNKS_MAX + 1, cache.k[0]._base is not None
         if self.compiled_caches is None or kind in self.compiled_caches or cache.k[0].shape[2] < n:
             return

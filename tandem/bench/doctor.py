@@ -40,7 +40,7 @@ WARMUP_S = 1.0  # one-token forwards before the first timing of each model (see 
 CONTEXT_TOKENS = 32  # tokens already in the caches when a step is timed: a short chat's worth
 VERIFY_SIZES = tuple(range(1, 17))
 # Drafting steps are cheap, and few of them read the pairing wrong (a fresh context's first steps read it high:
-# docs/decisions/0006)
+# docs/decisions/0007)
 STEPS_PER_REPEAT = 8
 WARMUP_STEPS = 3
 ACCEPTANCES = (0.5, 0.7, 0.9)

@@ -42,7 +42,7 @@ AHEAD_PAIRS = 7  # feed-ahead: differences of a verify with and without the feed
 # Rows a sequence at which the target's forward is timed: 1, 2 and k_max + 1, then PROBE_ROWS; where V there is
 # off the line through the others by NONLINEAR, FINE_ROWS too. V(n) need be no straight line (llama.cpp's Vulkan
 # matrix-vector kernel takes up to 8 columns); on a CPU it is one, and the probe is all it costs.
-# The measurements behind these constants: docs/decisions/0004-cost-model.md.
+# The measurements behind these constants: docs/decisions/0005-cost-model.md.
 PROBE_ROWS = (5,)
 FINE_ROWS = (3, 8)
 NONLINEAR = 0.15

@@ -149,7 +149,7 @@ def _plan_one(candidates: list[Candidate | None], i: int, costs: BatchCosts, ext
               previous_rows: int | None, drafting: bool, rates: dict | None) -> list[int]:
     """plan() where one sequence, candidates[i], may draft and every other steps plain (a lone request's every
     step): the same arithmetic over K = 1..k_max in Python floats. plan()'s arrays cost ~40 numpy calls a step, each
-    slow in the loop, where the forwards between steps evict the host's caches (docs/decisions/0005)."""
+    slow in the loop, where the forwards between steps evict the host's caches (docs/decisions/0006)."""
     c, batch = candidates[i], len(candidates)
     ks = [0] * batch
     plain_rows = batch + extra_rows

@@ -1,7 +1,7 @@
 """Plain decode steps queued ahead of the host: a lone sequence's plain stretch without a host sync a step.
 
 Each step's input is the previous step's output, still on the device, so the host queues a step before the one
-before it has run and the GPU never waits for Python between steps (docs/decisions/0006). Each token is copied
+before it has run and the GPU never waits for Python between steps (docs/decisions/0007). Each token is copied
 back as it lands, QUEUE_DEPTH steps behind the queue, so a stop token ends the run with at most QUEUE_DEPTH - 1
 steps computed past it, and dropped.
 """

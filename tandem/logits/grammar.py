@@ -1,7 +1,7 @@
 """Grammars for structured output (OpenAI's response_format, llama-server's GBNF `grammar`), through llguidance.
 
 llguidance rather than xgrammar: faster masks and schema compiles on Qwen's 152k vocabulary, and a wheel with no
-dependencies (docs/decisions/0006).
+dependencies (docs/decisions/0007).
 
 A `Matcher` is one sequence's grammar state. Speculation needs the state after each prefix of the drafts, so it
 holds the committed tokens' state plus drafts advanced tentatively on top (`extend`), the mask after each of those

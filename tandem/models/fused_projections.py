@@ -1,7 +1,7 @@
 """A decode step's projections as Triton kernels (GPU, tiles of 16 rows), with the elementwise work around them fused.
 
 A graphed decode step of a small model is bound by its kernels' fixed costs, not by bytes (the profile:
-docs/decisions/0006), so here a layer is four kernels (and attention), not eleven:
+docs/decisions/0007), so here a layer is four kernels (and attention), not eleven:
  - `qkv_rope`: rms_norm(x) @ W_qkv^T + b, rope on q and k, k and v written into the cache at their positions;
  - `gate_up_act`: act(rms_norm(x) @ W_gate^T) * (rms_norm(x) @ W_up^T), the [T, 2F] intermediate never stored;
    both take the norm's scale folded into W (Transformer's fuse_projections) and x as it is: each output row is
@@ -18,7 +18,7 @@ Each program reads a slab of whole weight rows and one tile of BLOCK_ROWS input 
 dot in a fixed order whatever the other rows hold: padding rows never change a real row's bits (see StepGraph), nor
 do a batch's other sequences (Transformer.forward_packed, which also takes `embed_rows` and `norm_logits` below).
 A tile's programs re-read the weights (from L2); larger tiles re-read less but cost more at one sequence. The
-measurements behind the tile and launch choices: docs/decisions/0006-kernels-and-backends.md.
+measurements behind the tile and launch choices: docs/decisions/0007-kernels-and-backends.md.
 """
 
 from __future__ import annotations

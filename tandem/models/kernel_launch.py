@@ -12,7 +12,7 @@ A kernel lets the next one launch after its main loop: at its start instead, the
 in SM slots this kernel's blocks still needed.
 
 Not done: asking L2 for a kernel's weights before its wait (cp.async.bulk.prefetch.L2), so its stream from memory
-would start under the tail of the kernel before: on an H200 it made every kernel slower (docs/decisions/0006).
+would start under the tail of the kernel before: on an H200 it made every kernel slower (docs/decisions/0007).
 """
 
 from __future__ import annotations
