@@ -21,11 +21,11 @@ from test_lossless import chi_square_pvalue, residual_from_target, residual_from
 import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
 from tandem.engine import outcomes as outcomes_module  # noqa: E402
-from tandem.loading.synthetic_heads import write_eagle3, write_gemma4_assistant  # noqa: E402
 from tandem.logits.options import logits_settings  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
 from tandem.speculative.compat import HeadMismatchError, check_head  # noqa: E402
 from tandem.speculative.verify import verify_greedy, verify_sampled  # noqa: E402
+from tandem.synthetic.heads import write_eagle3, write_gemma4_assistant  # noqa: E402
 
 TARGET = dict(arch="gemma4", layout="dense", n_layers=3, qtype="Q8_0", seed=5, tie_embeddings=True)  # d_model 64
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "hi"]
@@ -234,11 +234,10 @@ def test_eagle3_drafts_through_the_worker_process_as_in_this_one(eagle_pair, tin
 
 
 def test_draft_auto_finds_the_head_beside_the_target_and_models_heads_says_which_fit(tmp_path, capsys):
-    from tandem.loading.synthetic import write_tiny_gguf
-
     from tandem.api import load_pair
     from tandem.cli import main
     from tandem.speculative.compat import find_head
+    from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
     target = write_tiny_gguf(tmp_path / "target.gguf", **TARGET)
     with pytest.raises(ValueError, match="no head draft"):

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from tandem.loading import synthetic_gemma4 as gemma4
-from tandem.loading.synthetic import (
+from tandem.synthetic import gemma4
+from tandem.synthetic.tiny_gguf import (
     FILE_TYPE,
     SUPPORTED_QTYPES,
     TINY_MERGES,
@@ -72,7 +72,7 @@ def write_gemma4_assistant(
     metadata: dict[str, Any] | None = None,
 ) -> str:
     """Write a random-weight gemma4-assistant GGUF for a gemma4 "dense" target written by
-    `tandem.loading.synthetic.write_tiny_gguf(arch="gemma4", ...)` with the same n_kv_heads, head_dim,
+    `tandem.synthetic.tiny_gguf.write_tiny_gguf(arch="gemma4", ...)` with the same n_kv_heads, head_dim,
     vocab_size and sliding_window, and d_model = target_d_model; return its path. Its own width d_model may differ
     but not equal it (llama.cpp tells the two apart by it; the real assistants are narrower). qtype: the
     matrices' storage type; metadata: keys to add or replace (None deletes one), for testing the loader's errors."""
@@ -138,7 +138,7 @@ def write_gemma4_assistant(
 
 
 # Random pairs of real shapes for a GPU (a gemma4 target and its assistant), written by `python -m
-# tandem.loading.synthetic_heads`. The target shapes follow the published Gemma 4 configs as far as this tree's
+# tandem.synthetic.heads`. The target shapes follow the published Gemma 4 configs as far as this tree's
 # tiny writer models them (sliding layers of head_dim, every third layer full with twice the width); the
 # assistants' widths and depths are assumptions (check them against the real *-assistant config.json).
 PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -154,7 +154,7 @@ def write_head_pair(folder: str | os.PathLike[str], preset: str = "tiny", qtype:
                     head_qtype: str = "Q8_0", seed: int = 0) -> tuple[str, str]:
     """(target path, head path): a random gemma4 target of the preset's shape and an assistant that fits it, side
     by side in `folder` (so `--draft auto` finds it)."""
-    from tandem.loading.synthetic import write_tiny_gguf
+    from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -194,7 +194,7 @@ def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
     embedding and output (the tiny vocabulary). Return its path."""
     from gguf import GGUFWriter
 
-    from tandem.loading.synthetic import tiny_vocab
+    from tandem.synthetic.tiny_gguf import tiny_vocab
 
     if len(target_layers) != 3:
         raise ValueError(f"EAGLE-3 reads exactly 3 target layers, got {target_layers}")
