@@ -152,6 +152,7 @@ def test_greedy_with_the_head_is_the_target_alone_and_batched(both):
                               draft_policy="fixed", draft_max=4)
     assert [r.tokens for r in alone] == plain
     assert [r.tokens for r in batched] == plain
+    assert {r.stats.draft_kind for r in alone + batched} == {"head"}
     assert_speculated(*(r.stats for r in alone + batched), rejected=True)
     # with nothing to agree on the head's drafts are all rejected, and the output is the target's all the same
     unbiased = tandem.generate(target, prompt=PROMPTS[1], max_tokens=16, draft=head, draft_policy="fixed")

@@ -182,6 +182,7 @@ class Engine:
         gen = Generation(request, self.target.tokenizer, self.device, self.draft_max, self.stop_token_ids,
                          proposer, {source: self.prior.counts(source) for source in sources})
         gen.stats.prompt_tokens = n
+        gen.stats.draft_kind = "head" if self.head else "model"
         gen.processor = processor_for(request.logits, self.target.tokenizer, vocab, request.prompt, self.device)
         if self.synthetic_acceptance is not None and gen.generator is None:  # greedy, but acceptance is drawn
             gen.generator = make_generator(request.sampling.seed, self.device)

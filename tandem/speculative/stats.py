@@ -22,6 +22,7 @@ class GenerationStats:
     draft_ms: float = 0.0  # total time proposing draft tokens in this generation
     verify_ms: float = 0.0  # total time of the target's verify/plain forwards and acceptance in this generation
     proposer: str = "none"  # "draft-model", "ngram", "mixed" (the draft model and prompt lookup), "none"
+    draft_kind: str = "model"  # what drafts as the "draft-model" source: a draft "model", or a "head" (decisions/0004)
     policy: str = "none"  # "fixed", "adaptive", "none"
     draft_len_counts: dict[int, int] = field(default_factory=dict)  # k chosen -> iterations that used it
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = iterations that accepted draft token i
