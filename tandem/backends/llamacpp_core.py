@@ -33,7 +33,7 @@ import llama_cpp.llama_cpp as llc
 import numpy as np
 
 from tandem.backends.devices import DeviceInfo, device_info, no_device_hint
-from tandem.backends.llamacpp_runtime import captured_log, init_llama, recent_errors
+from tandem.backends.llamacpp_runtime import captured_log, init_llama, output_hidden, read_hidden, recent_errors
 
 MAX_FREE_CONTEXTS = 4  # closed sequences' contexts kept per model for reuse
 GPU_DEVICES = ("vulkan", "metal", "cuda", "rocm", "hip", "sycl", "gpu")
@@ -275,7 +275,6 @@ class BatchedForward:
         """From now on keep the hidden state (the target's post-norm one, `width` values) of every row a forward
         reads, by slot and position, for a head draft (llamacpp_head). Costs the last layer its rows' skipping: a
         prompt's every row goes through it."""
-        from tandem.backends.llamacpp_head import output_hidden
 
         output_hidden(self.context.ctx)
         self.hidden_width = width
@@ -285,7 +284,6 @@ class BatchedForward:
         return self._hidden[slot].get(position)
 
     def _keep_rows(self, seq_ids: list[int], positions: list[int], wanted: list[bool]) -> None:
-        from tandem.backends.llamacpp_head import read_hidden
 
         rows = read_hidden(self.context.ctx, len(seq_ids), self.hidden_width)
         for r, (slot, position, read) in enumerate(zip(seq_ids, positions, wanted, strict=True)):

@@ -25,54 +25,7 @@ import llama_cpp.llama_cpp as llc
 import numpy as np
 
 from tandem.backends.llamacpp_core import HIDDEN_KEPT, Allocator, BatchedForward, LlamaCppWeights, new_rows
-from tandem.backends.llamacpp_runtime import recent_errors
-
-# llama-ext.h's staging API, by its Itanium-mangled names (libllama exports them; llama-cpp-python does not bind them)
-_STAGING = {
-    "set_embeddings_nextn": ("_Z26llama_set_embeddings_nextnP13llama_contextbb",
-                             [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None),
-    "get_embeddings_nextn": ("_Z26llama_get_embeddings_nextnP13llama_context", [ctypes.c_void_p],
-                             ctypes.POINTER(ctypes.c_float)),
-    "get_embeddings_nextn_ith": ("_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
-                                 [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
-    "set_embeddings_layer_inp": ("_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
-                                 [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None),
-    "get_embeddings_layer_inp": ("_Z30llama_get_embeddings_layer_inpP13llama_contextj",
-                                 [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)),
-}
-
-
-def _staging(name: str):
-    symbol, argtypes, restype = _STAGING[name]
-    try:
-        function = getattr(llc._lib, symbol)
-    except AttributeError as missing:
-        raise RuntimeError(f"this llama.cpp build does not export {symbol} (llama-cpp-python 0.3.36's does): head "
-                           "drafts need it") from missing
-    function.argtypes, function.restype = argtypes, restype
-    return function
-
-
-def supports_heads() -> bool:
-    """Whether this libllama has what head drafts call."""
-    try:
-        for name in _STAGING:
-            _staging(name)
-    except RuntimeError:
-        return False
-    return hasattr(llc, "LLAMA_CONTEXT_TYPE_MTP") and hasattr(llc, "llama_batch_ext_init")
-
-
-def output_hidden(ctx) -> None:
-    """Make a target context output its hidden state for every row of every decode (read_hidden)."""
-    _staging("set_embeddings_nextn")(ctx, True, False)
-
-
-def read_hidden(ctx, rows: int, width: int) -> np.ndarray:
-    """The last decode's hidden states [rows, width], one per batch row, in batch order: valid until the next decode
-    (a view of llama.cpp's buffer; copy what is kept)."""
-    address = ctypes.cast(_staging("get_embeddings_nextn")(ctx), ctypes.c_void_p).value
-    return np.frombuffer((ctypes.c_float * (rows * width)).from_address(address), np.float32).reshape(rows, width)
+from tandem.backends.llamacpp_runtime import recent_errors, staging
 
 
 class HeadForward:
@@ -99,8 +52,8 @@ class HeadForward:
                                + " | ".join(recent_errors))
         self.ctx, self.path = ctx, path
         self.vocab_size, self.hidden_width, self.n_batch = vocab_size, hidden_width, params.n_batch
-        _staging("set_embeddings_nextn")(ctx, True, True)  # its next hidden state, for the rows it outputs
-        self._get_hidden_ith = _staging("get_embeddings_nextn_ith")
+        staging("set_embeddings_nextn")(ctx, True, True)  # its next hidden state, for the rows it outputs
+        self._get_hidden_ith = staging("get_embeddings_nextn_ith")
         self.batch = llc.llama_batch_ext_init(ctx)
         self._position = (ctypes.c_int32 * 1)()
 
@@ -198,7 +151,7 @@ class Eagle3Drafts:
     def __init__(self, head: LlamaCppWeights, target: BatchedForward, layers: Seq[int], target_width: int,
                  width: int) -> None:
         self.target, self.layers, self.target_width, self.width = target, list(layers), target_width, width
-        set_layer = _staging("set_embeddings_layer_inp")
+        set_layer = staging("set_embeddings_layer_inp")
         for layer in self.layers:
             set_layer(target.context.ctx, layer, True)
         params = llc.llama_context_default_params()
@@ -214,10 +167,10 @@ class Eagle3Drafts:
             raise RuntimeError(f"llama.cpp could not create the EAGLE-3 context for {head.path!r}: "
                                + " | ".join(recent_errors))
         self.path, self.vocab_size, self.n_batch = head.path, head.vocab_size, params.n_batch
-        _staging("set_embeddings_nextn")(self.ctx, True, True)  # g from the encoder, the pre-norm state from decodes
-        self._get_state = _staging("get_embeddings_nextn")
-        self._get_state_ith = _staging("get_embeddings_nextn_ith")
-        self._get_layer = _staging("get_embeddings_layer_inp")
+        staging("set_embeddings_nextn")(self.ctx, True, True)  # g from the encoder, the pre-norm state from decodes
+        self._get_state = staging("get_embeddings_nextn")
+        self._get_state_ith = staging("get_embeddings_nextn_ith")
+        self._get_layer = staging("get_embeddings_layer_inp")
         self.memory = llc.llama_get_memory(self.ctx)
         self.batch = llc.llama_batch_ext_init(self.ctx)
         self._position = (ctypes.c_int32 * 1)()
