@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from tandem.backends.base import Alongside, ContextOverflowError, Model
+from tandem.backends.base import Alongside, Model
 from tandem.config import EngineConfig
 from tandem.engine import calibration
 from tandem.engine.cost_store import costs_path, kept_costs
@@ -29,6 +29,7 @@ from tandem.engine.generation import (
     Request,
     StepTimes,
     TokenLogprob,
+    check_prompt,
 )
 from tandem.engine.kv_pool import SlotTable, fit_slots
 from tandem.engine.outcomes import read_outcomes, reads_argmax_only
@@ -167,13 +168,7 @@ class Engine:
     def add(self, request: Request) -> Generation:
         """Queue a request; it joins the running batch at the next step with a free slot."""
         n, vocab = len(request.prompt), self.target.vocab_size
-        if n >= self.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt has {n} tokens but the context holds {self.n_ctx}, with room for at least one "
-                f"generated token: {n - self.n_ctx + 1} tokens too many")
-        bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is out of range [0, {vocab})")
+        check_prompt(request.prompt, vocab, self.n_ctx)
         proposer = self.proposer
         if proposer == DRAFT_MODEL and self.config.prompt_lookup and request.draft_policy == "adaptive":
             proposer = "mixed"  # a fixed draft length is the draft model's, as in tandem.generate

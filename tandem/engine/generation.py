@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.backends.base import ContextOverflowError
 from tandem.config import DRAFT_POLICIES, POLICY
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.logits.processor import LogitsProcessor, LogitsSettings
@@ -80,6 +81,21 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context is full)
     stats: GenerationStats = field(default_factory=GenerationStats)
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+
+
+def check_prompt(prompt: Seq[int], vocab: int, n_ctx: int) -> None:
+    """What a prompt must be for a model of `vocab` tokens and `n_ctx` positions: the one check, the engine's and
+    the server's (which answers it as a 400). Raises ValueError, or ContextOverflowError for a prompt that leaves
+    no room for a generated token."""
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is out of range [0, {vocab})")
+    if len(prompt) >= n_ctx:
+        raise ContextOverflowError(
+            f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}, with room for at least one "
+            f"generated token: {len(prompt) - n_ctx + 1} tokens too many")
 
 
 @dataclass

@@ -43,11 +43,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from tandem.backends.base import Model
+from tandem.backends.base import ContextOverflowError, Model
 from tandem.config import EngineConfig, ServerConfig
 from tandem.engine import Engine
 from tandem.engine import Request as EngineRequest
 from tandem.engine.cost_store import Calibrator, machine_busy, model_threads
+from tandem.engine.generation import check_prompt
 from tandem.logits.grammar import ll_tokenizer
 from tandem.sampling import SamplingParams
 from tandem.server import anthropic_messages, openai_responses, openapi, protocol
@@ -246,17 +247,12 @@ class Server:
         return detect_format(template, self.target.config.architecture)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise APIError(400, "the prompt is empty: at least one token is needed", param=param)
-        vocab = self.target.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param=param)
-        n_ctx = self.target.n_ctx
-        if len(ids) >= n_ctx:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the context holds {n_ctx}, with room for at "
-                           f"least one generated token: {len(ids) - n_ctx + 1} tokens too many", param=param,
-                           code="context_length_exceeded")
+        try:
+            check_prompt(ids, self.target.vocab_size, self.target.n_ctx)
+        except ContextOverflowError as error:
+            raise APIError(400, str(error), param=param, code="context_length_exceeded") from None
+        except ValueError as error:
+            raise APIError(400, str(error), param=param) from None
 
     # --- generation ----------------------------------------------------------------------------------------
 
