@@ -317,10 +317,9 @@ class TorchModel(Model):
         self.load_seconds = 0.0
         on_cuda = self.torch_device.type == "cuda"
         if on_cuda:
-            # cuDNN's attention builds a plan per new (rows, keys) shape: ~55 ms on an H100 for a 1.5B model, paid by
-            # every conversation turn (each a new length); the other SDPA kernels take any shape at no cost and ran
-            # a prefill as fast (docs/decisions/0003-first-token.md). Process-wide: torch offers no per-call switch
-            # that compiled code keeps.
+            # cuDNN's attention builds a plan per new (rows, keys) shape, paid by every conversation turn (each a new
+            # length); the other SDPA kernels take any shape at no cost (docs/decisions/0003-first-token.md).
+            # Process-wide: torch offers no per-call switch that compiled code keeps.
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.use_graphs = graphs if graphs is not None else on_cuda and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
         self.step = self.transformer.forward  # what graphs capture; compiled on CUDA (see _compile_step)
@@ -399,13 +398,14 @@ def _compile_step(transformer: Transformer):
     into a few kernels, a third of the launches an eager step makes. Falls back to the eager forward when Triton is
     missing or compilation fails.
 
-    One compiled layer serves every layer (their weights are its inputs): a whole 28-layer forward took 219 s to
-    compile on an H100. It compiles once a model and kind of call, never for a new length: the last_only choice stays
-    outside (a bool would be a guard), shapes are dynamic without duck sizing (a prompt of exactly head_dim or
-    n_kv_heads tokens would otherwise specialise on it) and no prompt piece is shorter than the first compiled one
-    (see prefill_chunks). Its variants, all compiled at start: the target and the draft x a pool's row or a cache of
-    its own x prompt pieces or StepGraph's rows (x local and global layers, where a model has both). Past dynamo's
-    recompile limit (raised to 16 for them) a step would fall back to eager with a warning."""
+    One compiled layer serves every layer (their weights are its inputs): compiling the whole forward took minutes
+    on a GPU (docs/decisions/0003). It compiles once a model and kind of call, never for a new length: the
+    last_only choice stays outside (a bool would be a guard), shapes are dynamic without duck sizing (a prompt of
+    exactly head_dim or n_kv_heads tokens would otherwise specialise on it) and no prompt piece is shorter than the
+    first compiled one (see prefill_chunks). Its variants, all compiled at start and shared by the target and the
+    draft: a pool's row or a cache of its own x prompt pieces or StepGraph's rows (x local and global layers, where
+    a model has both). Past dynamo's recompile limit (raised to 16 for them) a step would fall back to eager with a
+    warning."""
     try:
         import triton  # noqa: F401  (Inductor's GPU code generator)
     except ImportError:

@@ -223,7 +223,7 @@ class Transformer(torch.nn.Module):
               bias: torch.Tensor | None, fused_projection: bool, split_k: bool
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decoder layer of `hidden` over x [1, T, d]: the unit a compiled step compiles, once for every layer
-        (their weights, w, are its inputs; compiling the whole forward took 219 s on an H100 for 28 layers)."""
+        (their weights, w, are its inputs): dynamo traces one layer, not all of them (docs/decisions/0003)."""
         c = self.config
         rope = self.rope_local if local else self.rope_global
         if fused_projection:  # the norm, q, k, v, bias, rope and the cache writes in one kernel

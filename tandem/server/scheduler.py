@@ -212,8 +212,8 @@ class Scheduler:
         """Seconds to wait for a job before the first idle task is due (0: it is due), at most IDLE_WAIT_S."""
         if self.engine is None or not self._idle:
             return IDLE_WAIT_S
-        # A cost timing in the few ms between one client's requests delayed each by it (2-core CPU, 1 client:
-        # TTFT 1.4 s against 0.45 without a draft) and, with one slot, overwrote the conversation's prompt.
+        # A cost timing in the few ms between one client's requests delayed each by it and, with one slot, overwrote
+        # the conversation's prompt (docs/decisions/0001).
         due = max(self._idle_due, self._busy_until + QUIET_S)
         return min(IDLE_WAIT_S, max(0.0, due - time.monotonic()))
 
