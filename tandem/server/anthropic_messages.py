@@ -31,7 +31,6 @@ from pydantic import Field
 
 from tandem.server import openapi
 from tandem.server.asgi import SSEResponse, sse_event
-from tandem.server.completion import as_api_error
 from tandem.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -41,7 +40,7 @@ from tandem.server.protocol import (
     anthropic_error_body,
     parse_request,
 )
-from tandem.server.turns import Call, ClientGone, Turn, chat_prompt
+from tandem.server.turns import Call, Turn, chat_prompt
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -306,12 +305,7 @@ def add_routes(app: FastAPI, server) -> None:
         if body.stream:
             return SSEResponse(stream(turn, message_id, server.model_name, request),
                                on_close=lambda: server.cancel(turn.jobs))
-        try:
-            text, calls = await turn.whole(request)
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001  (said as as_api_error says it)
-            raise as_api_error(e) from None
+        text, calls = await turn.whole(request)
         turn.summarize(request)
         return JSONResponse(message_object(message_id, server.model_name, content_blocks(text, calls), turn))
 

@@ -59,7 +59,7 @@ from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRe
 from tandem.server.safety import BrowserGuard
 from tandem.server.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError
 from tandem.server.tools import FORCED_FORMAT, detect_format, template_supports_tools
-from tandem.server.turns import chat_prompt
+from tandem.server.turns import ClientGone, chat_prompt
 
 log = logging.getLogger("tandem.server")
 
@@ -138,7 +138,7 @@ class Server:
             self.calibrator.start()
             if not str(target.device).startswith("cpu"):
                 # A GPU times the whole measurement in seconds; a server loaded from its start is never idle and
-                # planned from the estimate all along (H100, 4-64 clients: 0.68-0.93x plain; decisions/0001).
+                # planned from the estimate all along (docs/decisions/0001).
                 self.calibrator.measure_now(ServerConfig.measure_at_start_s)
             log.info("costs: %s (%s)", self.calibrator.source, self.costs_summary())
             self.idle_work.append(lambda: self.calibrator.step(hurry=self.scheduler.has_waiting))
@@ -400,6 +400,10 @@ def create_app(
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         request.state.generation_summary = f" {exc.message}"  # the access log says why
         return error_response(request, exc.status, exc.body(), exc.headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # the client closed the request (nginx's code): nobody reads it
 
     @app.exception_handler(BodyTooLargeError)
     async def too_large(request: Request, exc: BodyTooLargeError) -> JSONResponse:

@@ -32,7 +32,6 @@ from pydantic import Field
 
 from tandem.server import openapi
 from tandem.server.asgi import SSEResponse, sse_event
-from tandem.server.completion import as_api_error
 from tandem.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -42,7 +41,7 @@ from tandem.server.protocol import (
     _whole,
     parse_request,
 )
-from tandem.server.turns import Call, ClientGone, Turn, chat_prompt
+from tandem.server.turns import Call, Turn, chat_prompt
 
 STORE_SIZE = 256  # stored responses at most (each holds its whole conversation's text): the oldest go first
 STORE_TTL_S = 3600.0  # a stored response is forgotten this long after it was made
@@ -394,12 +393,7 @@ def add_routes(app: FastAPI, server) -> None:
         turn = Turn(server, chat, ids, tool_format)
         if req.stream:
             return SSEResponse(stream(exchange, turn, request), on_close=lambda: server.cancel(turn.jobs))
-        try:
-            text, calls = await turn.whole(request)
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001  (said as as_api_error says it)
-            raise as_api_error(e) from None
+        text, calls = await turn.whole(request)
         if text or not calls:
             exchange.output.append(message_item(_id("msg"), text))
         exchange.output += [call_item(_id("fc"), call) for call in calls]

@@ -85,11 +85,17 @@ class Turn:
             self.server.cancel(self.jobs)  # a no-op once finished; frees the slot when the client left
 
     async def whole(self, request: Request) -> tuple[str, list[Call]]:
-        """The whole reply: its text and its calls (ClientGone when the client left first)."""
+        """The whole reply: its text and its calls. ClientGone when the client left first (the app answers 499);
+        any other failure as as_api_error says."""
         texts, calls = [], []
-        async for text, more in self.deltas(request):
-            texts.append(text)
-            calls += more
+        try:
+            async for text, more in self.deltas(request):
+                texts.append(text)
+                calls += more
+        except ClientGone:
+            raise
+        except Exception as e:  # noqa: BLE001  (said as as_api_error says it)
+            raise as_api_error(e) from None
         return "".join(texts), calls
 
     def summarize(self, request: Request) -> None:
