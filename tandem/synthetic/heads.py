@@ -13,7 +13,6 @@ attn_k / attn_v / attn_k_norm.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -25,8 +24,8 @@ from tandem.synthetic.tiny_gguf import (
     SUPPORTED_QTYPES,
     TINY_MERGES,
     TOKEN_TYPE_UNUSED,
-    _encode_matrix,
-    _value_type,
+    tiny_vocab,
+    write_gguf,
 )
 
 ASSISTANT_ARCH = "gemma4-assistant"
@@ -76,8 +75,6 @@ def write_gemma4_assistant(
     vocab_size and sliding_window, and d_model = target_d_model; return its path. Its own width d_model may differ
     but not equal it (llama.cpp tells the two apart by it; the real assistants are narrower). qtype: the
     matrices' storage type; metadata: keys to add or replace (None deletes one), for testing the loader's errors."""
-    from gguf import GGUFWriter
-
     if qtype not in SUPPORTED_QTYPES:
         raise ValueError(f"unsupported qtype {qtype!r}; supported: {', '.join(SUPPORTED_QTYPES)}")
     if d_model == target_d_model:
@@ -108,33 +105,7 @@ def write_gemma4_assistant(
         "tokenizer.ggml.merges": merges,
         **gemma4.tokenizer_kv(),
     }
-    for key, value in (metadata or {}).items():
-        if value is None:
-            kv.pop(key, None)
-        else:
-            kv[key] = value
-
-    writer = GGUFWriter(path, a)
-    for key, value in kv.items():
-        if isinstance(value, (list, tuple)):
-            writer.add_array(key, list(value))
-        else:
-            writer.add_key_value(key, value, _value_type(value))
-    for name, shape, kind in specs:
-        if kind == "norm":
-            writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
-        elif kind in ("rope_freqs", "scale"):
-            writer.add_tensor(name, gemma4.special_tensor(kind, shape, rng))
-        else:
-            std = 0.1 if name == "token_embd.weight" else min(0.1, 1.0 / math.sqrt(shape[-1]))
-            values = (std * rng.standard_normal(shape)).astype(np.float32)
-            array, raw_dtype = _encode_matrix(values, qtype, std, rng)
-            writer.add_tensor(name, array, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(path, a, kv, specs, qtype, rng, metadata)
 
 
 # Random pairs of real shapes for a GPU (a gemma4 target and its assistant), written by `python -m
@@ -192,10 +163,6 @@ def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
     the inputs of the target's `target_layers` (3 ids, each below its layer count) into d_model, one
     decoder block reads [its token embedding, the fused features] (2 * d_model wide), and it has its own token
     embedding and output (the tiny vocabulary). Return its path."""
-    from gguf import GGUFWriter
-
-    from tandem.synthetic.tiny_gguf import tiny_vocab
-
     if len(target_layers) != 3:
         raise ValueError(f"EAGLE-3 reads exactly 3 target layers, got {target_layers}")
     path = os.fspath(path)
@@ -248,21 +215,4 @@ def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
         ("output_norm.weight", (d_model,), "norm"),
         ("output.weight", (vocab_size, d_model), "matrix"),
     ]
-    writer = GGUFWriter(path, a)
-    for key, value in kv.items():
-        if isinstance(value, (list, tuple)):
-            writer.add_array(key, list(value))
-        else:
-            writer.add_key_value(key, value, _value_type(value))
-    for name, shape, kind in specs:
-        if kind == "norm":
-            writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
-            continue
-        std = 0.1 if name == "token_embd.weight" else min(0.1, 1.0 / math.sqrt(shape[-1]))
-        array, raw_dtype = _encode_matrix((std * rng.standard_normal(shape)).astype(np.float32), qtype, std, rng)
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(path, a, kv, specs, qtype, rng)

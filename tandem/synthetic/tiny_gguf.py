@@ -272,7 +272,6 @@ def write_tiny_gguf(
         layout: gemma4 only: "dense" (the 31B's tensors) or "e2b" (per-layer embeddings, shared KV layers);
             see tandem.synthetic.gemma4.
     """
-    from gguf import GGUFWriter
 
     if qtype not in SUPPORTED_QTYPES:
         raise ValueError(f"unsupported qtype {qtype!r}; supported: {', '.join(SUPPORTED_QTYPES)}")
@@ -331,32 +330,39 @@ def write_tiny_gguf(
         for key in ("feed_forward_length", "attention.head_count_kv", "rope.dimension_count"):
             kv.pop(f"{a}.{key}")
         kv.update(gemma4_kv)
-    for key, value in (metadata or {}).items():
-        if value is None:
-            kv.pop(key, None)
-        else:
-            kv[key] = value
-
-    writer = GGUFWriter(path, arch)
-    for key, value in kv.items():
-        vtype = _value_type(value)
-        if isinstance(value, (list, tuple)):
-            writer.add_array(key, list(value))
-        else:
-            writer.add_key_value(key, value, vtype)
-
     # --- tensors: torch-order shapes, same names as tandem.loading.weights.expected_tensors --------------------
     if arch == "gemma4":
         specs = gemma4_specs
     else:
         specs = tensor_specs(arch, n_layers, d_model, d_ffn, n_heads, n_kv_heads, head_dim, vocab_size, qkv_bias,
                               tie_embeddings)
+    skip, shape_overrides = set(skip_tensors), shape_overrides or {}
+    specs = [(name, tuple(shape_overrides.get(name, shape)), kind) for name, shape, kind in specs if name not in skip]
+    return write_gguf(path, arch, kv, specs, qtype, rng, metadata, tensor_qtypes)
 
-    skip, shape_overrides, tensor_qtypes = set(skip_tensors), shape_overrides or {}, tensor_qtypes or {}
+
+def write_gguf(path: str, arch: str, kv: dict[str, Any], specs: Iterable[tuple[str, tuple[int, ...], str]],
+               qtype: str, rng: np.random.Generator, metadata: dict[str, Any] | None = None,
+               tensor_qtypes: dict[str, str] | None = None) -> str:
+    """A GGUF of `kv` (metadata: keys to add or replace, None deletes one) and random tensors of `specs` (name,
+    shape, kind: "norm", "bias", "rope_freqs", "scale" or a matrix stored as qtype, or tensor_qtypes[name]), drawn
+    from rng in their order; the writer of every synthetic file. Returns path."""
+    from gguf import GGUFWriter
+
+    kv = dict(kv)
+    for key, value in (metadata or {}).items():
+        if value is None:
+            kv.pop(key, None)
+        else:
+            kv[key] = value
+    writer = GGUFWriter(path, arch)
+    for key, value in kv.items():
+        if isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        else:
+            writer.add_key_value(key, value, _value_type(value))
+    tensor_qtypes = tensor_qtypes or {}
     for name, shape, kind in specs:
-        if name in skip:
-            continue
-        shape = tuple(shape_overrides.get(name, shape))
         if kind == "norm":  # norms near 1 (for gemma3 this is the 1 + w llama.cpp's converter already folds in)
             writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
             continue
@@ -370,7 +376,6 @@ def write_tiny_gguf(
         values = (std * rng.standard_normal(shape)).astype(np.float32)
         array, raw_dtype = _encode_matrix(values, tensor_qtypes.get(name, qtype), std, rng)
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
-
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
