@@ -544,6 +544,25 @@ def test_a_requests_choices_queue_together_or_not_at_all():
         loop.close()
 
 
+def test_idle_work_waits_a_quiet_second_from_when_it_is_given():
+    """A server hands its idle work (the cost measurement) over at ready and its first request comes at once: the
+    work waits QUIET_S from then, not from the last request (none yet), so it does not run ahead of that request."""
+    import threading
+
+    from tandem.server import scheduler as sched
+
+    ran = threading.Event()
+    scheduler = sched.Scheduler(None, slots=1)
+    scheduler.attach(SimpleNamespace(slots=1, busy=False, step=lambda: [], cancel=lambda gen: None))
+    scheduler.start()
+    try:
+        scheduler.when_idle(lambda: ran.set())
+        assert not ran.wait(sched.QUIET_S / 2)  # the first request's time: nothing runs yet
+        assert ran.wait(sched.QUIET_S + 5)  # then, the server quiet, it runs
+    finally:
+        scheduler.stop()
+
+
 def test_model_work_runs_on_the_worker_and_fails_cleanly_at_shutdown():
     """Scheduler.call: fn runs on the worker thread (the models are its alone); a call still pending at shutdown,
     or made after it, gets ShuttingDownError (a 503), never a hang."""

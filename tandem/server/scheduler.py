@@ -163,6 +163,9 @@ class Scheduler:
         another in the order given. A task that raises is logged and dropped."""
         with self._cond:
             self._idle.append(task)
+            # Counted as work now: a server is started to be used, and a timing under way when its first request
+            # comes would delay that request.
+            self._busy_until = max(self._busy_until, time.monotonic())
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
