@@ -58,7 +58,7 @@ def serve(engine: Engine, prompts: list[list[int]], clients: int, per_client: in
         return Request(prompts[i % len(prompts)], max_tokens=max_tokens, ignore_eos=True, draft_policy=policy,
                        draft_max=draft_max)
 
-    engine.forget_prefixes()
+    engine.kv.forget_prefixes()
     sent = 0
     live = {}
     for c in range(clients):

@@ -233,7 +233,7 @@ def main() -> None:
             start = clock.now
             gens = [engine.add(Request(prompts[i], max_tokens=args.max_tokens, draft_policy=policy)) for i in group]
             while engine.busy:
-                n = len(engine.running)
+                n = len(engine.batch.running)
                 engine.step()
                 clock.advance(HOST_MS[0] + HOST_MS[1] * n)
             per_group.append(sum(g.emitted for g in gens) / (1000.0 * (clock.now - start)))

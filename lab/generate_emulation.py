@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
               f"+{args.verify_excess_ms} ms, a catch-up row {args.catch_up_ms_per_token} ms")
 
         def run(name: str, prompt: list[int], policy: str, k: int, tokens: int) -> tuple[float, str]:
-            engine.forget_prefixes()
+            engine.kv.forget_prefixes()
             gen = engine.add(Request(prompt, SamplingParams(seed=zlib.crc32(name.encode())), max_tokens=tokens,
                                      ignore_eos=True, draft_max=k, draft_policy=policy))
             started = clock.now

@@ -115,7 +115,7 @@ def run(engine: Engine, clock: VirtualClock, n: int, max_tokens: int, vocab: int
     start = clock.now
     gens = [engine.add(r) for r in requests]
     while engine.busy:
-        running = len(engine.running)
+        running = len(engine.batch.running)
         engine.step()
         clock.advance(HOST_MS[0] + HOST_MS[1] * running)
     for g in gens:

@@ -219,7 +219,7 @@ def _one_request_engine(target: Model, key: _EngineKey, draft_max: int, measure_
             kept = None  # another thread is generating on it
     engine = kept.engine if kept is not None else _make_engine(target, key, draft_max, measure_costs)
     try:
-        if measure_costs and engine.costs is None and engine.proposer is not None and engine.draft_max > 0:
+        if measure_costs and engine.costs is None and engine.proposers.kind is not None and engine.draft_max > 0:
             engine.calibrate()  # built for a fixed draft length, now asked to choose one
         yield engine
     finally:
@@ -235,7 +235,7 @@ def forget_prompts(target: Model) -> None:
     for kept in kept_engines:
         if kept.lock.acquire(blocking=False):  # a busy one (a stream still open) keeps what it holds
             try:
-                kept.engine.forget_prefixes()
+                kept.engine.kv.forget_prefixes()
             finally:
                 kept.lock.release()
 
@@ -264,10 +264,10 @@ def why_no_drafts(target: Model, stats) -> str | None:
         return None
     with _engines_lock:
         kept = list(target.__dict__.get("_tandem_engines", {}).values())
-    engine = next((k.engine for k in reversed(kept) if k.engine.costs is not None and k.engine.proposer), None)
+    engine = next((k.engine for k in reversed(kept) if k.engine.costs is not None and k.engine.proposers.kind), None)
     if engine is None:
         return None
-    costs, lookup = engine.costs, engine.proposer == "ngram"
+    costs, lookup = engine.costs, engine.proposers.kind == "ngram"
     plain_ms, verify_ms = costs.target_ms(1, 1), costs.target_ms(1, 2)
     floor = least_paying_acceptance(costs, engine.draft_max, lookup)
     source = next((s for s in stats.belief.get("acceptance", {}) if not lookup and s == DRAFT_MODEL_SOURCE), None)

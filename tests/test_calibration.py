@@ -244,7 +244,7 @@ def test_a_timing_between_turns_keeps_the_conversation(files, timed, monkeypatch
         assert again.stats.cached_tokens >= len(turn) - len(tokens(" and then")) - 1
         turn = turn + again.tokens + tokens(" and then")
     # Negative control: the slots timed most recently used first, the conversation's among them
-    monkeypatch.setattr(engine, "scratch_slots", lambda: engine.table.by_age()[::-1])
+    monkeypatch.setattr(engine.kv, "scratch_slots", lambda: engine.kv.table.by_age()[::-1])
     server.calibrator.step()
     assert engine.generate([Request(turn, max_tokens=6)])[0].stats.cached_tokens < len(turn) - 4
 

@@ -73,16 +73,16 @@ class FreshMatchers:
 def record_proposals(engine: Engine, monkeypatch) -> list[tuple[str, list[int], list[int], list[int] | None]]:
     """Records, for every proposal the engine makes: (its request's grammar source, tokens generated before it, the
     drafts given to the verifier, the lookup's uncut continuation or None for a draft model's drafts)."""
-    records, continuations, propose = [], [], engine._propose
+    records, continuations, propose = [], [], engine.proposers.propose
 
     def continuation(self, tokens, k, original=NgramProposer.continuation):
         out = original(self, tokens, k)
         continuations.append(list(out))
         return out
 
-    def recording(decoding, ks, keep_on_device=False):
+    def recording(decoding, ks, keep_on_device, timed):
         start = len(continuations)
-        proposals = propose(decoding, ks, keep_on_device)
+        proposals, drafted = propose(decoding, ks, keep_on_device, timed)
         raw = iter(continuations[start:])  # one a sequence that looked up, in the order of decoding
         for gen, k in zip(decoding, ks, strict=True):
             drafts = proposals[gen.id][0]
@@ -91,9 +91,9 @@ def record_proposals(engine: Engine, monkeypatch) -> list[tuple[str, list[int], 
             if drafts or looked_up:
                 records.append((gen.request.logits.grammar.source, gen.tokens[gen.prompt_len :], drafts,
                                 next(raw) if looked_up else None))
-        return proposals
+        return proposals, drafted
 
-    monkeypatch.setattr(engine, "_propose", recording)
+    monkeypatch.setattr(engine.proposers, "propose", recording)
     monkeypatch.setattr(NgramProposer, "continuation", continuation)
     return records
 

@@ -191,7 +191,7 @@ def test_cancel_mid_batch_frees_the_slot(pair64):
     for _ in range(3):
         for gen, chunk in engine.step():
             out.setdefault(gen.id, []).extend(chunk.tokens)
-    assert drop in engine.running and waiting in engine.waiting
+    assert drop in engine.batch.running and waiting in engine.batch.waiting
     engine.cancel(drop)
     while engine.busy:
         for gen, chunk in engine.step():

@@ -84,7 +84,7 @@ def batch_sizes(slots: int) -> list[int]:
 def measure_steps(target: BatchedCache, draft: BatchedCache | None, k_max: int, synchronize) -> Timings:
     """`measure` a timing at a time: each `next` runs the one it yielded the name of before (a few forwards), and
     every slot of both caches is empty again between two, so a server's requests can run there (Engine's slots are
-    free; its kept prompt prefixes must be forgotten first: Engine.forget_prefixes)."""
+    free; its kept prompt prefixes must be forgotten first: KVSlots.forget_prefixes)."""
     batches = batch_sizes(target.slots)
     k_max = max(0, min(k_max, target.capacity - CONTEXT - 1))
     costs = BatchCosts()

@@ -263,7 +263,7 @@ class Calibrator:
             log.info("measuring the costs in full while idle (planning from: %s)", self.source)
         # The timing runs in the least recently used free slots: a conversation's kept prompt is overwritten only
         # by a timing of every slot, not by each timing (its next turn would read the whole prompt again).
-        token, scratch = HURRY.set(hurry), SCRATCH.set(engine.scratch_slots())
+        token, scratch = HURRY.set(hurry), SCRATCH.set(engine.kv.scratch_slots())
         try:
             self.timing = next(self._timings)
             self.timings_done += 1
@@ -272,12 +272,12 @@ class Calibrator:
             costs = done.value
         except Exception:
             self.pending, self._timings, self.timing = False, None, None
-            engine.forget_prefixes()  # a timing that raised may have left its slots full
+            engine.kv.forget_prefixes()  # a timing that raised may have left its slots full
             raise
         finally:
             HURRY.reset(token)
             SCRATCH.reset(scratch)
-            engine.forget_emptied()
+            engine.kv.forget_emptied()
         quiet = self._quiet and not machine_busy(self.threads)
         keep(self.path, costs.measured(), engine.target, engine.draft_model, quiet=quiet)
         self.source = "measured" if quiet else "measured (busy machine)"

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import torch
 
-from tandem.backends.base import Alongside, Model
+from tandem.backends.base import Alongside, BatchedCache, Model
 from tandem.config import EngineConfig
 from tandem.engine import calibration
+from tandem.engine.batch import Batch
 from tandem.engine.cost_store import costs_path, kept_costs
 from tandem.engine.costs import BatchCosts
-from tandem.engine.drafter import Drafter, HeadDrafter, Proposal
+from tandem.engine.drafter import Drafter, Proposal
 from tandem.engine.generation import (
-    DRAFT_MODEL,
     Generation,
     GenerationChunk,
     GenerationResult,
@@ -31,20 +30,17 @@ from tandem.engine.generation import (
     TokenLogprob,
     check_prompt,
 )
-from tandem.engine.kv_pool import SlotTable, fit_slots
+from tandem.engine.kv_pool import KVSlots, fit_slots
 from tandem.engine.outcomes import read_outcomes, reads_argmax_only
 from tandem.engine.policy import DraftPolicy
+from tandem.engine.proposers import Proposers
 from tandem.engine.run_ahead import LOOKUP_RUN_AHEAD, RUN_AHEAD, DeviceSpan, RunAhead
 from tandem.engine.scoring import token_logprobs
 from tandem.logits.processor import processor_for
 from tandem.sampling import make_generator
-from tandem.speculative.compat import check_compatible, check_head, is_head
 from tandem.speculative.policy import shared_prior
-from tandem.speculative.proposer import NgramProposer
 
 log = logging.getLogger("tandem.engine")
-
-LOOKUP_SOURCES = NgramProposer().sources  # prompt lookup's sources: one per match length, longest first
 
 
 class Engine:
@@ -68,39 +64,23 @@ class Engine:
         config = replace(config or EngineConfig(), **settings)
         n_ctx = config.n_ctx or target.n_ctx
         self.target = target
-        self.draft_model = draft if isinstance(draft, Model) else None
-        if isinstance(draft, str) and draft != "ngram":
-            raise ValueError(f"draft must be a loaded Model, 'ngram' or None, got {draft!r}")
-        self.head = self.draft_model is not None and is_head(self.draft_model)
-        if self.head:
-            check_head(target, self.draft_model)
-        elif self.draft_model is not None:
-            check_compatible(target, self.draft_model)
-        self.proposer = DRAFT_MODEL if self.draft_model else "ngram" if draft == "ngram" else None
-        models = [target] + ([self.draft_model] if self.draft_model and not self.head else [])  # a head has no KV
+        self.proposers = Proposers(target, draft, synthetic_acceptance)
+        models = [target] + self.proposers.kv_models
         slots = fit_slots(models, config.slots, n_ctx, kv_budget_bytes, config.kv_memory_fraction)
-        self.target_kv = target.new_batched_cache(slots, n_ctx)
-        run_ahead = 1 if not self.target_kv.steps_on_device else config.run_ahead or \
+        target_kv = target.new_batched_cache(slots, n_ctx)
+        run_ahead = 1 if not target_kv.steps_on_device else config.run_ahead or \
             (RUN_AHEAD if self.device.type == "cuda" else 1)
         self.config = replace(config, slots=slots, n_ctx=n_ctx, run_ahead=run_ahead)
-        self.drafter = None
-        if self.head:  # drafts from the target's hidden states, over its KV
-            self.drafter = HeadDrafter(self.draft_model, target.vocab_size, self.target_kv, self.device)
-        elif self.draft_model:
-            self.drafter = Drafter(self.draft_model, target.vocab_size, slots, n_ctx, self.device,
-                                   synthetic_acceptance)
-        self.table = SlotTable(slots)
+        self.proposers.open(target, target_kv, slots, n_ctx, self.device)
+        self.kv = KVSlots(target_kv, self.drafter, slots)
+        self.batch = Batch()
         self._queued_steps = RunAhead(self.device, run_ahead) if run_ahead > 1 else None
-        self.synthetic_acceptance = synthetic_acceptance
         self.stop_token_ids = frozenset(target.tokenizer.eos_token_ids)
-        prior = shared_prior(target, "head" if self.head else "shared")
-        self.policy = DraftPolicy(None, prior, self.drafter, self.target_kv, config.draft_max)
-        if self.proposer and config.draft_max > 0 and measure_costs:
-            self.calibrate()
-        self.waiting: deque[Generation] = deque()
-        self.running: list[Generation] = []
-        self._drafted: tuple[int, int] | None = None  # (sequences, forwards) of a step's steady draft (_propose)
+        prior = shared_prior(target, "head" if self.proposers.head else "shared")
+        self.policy = DraftPolicy(None, prior, self.drafter, target_kv, config.draft_max)
         self.step_hook: Callable[[StepTimes], None] | None = None  # told of each step through the target's forward
+        if self.proposers.kind and config.draft_max > 0 and measure_costs:
+            self.calibrate()
 
     @property
     def slots(self) -> int:
@@ -113,6 +93,18 @@ class Engine:
     @property
     def n_ctx(self) -> int:
         return self.config.n_ctx
+
+    @property
+    def target_kv(self) -> BatchedCache:
+        return self.kv.target
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.proposers.drafter
+
+    @property
+    def draft_model(self) -> Model | None:
+        return self.proposers.draft_model
 
     @property
     def device(self) -> torch.device:
@@ -158,54 +150,31 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.batch.busy
 
     def kv_usage(self) -> float:
         """The fraction of KV memory running sequences hold: slots are reserved whole (a context each), so this is
         the fraction of slots in use, what admission waits on."""
-        return len(self.running) / self.slots
+        return len(self.batch.running) / self.slots
 
     def add(self, request: Request) -> Generation:
         """Queue a request; it joins the running batch at the next step with a free slot."""
-        n, vocab = len(request.prompt), self.target.vocab_size
+        vocab = self.target.vocab_size
         check_prompt(request.prompt, vocab, self.n_ctx)
-        proposer = self.proposer
-        if proposer == DRAFT_MODEL and self.config.prompt_lookup and request.draft_policy == "adaptive":
-            proposer = "mixed"  # a fixed draft length is the draft model's, as in tandem.generate
-        sources = ([DRAFT_MODEL] if proposer in (DRAFT_MODEL, "mixed") else []) + \
-            (list(LOOKUP_SOURCES) if proposer in ("ngram", "mixed") else [])
+        proposer, sources = self.proposers.sources(request, self.config.prompt_lookup)
         gen = Generation(request, self.target.tokenizer, self.device, self.draft_max, self.stop_token_ids,
                          proposer, {source: self.prior.counts(source) for source in sources})
-        gen.stats.prompt_tokens = n
-        gen.stats.draft_kind = "head" if self.head else "model"
+        gen.stats.prompt_tokens = len(request.prompt)
+        gen.stats.draft_kind = "head" if self.proposers.head else "model"
         gen.processor = processor_for(request.logits, self.target.tokenizer, vocab, request.prompt, self.device)
-        if self.synthetic_acceptance is not None and gen.generator is None:  # greedy, but acceptance is drawn
+        if self.proposers.synthetic is not None and gen.generator is None:  # greedy, but acceptance is drawn
             gen.generator = make_generator(request.sampling.seed, self.device)
-        self.waiting.append(gen)
+        self.batch.queue(gen)
         return gen
 
     def cancel(self, gen: Generation) -> None:
         """Stop a generation: a waiting one leaves the queue now, a running one frees its slot at the next step."""
-        gen.cancelled = True
-        if gen in self.waiting:
-            self.waiting.remove(gen)
-
-    def scratch_slots(self) -> list[int]:
-        """The free slots, least recently used first: where a cost timing overwrites the least worth keeping."""
-        return self.table.by_age()
-
-    def forget_emptied(self) -> None:
-        """The slot table told what cost timings left of the free slots' kept prompts (they rewind what they use)."""
-        for slot in self.table.free:
-            self.table.forget(slot, self.target_kv.length(slot))
-
-    def forget_prefixes(self) -> None:
-        """Empty every free slot, so that the next requests reuse no prompt an earlier one left (benchmarks: a
-        prompt timed again must be read again)."""
-        for slot in self.table.free:
-            self.target_kv.rewind(slot, 0)
-            if self.drafter is not None:
-                self.drafter.kv.rewind(slot, 0)
+        self.batch.cancel(gen)
 
     def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
         """Run requests batched to the end; results in the order given."""
@@ -233,70 +202,70 @@ class Engine:
         each slot past what its verifier rejected, and hand out the new tokens; the policy observes the step."""
         self.policy.begin_step()
         self._admit()
-        if not self.running:
+        if not self.batch.running:
             return []
         times = StepTimes(time.perf_counter())
-        decoding = [g for g in self.running if not g.prefilling]
+        decoding = self.batch.decoding()
         prefills = self._prompt_chunks(bool(decoding))
         ks = self.policy.plan(decoding, sum(len(rows) for _, rows in prefills))
-        if self._queued_steps is not None and len(decoding) == len(self.running) == 1 and not self.waiting and \
-                not any(ks) and decoding[0].processor is None and decoding[0].request.logprobs is None:
+        if self._runs_ahead(decoding, ks):
             return self._plain_run(decoding[0], times.started)
         times.planned = time.perf_counter()  # planning is no draft step's cost
         # A lone sequence's verify takes its drafts from the device: the host queues it while they are drawn.
         from_device = len(decoding) == 1 and not prefills and self.target_kv.steps_on_device
         span = DeviceSpan() if from_device and self.device.type == "cuda" else None
-        proposals = self._propose(decoding, ks, from_device)
+        proposals, drafted = self.proposers.propose(decoding, ks, from_device, timed=not self.policy.evidence)
         if span is not None:
             span.stop()
         times.drafted = time.perf_counter()
-        logits, target_rows = self._forward(decoding, prefills, proposals, from_device)
+        ahead = self.proposers.ahead(decoding, proposals, drafted, self.costs)
+        logits, target_rows = self._forward(decoding, prefills, proposals, from_device, ahead)
         times.forwarded, times.rows, times.prompts = time.perf_counter(), target_rows, bool(prefills)
         times.sequences = len(decoding) + len(prefills)
         self.policy.observe_shape(target_rows, any(ks))
         firsts = [(gen, rows) for (gen, chunk), rows in zip(prefills, logits[len(decoding) :], strict=True)
                   if gen.fed + len(chunk) == gen.prompt_len]
         outcomes, scored = read_outcomes(list(zip(decoding, logits, strict=False)), firsts, proposals, self.device,
-                                         self.synthetic_acceptance)
+                                         self.proposers.synthetic)
         times.finished = time.perf_counter()
         if span is not None:  # the host did not wait for the drafts: the device timed them
             times.drafted = min(times.finished, times.planned + span.ms() / 1000.0)
-        if self.costs is not None and self._drafted is not None:
-            self.costs.observe_draft(*self._drafted, times.draft_step_ms)
-        # The draft's share of the prompt chunks, after the timings: it is no draft step's or verify's cost.
-        prefill_ms = times.step_ms
-        if self.drafter is not None and any(gen.draft_prefill for gen, _ in prefills):
-            self.drafter.prefill([(gen, gen.fed + len(rows)) for gen, rows in prefills if gen.draft_prefill])
-            prefill_ms += 1000.0 * (time.perf_counter() - times.finished)
+        if self.costs is not None and drafted is not None:
+            self.costs.observe_draft(*drafted, times.draft_step_ms)
+        prefill_ms = self._draft_prefill(prefills, times)
         events = self._accept(decoding, proposals, outcomes, scored, times)
         events += self._accept_prompts(prefills, outcomes, scored, prefill_ms)
         self.policy.observe_yield(decoding, ks, outcomes)
         times.ended = time.perf_counter()
         self.policy.observe_step(decoding, ks, prefills, target_rows, 1000.0 * (times.ended - times.started),
-                                 self._drafted)
+                                 drafted)
         if self.step_hook is not None:
             self.step_hook(times)
         return events
 
     def _prompt_chunks(self, decoding: bool) -> list[tuple[Generation, list[int]]]:
-        """This step's prompt rows per prefilling sequence, config.prefill_chunk in all. The chunk bounds what prompts
-        add to a step only to keep decoding streams flowing; with none decoding (a burst of arrivals) the prompts take
+        """This step's prompt rows, config.prefill_chunk in all. The chunk bounds what prompts add to a step only to
+        keep decoding streams flowing; with none decoding (a burst of arrivals) the prompts take
         config.idle_prefill_chunks chunks at once, so the last of the burst does not wait a step for each before it."""
-        prefills, align = [], self.target_kv.prefill_align
         budget = self.config.prefill_chunk * (1 if decoding else self.config.idle_prefill_chunks)
-        for gen in self.running:
-            if gen.prefilling and budget > 0:
-                remaining = gen.prompt_len - gen.fed
-                n = min(remaining, budget)
-                if n < remaining:  # a chunk that does not end its prompt ends on the backend's alignment
-                    n = max(n - n % align, min(align, remaining))
-                rows = gen.tokens[gen.fed : gen.fed + n]
-                prefills.append((gen, rows))
-                budget -= len(rows)
-        return prefills
+        return self.batch.prompt_chunks(budget, self.target_kv.prefill_align)
+
+    def _runs_ahead(self, decoding: list[Generation], ks: list[int]) -> bool:
+        """A lone plain sequence, nothing waiting, whose steps read no logits: its plain steps queue ahead."""
+        return self._queued_steps is not None and len(decoding) == len(self.batch.running) == 1 and \
+            not self.batch.waiting and not any(ks) and decoding[0].processor is None and \
+            decoding[0].request.logprobs is None
+
+    def _draft_prefill(self, prefills: list, times: StepTimes) -> float:
+        """The draft's share of the prompt chunks, after the timings (it is no draft step's or verify's cost); returns
+        the prompt chunks' time, this share with it."""
+        if self.drafter is None or not any(gen.draft_prefill for gen, _ in prefills):
+            return times.step_ms
+        self.drafter.prefill([(gen, gen.fed + len(rows)) for gen, rows in prefills if gen.draft_prefill])
+        return times.step_ms + 1000.0 * (time.perf_counter() - times.finished)
 
     def _forward(self, decoding: list[Generation], prefills: list, proposals: dict[int, Proposal],
-                 from_device: bool) -> tuple[list[torch.Tensor], int]:
+                 from_device: bool, ahead: Alongside | None) -> tuple[list[torch.Tensor], int]:
         """The target's forward over every decoding sequence's pending token and drafts, and the prompt chunks: each
         entry's rows (or their argmax, where that is all its verify reads), and the rows run."""
         drafts = proposals[decoding[0].id][0] if from_device else None
@@ -310,7 +279,7 @@ class Engine:
         # only each row's argmax, which the backend may take where the logits are (forward_picking).
         last_only = [False] * len(decoding) + [True] * len(prefills)
         picks = [reads_argmax_only(g) for g in decoding + [g for g, _ in prefills]]
-        logits = self.target_kv.forward_picking(batch, last_only, picks, self._ahead(decoding, proposals))
+        logits = self.target_kv.forward_picking(batch, last_only, picks, ahead)
         return logits, sum(len(rows) for _, rows in batch)
 
     def _accept(self, decoding: list[Generation], proposals: dict[int, Proposal], outcomes: dict, scored: dict,
@@ -322,12 +291,9 @@ class Engine:
             k = len(proposals[gen.id][0])
             source = gen.draft_source if k else None
             n, new_tokens = outcomes[gen.id]
-            self.target_kv.rewind(gen.slot, len(gen.tokens) + n)  # all but the new pending token
-            gen.tokens += new_tokens
+            self.kv.extend(gen, new_tokens)
             if gen.processor is not None:
                 gen.processor.accept(new_tokens)
-            if self.drafter is not None:
-                self.drafter.settle(gen)
             gen.stats.record_iteration(k, n, source)
             gen.stats.draft_ms += times.draft_ms if k else 0.0
             gen.stats.verify_ms += times.verify_ms
@@ -357,17 +323,13 @@ class Engine:
         """A lone sequence's plain steps, queued ahead of the host (RunAhead): as many as its plain plan stands for
         (fewer where prompt lookup watches its text), its max_tokens and its context allow, each one an iteration
         of its own to the stats, the costs and the plan."""
-        room = self.target_kv.capacity - self.target_kv.length(gen.slot)
         plain_plan = self.policy.plain_plan
         standing = plain_plan.steps + 1 if plain_plan is not None else 1
         run_ahead = LOOKUP_RUN_AHEAD if gen.ngram is not None else self.config.run_ahead
-        steps = min(self.config.run_ahead, run_ahead, standing, gen.request.max_tokens - gen.emitted, room)
-        length = len(gen.tokens) - 1  # the slot holds every token but the pending one
+        steps = min(self.config.run_ahead, run_ahead, standing, gen.request.max_tokens - gen.emitted,
+                    self.kv.room(gen))
         new_tokens, forwards = self._queued_steps.run(self.target_kv, gen, steps)
-        self.target_kv.rewind(gen.slot, length + len(new_tokens))  # all but the new pending token
-        gen.tokens += new_tokens
-        if self.drafter is not None:
-            self.drafter.settle(gen)
+        self.kv.extend(gen, new_tokens)
         step_ms = 1000.0 * (time.perf_counter() - started) / forwards
         for _ in new_tokens:
             gen.stats.record_iteration(0, 0)
@@ -390,7 +352,7 @@ class Engine:
         tokens = gen.emit(new_tokens)
         if gen.finish_reason is None and gen.processor is not None and gen.processor.finished:
             gen.finish_reason = "stop"  # the grammar is complete: only a stop token could follow
-        if gen.finish_reason is None and self.target_kv.length(gen.slot) >= self.target_kv.capacity:
+        if gen.finish_reason is None and self.kv.room(gen) <= 0:
             gen.finish_reason = "length"  # no room left for the pending token
         logprobs = token_logprobs(new_tokens, scored)[: len(tokens)] if scored is not None else None
         chunk = gen.chunk(tokens, logprobs)
@@ -402,69 +364,14 @@ class Engine:
     # --- admission -------------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Cancelled sequences leave; waiting requests take the free slots, each reusing what prompt prefix a slot
-        holds (its own, or copied from another where the backend copies KV)."""
-        for gen in [g for g in self.running if g.cancelled]:
+        """Cancelled sequences leave; waiting requests take the free slots (KVSlots.place)."""
+        for gen in self.batch.cancelled():
             self._retire(gen)
-        admitted = []
-        while self.waiting and self.table.free:
-            gen = self.waiting.popleft()
-            prompt = gen.request.prompt
-            placement = self.table.place(prompt, self.target_kv.can_copy)
-            slot = placement.slot
-            own = self.target_kv.reusable(slot, min(placement.own, self.target_kv.length(slot)))
-            reuse, source = own, None
-            if placement.copy_from is not None:
-                copied = self.target_kv.reusable(placement.copy_from,
-                                                 min(placement.reuse, self.target_kv.length(placement.copy_from)))
-                if copied > own:
-                    source = placement.copy_from
-                    self.target_kv.copy_prefix(source, slot, copied)
-                    reuse = copied
-            self.target_kv.rewind(slot, min(reuse, self.target_kv.length(slot)))
-            if self.drafter is not None:
-                self.drafter.place(slot, own, source, reuse)
-            gen.slot, gen.fed = slot, reuse
-            gen.stats.cached_tokens = reuse
-            self.table.occupy(slot, gen.tokens)
-            self.running.append(gen)
-            admitted.append(gen)
-        self.policy.admit(admitted, len(self.running))
+        admitted = self.batch.admit(self.kv)
+        self.policy.admit(admitted, len(self.batch.running))
 
     def _retire(self, gen: Generation) -> None:
         """The sequence leaves the batch; its slot keeps the KV of its tokens for a later prompt to reuse."""
-        self.running.remove(gen)
-        self.policy.retire(gen, len(self.running))
-        self.table.release(gen.slot, self.target_kv.length(gen.slot))
-
-    # --- drafting and verification -----------------------------------------------------------------------
-
-    def _propose(self, decoding: list[Generation], ks: list[int], keep_on_device: bool = False) -> dict[int, Proposal]:
-        """Draft tokens per sequence (and, sampling, the distributions they were drawn from): prompt lookup on the
-        host; a draft model batched, one forward a draft position over every sequence still drafting (a lone
-        sequence's left on the device where keep_on_device: Drafter.draft)."""
-        self._drafted = None  # (sequences, forwards) of a steady batched draft
-        proposals = {g.id: ([], None) for g in decoding}
-        drafting = {}
-        for gen, k in zip(decoding, ks, strict=True):
-            if k and gen.draft_source != DRAFT_MODEL:
-                drafts = gen.ngram.continuation(gen.tokens, k)
-                if gen.processor is not None:  # lookup proposes without the grammar: cut at its first refusal
-                    drafts = drafts[: gen.processor.usable(drafts)]
-                proposals[gen.id] = (drafts, None)
-            elif k:
-                drafting[gen.id] = (gen, k)
-        if drafting:
-            drafted, forwards = self.drafter.draft(drafting, keep_on_device)
-            proposals.update(drafted)
-            self._drafted = None if forwards is None or self.policy.evidence else (len(drafting), forwards)
-        return proposals
-
-    def _ahead(self, decoding: list[Generation], proposals: dict[int, Proposal]) -> Alongside | None:
-        """The draft's feed of each drafting sequence's last draft, beside the verify, where that pays
-        (BatchCosts.feeds_ahead: a GPU runs it beside the target's forward): a sequence whose drafts all pass then
-        drafts from its bonus token alone, where it would first take in its last draft in a forward of its own."""
-        if self._drafted is None or self.costs is None or not self.costs.feeds_ahead(self._drafted[0]):
-            return None
-        drafted = [g for g in decoding if g.draft_source == DRAFT_MODEL and proposals[g.id][0]]
-        return self.drafter.ahead(drafted, [proposals[g.id][0][-1] for g in drafted])
+        self.batch.leave(gen)
+        self.policy.retire(gen, len(self.batch.running))
+        self.kv.release(gen)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.backends.base import Model
+from tandem.backends.base import BatchedCache, Model
+from tandem.engine.generation import Generation
 
 log = logging.getLogger("tandem.engine")
 
@@ -88,6 +89,72 @@ class SlotTable:
     def forget(self, slot: int, keep: int) -> None:
         """Only the first `keep` tokens of a free slot's contents are still valid (its cache was rewound)."""
         self._contents[slot] = self._contents[slot][:keep]
+
+
+class KVSlots:
+    """The engine's KV: the target's batched cache, the draft's (a drafter's, where it has one) and which prompt each
+    slot holds. Owns placing a sequence in a slot, keeping its accepted tokens, and what a slot keeps after it."""
+
+    def __init__(self, target: BatchedCache, drafter, slots: int) -> None:
+        self.target, self.drafter, self.table = target, drafter, SlotTable(slots)
+
+    @property
+    def has_free(self) -> bool:
+        return bool(self.table.free)
+
+    def place(self, gen: Generation) -> None:
+        """gen takes a free slot, reusing what prompt prefix a slot holds (its own, or copied from another where the
+        backend copies KV); it feeds the rest of its prompt from gen.fed."""
+        kv = self.target
+        placement = self.table.place(gen.request.prompt, kv.can_copy)
+        slot = placement.slot
+        own = kv.reusable(slot, min(placement.own, kv.length(slot)))
+        reuse, source = own, None
+        if placement.copy_from is not None:
+            copied = kv.reusable(placement.copy_from, min(placement.reuse, kv.length(placement.copy_from)))
+            if copied > own:
+                source = placement.copy_from
+                kv.copy_prefix(source, slot, copied)
+                reuse = copied
+        kv.rewind(slot, min(reuse, kv.length(slot)))
+        if self.drafter is not None:
+            self.drafter.place(slot, own, source, reuse)
+        gen.slot, gen.fed = slot, reuse
+        gen.stats.cached_tokens = reuse
+        self.table.occupy(slot, gen.tokens)
+
+    def extend(self, gen: Generation, new_tokens: list[int]) -> None:
+        """gen keeps new_tokens: its slot holds every token but the new pending one (rewound past what the verifier
+        rejected, or a run computed past a stop), its draft's likewise."""
+        self.target.rewind(gen.slot, len(gen.tokens) + len(new_tokens) - 1)
+        gen.tokens += new_tokens
+        if self.drafter is not None:
+            self.drafter.settle(gen)
+
+    def room(self, gen: Generation) -> int:
+        """Positions left in gen's slot."""
+        return self.target.capacity - self.target.length(gen.slot)
+
+    def release(self, gen: Generation) -> None:
+        """gen left the batch; its slot keeps the KV of its tokens for a later prompt to reuse."""
+        self.table.release(gen.slot, self.target.length(gen.slot))
+
+    def scratch_slots(self) -> list[int]:
+        """The free slots, least recently used first: where a cost timing overwrites the least worth keeping."""
+        return self.table.by_age()
+
+    def forget_emptied(self) -> None:
+        """The slot table told what cost timings left of the free slots' kept prompts (they rewind what they use)."""
+        for slot in self.table.free:
+            self.table.forget(slot, self.target.length(slot))
+
+    def forget_prefixes(self) -> None:
+        """Empty every free slot, so that the next requests reuse no prompt an earlier one left (benchmarks: a
+        prompt timed again must be read again)."""
+        for slot in self.table.free:
+            self.target.rewind(slot, 0)
+            if self.drafter is not None:
+                self.drafter.kv.rewind(slot, 0)
 
 
 def fit_slots(models: Seq[Model], slots: int, n_ctx: int, budget_bytes: int | None, fraction: float) -> int:
