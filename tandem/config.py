@@ -36,6 +36,7 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled a step across sequences: decoding streams keep flowing
     idle_prefill_chunks: int = 4  # prompt chunks a step takes while no sequence decodes (a burst of arrivals)
     kv_memory_fraction: float = 0.5  # the KV budget where none is given: this share of the device's free memory
+    kv_budget_bytes: int | None = None  # KV memory for target and draft together; slots shrink to fit it
     n_ctx: int | None = None  # tokens a sequence may hold (None: the target's context)
     # plain steps a lone sequence queues a host sync (None: 8 where the device runs apart from the host, CUDA, else
     # 1: elsewhere steps computed past a stop token cost their full time)
@@ -55,6 +56,14 @@ class EngineConfig:
 class ServerConfig:
     """What a server admits and how it answers: the defaults of `create_app` and `tandem serve` alike."""
 
+    model_name: str | None = None  # the id /v1/models lists and replies carry (None: the target file's name)
+    aliases: tuple[str, ...] = ()  # other names requests may give the model (the file's path, served names)
+    accept_any_model: bool = False  # any model name is this model: replicas behind a gateway (docs/deployment.md)
+    api_key: str | None = None  # every route but /health and /metrics then needs it: probes carry no key
+    # Host headers accepted besides loopback names and addresses (None: any), against DNS rebinding from a browser
+    # (safety.allowed_hosts_for derives it from the bind address)
+    allowed_hosts: frozenset[str] | None = frozenset()
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call from (CORS); none unless asked for
     max_queue: int = 64  # requests that may wait for a slot; one more gets a 503 with Retry-After
     max_body_bytes: int = 4 * 2**20  # larger request bodies get a 413 without being read
     retry_after_s: int = 1  # what a 503 for a full queue asks the client to wait

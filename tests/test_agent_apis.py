@@ -19,6 +19,7 @@ from test_api import CALL_TEXTS, EXPECTED_CALLS, ScriptedEngine
 from test_server import API_KEY, LiveServer, assert_openai_error, load, metric, metrics_of
 from test_tools import HERMES_TEMPLATE, PYTHON_TOOL, WEATHER_TOOL
 
+from tandem.config import EngineConfig, ServerConfig
 from tandem.server.app import create_app
 from tandem.server.openai_responses import ResponseStore
 
@@ -49,8 +50,10 @@ def paths(tiny_model_path):
 @pytest.fixture(scope="module")
 def servers(paths):
     """(speculative: fixed k, 2 slots; plain: one slot, so a conversation's next turn finds its prefix, an API key)."""
-    spec = create_app(load(paths[0]), load(paths[1]), model_name="tiny", draft_max=3, draft_policy="fixed", slots=2)
-    plain = create_app(load(paths[0]), None, model_name="tiny", api_key=API_KEY, slots=1)
+    spec = create_app(load(paths[0]), load(paths[1]), engine=EngineConfig(draft_max=3, draft_policy="fixed", slots=2),
+                      server=ServerConfig(model_name="tiny"))
+    plain = create_app(load(paths[0]), None, engine=EngineConfig(slots=1),
+                       server=ServerConfig(model_name="tiny", api_key=API_KEY))
     with LiveServer(spec) as spec_server, LiveServer(plain) as plain_server:
         yield spec_server, plain_server
 
@@ -348,7 +351,8 @@ def test_a_failed_step_is_an_error_event_or_a_500_in_each_apis_shape(paths, monk
 
     requests = (("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
                 ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}))
-    with LiveServer(create_app(load(paths[0]), None, model_name="tiny")) as server:
+    with LiveServer(create_app(load(paths[0]), None, engine=EngineConfig(slots=1),
+                               server=ServerConfig(model_name="tiny"))) as server:
         monkeypatch.setattr(Engine, "step", broken)
         for path, body in requests:
             r = httpx.post(server.url + path, json=body, timeout=60)
@@ -372,7 +376,7 @@ def test_a_failed_step_is_an_error_event_or_a_500_in_each_apis_shape(paths, monk
 def two_calls(paths):
     """A server whose every reply is CALL_TEXTS["hermes"] (text, then two calls), written by a scripted engine."""
     target = load(paths[0])
-    app = create_app(target, None, model_name="tiny", slots=2)
+    app = create_app(target, None, engine=EngineConfig(slots=2), server=ServerConfig(model_name="tiny"))
     app.state.server.scheduler.attach(ScriptedEngine(target.tokenizer, CALL_TEXTS["hermes"]))
     with LiveServer(app) as live:
         yield live
@@ -526,7 +530,8 @@ def inlined(schema, schemas: dict, depth: int = 0):
 @pytest.fixture(scope="module")
 def fuzzed(paths):
     """A server with a short context (every accepted generation stays short), and the new routes' body schemas."""
-    app = create_app(load(paths[0], n_ctx=64), None, model_name="tiny", slots=2, max_queue=8)
+    app = create_app(load(paths[0], n_ctx=64), None, engine=EngineConfig(slots=2),
+                     server=ServerConfig(model_name="tiny", max_queue=8))
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=120) as http:
         document = http.get("/openapi.json").json()
         schemas = document["components"]["schemas"]

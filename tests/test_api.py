@@ -26,6 +26,7 @@ from test_tools import (
 )
 
 import tandem
+from tandem.config import EngineConfig, ServerConfig
 from tandem.engine import GenerationChunk
 from tandem.loading.tokenizer import StreamDecoder, Tokenizer
 from tandem.server.app import create_app
@@ -49,8 +50,8 @@ def paths(tiny_model_path):
 @pytest.fixture(scope="module")
 def server(paths):
     """Speculative (fixed k, so every request drafts), 4 slots: n choices decode in one batch."""
-    app = create_app(load(paths[0]), load(paths[1]), model_name="tiny", aliases=["tiny-alias"], draft_max=3,
-                     draft_policy="fixed", slots=4)
+    app = create_app(load(paths[0]), load(paths[1]), engine=EngineConfig(draft_max=3, draft_policy="fixed", slots=4),
+                     server=ServerConfig(model_name="tiny", aliases=("tiny-alias",)))
     with LiveServer(app) as live:
         yield live
 
@@ -348,7 +349,8 @@ def test_tool_turns_are_accepted_and_rendered(tool_paths, monkeypatch):
     prompt the model reads holds the tools, the call and the result."""
     target = load(tool_paths["hermes"])
     prompts = rendered_prompts(monkeypatch)
-    with LiveServer(create_app(target, None, model_name="tiny")) as live:
+    with LiveServer(create_app(target, None, engine=EngineConfig(slots=1),
+                               server=ServerConfig(model_name="tiny"))) as live:
         client = live.client()
         r = client.chat.completions.create(model="tiny", messages=CALC_CONVERSATION, tools=[CALC_TOOL], max_tokens=4,
                                            temperature=0)
@@ -394,7 +396,8 @@ def test_forced_tool_choice_is_constrained_to_a_valid_call(family, tool_paths, t
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (UNIT_TOOL, MODE_TOOL)}
     answers = {}
     for draft in (None, load(tiny_model_path(qtype="Q4_0", seed=0, context_length=2048))):
-        with LiveServer(create_app(target, draft, model_name="tiny", draft_policy="fixed", draft_max=3)) as live:
+        with LiveServer(create_app(target, draft, engine=EngineConfig(slots=1, draft_policy="fixed", draft_max=3),
+                                   server=ServerConfig(model_name="tiny"))) as live:
             client = live.client()
             for choice, parallel in (("required", None), ("required", False),
                                      ({"type": "function", "function": {"name": "set_mode"}}, None)):
@@ -439,7 +442,7 @@ EXPECTED_CALLS = [("get_current_weather", {"location": "Istanbul"}), ("python", 
 @pytest.mark.parametrize("family", ["hermes", "llama3", "gemma4"])
 def test_tool_calls_parsed_and_streamed_as_deltas(family, tool_paths):
     target = load(tool_paths[family])
-    app = create_app(target, None, model_name="tiny", slots=2)
+    app = create_app(target, None, engine=EngineConfig(slots=2), server=ServerConfig(model_name="tiny"))
     app.state.server.scheduler.attach(ScriptedEngine(target.tokenizer, CALL_TEXTS[family]))
     with LiveServer(app) as live:
         client = live.client()
@@ -494,7 +497,7 @@ def test_qwen_calls_the_weather_tool(real_pair, stream):
     """llama.cpp's test_weather on the real Qwen2.5-Coder-1.5B: its own template, its own call, parsed."""
     target = tandem.load(real_pair[0], backend="llama.cpp", n_ctx=2048)
     try:
-        app = create_app(target, None, model_name="qwen")
+        app = create_app(target, None, engine=EngineConfig(slots=1), server=ServerConfig(model_name="qwen"))
         with LiveServer(app) as live:
             kw = dict(model="qwen", temperature=0, max_tokens=128, tools=[WEATHER_TOOL], messages=[
                 {"role": "system", "content": "You are a chatbot that uses tools/functions. Dont overthink things."},

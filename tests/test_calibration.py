@@ -16,6 +16,7 @@ from conftest import assert_speculated
 from test_server import LiveServer, wait_for
 
 import tandem
+from tandem.config import EngineConfig, ServerConfig
 from tandem.engine import calibration, cost_store
 from tandem.server.app import Server, create_app
 
@@ -66,7 +67,7 @@ def cheap_draft(monkeypatch, timed):
 
 def start(files: list[str]) -> Server:
     """A server's start on new models of the files (a new process, as far as the costs go)."""
-    server = Server("tiny", [], DRAFT_MAX, "adaptive", None, SLOTS, 8)
+    server = Server(EngineConfig(slots=SLOTS, draft_max=DRAFT_MAX), ServerConfig(max_queue=8), "tiny")
     server.attach(tandem.load(files[0], dtype="float64"), tandem.load(files[1], dtype="float64"))
     return server
 
@@ -153,7 +154,8 @@ def test_the_server_answers_on_an_estimate_and_measures_between_requests(files, 
     target_models.append(target)
     prompts = ["def add(a, b):", "The quick brown fox", "abc abc abc abc"]
     expected = [tandem.generate(target, prompt=p, max_tokens=12).text for p in prompts]
-    app = create_app(target, draft, model_name="tiny", slots=SLOTS, draft_max=DRAFT_MAX)
+    app = create_app(target, draft, engine=EngineConfig(slots=SLOTS, draft_max=DRAFT_MAX),
+                     server=ServerConfig(model_name="tiny"))
     server: Server = app.state.server
     assert server.calibrator.source == "estimate"
 
@@ -231,7 +233,7 @@ def test_a_timing_between_turns_keeps_the_conversation(files, timed, monkeypatch
     server was idle, still reuses its prompt (a timing of every slot is the one that overwrites it)."""
     from tandem.engine import Request
 
-    server = Server("tiny", [], DRAFT_MAX, "adaptive", None, 4, 8)
+    server = Server(EngineConfig(slots=4, draft_max=DRAFT_MAX), ServerConfig(max_queue=8), "tiny")
     target, draft = tandem.load(files[0], dtype="float64"), tandem.load(files[1], dtype="float64")
     server.attach(target, draft)
     engine, tokens = server.engine, target.tokenizer.encode
@@ -253,7 +255,7 @@ def test_a_gpu_server_measures_its_costs_before_its_first_request(files, timed, 
     """Off the CPU the whole measurement runs at start (seconds there): a server loaded from its start is never idle
     and would plan from the estimate throughout. On the CPU it starts on the estimate (the test above)."""
     calls, _ = timed
-    server = Server("tiny", [], DRAFT_MAX, "adaptive", None, SLOTS, 8)
+    server = Server(EngineConfig(slots=SLOTS, draft_max=DRAFT_MAX), ServerConfig(max_queue=8), "tiny")
     target, draft = tandem.load(files[0], dtype="float64"), tandem.load(files[1], dtype="float64")
     monkeypatch.setattr(target, "device", "cuda:0")
     server.attach(target, draft)

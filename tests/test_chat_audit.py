@@ -13,6 +13,7 @@ from conftest import BOUNDED_SCHEMA
 from test_api import ScriptedEngine
 from test_server import LiveServer, assert_openai_error, load
 
+from tandem.config import EngineConfig, ServerConfig
 from tandem.engine.generation import TokenLogprob
 from tandem.server.app import create_app
 
@@ -35,7 +36,7 @@ class ScriptedWithLogprobs(ScriptedEngine):
 @pytest.fixture(scope="module")
 def scripted(tiny_model_path):
     target = load(tiny_model_path(seed=0))
-    app = create_app(target, None, model_name="tiny", slots=2)
+    app = create_app(target, None, engine=EngineConfig(slots=2), server=ServerConfig(model_name="tiny"))
     app.state.server.scheduler.attach(ScriptedWithLogprobs(target.tokenizer, TEXT))
     with LiveServer(app) as live:
         yield live
@@ -72,7 +73,8 @@ def test_completions_text_offset_counts_characters_of_the_text(scripted):
 
 @pytest.fixture(scope="module")
 def live(tiny_model_path):
-    with LiveServer(create_app(load(tiny_model_path(seed=0)), None, model_name="tiny", slots=2)) as server:
+    with LiveServer(create_app(load(tiny_model_path(seed=0)), None, engine=EngineConfig(slots=2),
+                               server=ServerConfig(model_name="tiny"))) as server:
         yield server
 
 

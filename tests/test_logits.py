@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 from test_server import LiveServer, assert_openai_error, load, stream_text
 
 import tandem
+from tandem.config import EngineConfig, ServerConfig
 from tandem.engine import Engine, Request
 from tandem.logits import adjust
 from tandem.logits.grammar import GrammarError, json_grammar, ll_tokenizer, response_format_grammar, text_grammar
@@ -271,8 +272,9 @@ def test_sampled_speculation_matches_the_adjusted_distribution(tiny_model_path, 
 @pytest.fixture(scope="module")
 def servers(tiny_model_path):
     path, draft_path = tiny_model_path(seed=0), tiny_model_path(qtype="Q4_0", seed=0)
-    spec = create_app(load(path), load(draft_path), model_name="tiny", draft_max=4, draft_policy="fixed", slots=2)
-    plain = create_app(load(path), None, model_name="tiny", slots=2)
+    spec = create_app(load(path), load(draft_path), engine=EngineConfig(draft_max=4, draft_policy="fixed", slots=2),
+                      server=ServerConfig(model_name="tiny"))
+    plain = create_app(load(path), None, engine=EngineConfig(slots=2), server=ServerConfig(model_name="tiny"))
     with LiveServer(spec) as spec_server, LiveServer(plain) as plain_server:
         yield spec_server, plain_server
 

@@ -6,6 +6,7 @@ import httpx
 import pytest
 from test_server import LiveServer, load
 
+from tandem.config import EngineConfig, ServerConfig
 from tandem.server.app import create_app
 from tandem.server.safety import allowed_hosts_for, exposure_warning, is_loopback, split_host
 
@@ -46,7 +47,8 @@ def model(tiny_model_path):
 @pytest.fixture(scope="module")
 def loopback_server(model):
     """A loopback server with the defaults `tandem serve --host 127.0.0.1` gets."""
-    with LiveServer(create_app(model, None, model_name="tiny", allowed_hosts=allowed_hosts_for("127.0.0.1"))) as s:
+    config = ServerConfig(model_name="tiny", allowed_hosts=allowed_hosts_for("127.0.0.1"))
+    with LiveServer(create_app(model, None, engine=EngineConfig(slots=1), server=config)) as s:
         yield s
 
 
@@ -102,8 +104,8 @@ def test_cors_is_off_by_default(loopback_server):
 
 
 def test_cors_origin_and_allowed_hosts_widen(model):
-    app = create_app(model, None, model_name="tiny", allowed_hosts=allowed_hosts_for("127.0.0.1", ["box.lan"]),
-                     cors_origins=["http://localhost:3000"])
+    app = create_app(model, None, engine=EngineConfig(slots=1),
+                     server=ServerConfig(model_name="tiny", allowed_hosts=allowed_hosts_for("127.0.0.1", ["box.lan"]), cors_origins=("http://localhost:3000",)))
     with LiveServer(app) as server:
         ok = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
               "Access-Control-Request-Headers": "content-type"}

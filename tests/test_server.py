@@ -16,6 +16,7 @@ import uvicorn
 from conftest import assert_speculated
 
 import tandem
+from tandem.config import EngineConfig, ServerConfig
 from tandem.server.app import create_app
 
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -124,8 +125,8 @@ def paths(tiny_model_path):
 def spec_server(paths):
     """Speculative, 4 slots (round-robin), fixed k so drafting always happens."""
     target, draft = load(paths[0]), load(paths[1])
-    app = create_app(target, draft, model_name="tiny", aliases=["tiny-alias"], draft_max=4, draft_policy="fixed",
-                     slots=4, max_queue=64)
+    app = create_app(target, draft, engine=EngineConfig(draft_max=4, draft_policy="fixed", slots=4),
+                     server=ServerConfig(model_name="tiny", aliases=("tiny-alias",), max_queue=64))
     with LiveServer(app) as server:
         yield server
 
@@ -133,7 +134,8 @@ def spec_server(paths):
 @pytest.fixture(scope="module")
 def plain_server(paths):
     """Plain decoding, strictly serial (slots=1), with an API key."""
-    app = create_app(load(paths[0]), None, model_name="tiny", api_key=API_KEY, slots=1, max_queue=64)
+    app = create_app(load(paths[0]), None, engine=EngineConfig(slots=1),
+                     server=ServerConfig(model_name="tiny", api_key=API_KEY, max_queue=64))
     with LiveServer(app) as server:
         yield server
 
@@ -329,7 +331,7 @@ def test_disconnect_frees_the_slot(plain_server, monkeypatch, stream):
 
 
 def test_queue_full_gives_503_with_retry_after(paths):
-    app = create_app(load(paths[0]), None, slots=1, max_queue=2)
+    app = create_app(load(paths[0]), None, engine=EngineConfig(slots=1), server=ServerConfig(max_queue=2))
     with LiveServer(app) as server:
         body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0}
 
@@ -439,7 +441,7 @@ def test_prompt_longer_than_context_says_by_how_much(spec_server):
 
 
 def test_body_size_limit(paths):
-    app = create_app(load(paths[0]), None, max_body_bytes=1000)
+    app = create_app(load(paths[0]), None, engine=EngineConfig(slots=1), server=ServerConfig(max_body_bytes=1000))
     with LiveServer(app) as server:
         big = json.dumps({"prompt": "x" * 5000, "max_tokens": 1}).encode()
         assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=big), 413)
@@ -489,7 +491,7 @@ def test_kv_usage_is_the_slots_running_sequences_hold(paths):
     from tandem.engine import Request
     from tandem.server.app import Server
 
-    server = Server("tiny", [], 4, "fixed", None, slots=2, max_queue=4)
+    server = Server(EngineConfig(slots=2, draft_max=4, draft_policy="fixed"), ServerConfig(max_queue=4), "tiny")
     server.attach(load(paths[0]), None)
     engine = server.engine
     assert server.kv_usage() == 0.0
@@ -508,7 +510,8 @@ def test_kv_usage_is_the_slots_running_sequences_hold(paths):
 
 def test_the_engine_may_supply_kv_usage(paths):
     """Another measure of KV usage can be given to the app: the gauges export it."""
-    app = create_app(load(paths[0]), None, model_name="tiny", kv_usage=lambda: 0.25)
+    app = create_app(load(paths[0]), None, kv_usage=lambda: 0.25, engine=EngineConfig(slots=1),
+                     server=ServerConfig(model_name="tiny"))
     with LiveServer(app) as server:
         text = httpx.get(f"{server.url}/metrics").text.splitlines()
     assert 'vllm:kv_cache_usage_perc{model_name="tiny"} 0.25' in text and "tandem_kv_cache_usage_ratio 0.25" in text
@@ -526,7 +529,8 @@ def test_health_is_503_until_loaded_and_warm(paths):
         assert engine.target.n_ctx > 0 and engine.draft_model is None
         assert release_warm.wait(60)
 
-    app = create_app(load=load_models, warm_up=warm_up, model_name="tiny")
+    app = create_app(load=load_models, warm_up=warm_up, engine=EngineConfig(slots=1),
+                     server=ServerConfig(model_name="tiny"))
     with LiveServer(app) as server:
         def health() -> tuple[int, str]:
             r = httpx.get(f"{server.url}/health")
@@ -551,7 +555,7 @@ def test_a_failed_load_stays_503(paths):
         raise ValueError("bad.gguf: truncated")
 
     failures = []
-    app = create_app(load=load_models, model_name="tiny")
+    app = create_app(load=load_models, engine=EngineConfig(slots=1), server=ServerConfig(model_name="tiny"))
     app.state.server.on_load_error = failures.append
     with LiveServer(app) as server:
         assert wait_value(lambda: failures)
@@ -561,7 +565,8 @@ def test_a_failed_load_stays_503(paths):
 
 
 def test_accept_any_model(paths):
-    app = create_app(load(paths[0]), None, model_name="tiny", accept_any_model=True)
+    app = create_app(load(paths[0]), None, engine=EngineConfig(slots=1),
+                     server=ServerConfig(model_name="tiny", accept_any_model=True))
     with LiveServer(app) as server:
         r = httpx.post(f"{server.url}/v1/completions", json={"model": "no-such-model", "prompt": "hi", "max_tokens": 1})
         assert r.status_code == 200 and r.json()["model"] == "tiny"  # the response says which model answered
@@ -582,7 +587,7 @@ def test_unexpected_errors_are_generic_500s_and_the_server_survives(paths, monke
     def broken(*args, **kwargs):
         raise RuntimeError("secret internal detail")
 
-    app = create_app(load(paths[0]), None)
+    app = create_app(load(paths[0]), None, engine=EngineConfig(slots=1))
     with LiveServer(app) as server:
         monkeypatch.setattr(Engine, "step", broken)  # a step fails: the batch's requests fail, the server lives
         for stream in (False, True):
@@ -601,7 +606,8 @@ def test_second_turn_reports_reused_prompt_tokens_and_batched_streams_match(path
     """A conversation's next turn reuses the KV of the first (OpenAI's cached_tokens, llama-server's cache_n), with
     the text a fresh computation gives; concurrent requests share the batch and each gets its text alone."""
     target = load(paths[0])
-    app = create_app(target, load(paths[1]), model_name="tiny", slots=4, draft_policy="fixed", draft_max=3)
+    app = create_app(target, load(paths[1]), engine=EngineConfig(slots=4, draft_policy="fixed", draft_max=3),
+                     server=ServerConfig(model_name="tiny"))
     with LiveServer(app) as server:
         client = server.client()
         first = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
@@ -695,7 +701,7 @@ def test_serve_draft_max_caps_a_requests_draft_max(paths, monkeypatch):
 
 def test_shutdown_fails_queued_and_running_jobs_with_503(paths, monkeypatch):
     gate = gate_generations(monkeypatch)
-    app = create_app(load(paths[0]), None, slots=1, max_queue=4)
+    app = create_app(load(paths[0]), None, engine=EngineConfig(slots=1), server=ServerConfig(max_queue=4))
     scheduler = app.state.server.scheduler
     body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
     with LiveServer(app) as server, ThreadPoolExecutor(2) as pool:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from test_server import LiveServer
 
 import tandem
+from tandem.config import EngineConfig, ServerConfig
 from tandem.server.app import create_app
 
 # Request bodies are what is under test: whether a fuzzed request drafts is the adaptive policy's call on this
@@ -97,7 +98,7 @@ requests = st.one_of(
 def fuzz_server(tiny_model_path):
     target = tandem.load(tiny_model_path(seed=0), backend="torch", n_ctx=N_CTX)
     draft = tandem.load(tiny_model_path(qtype="Q4_0", seed=0), backend="torch", n_ctx=N_CTX)
-    app = create_app(target, draft, model_name="tiny", slots=2, max_queue=8)
+    app = create_app(target, draft, engine=EngineConfig(slots=2), server=ServerConfig(model_name="tiny", max_queue=8))
     with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         yield http
 

@@ -50,23 +50,22 @@ class Engine:
     Args:
         target: the model whose output this is.
         draft: None, a Model of the same tokenizer, or "ngram" (prompt lookup).
-        config: slots, draft_max, draft_policy, prompt_lookup, n_ctx, run_ahead ... (tandem.config.EngineConfig);
-            `settings` given by name replace its fields (Engine(target, draft, slots=2)).
-        kv_budget_bytes: KV memory for target and draft together; slots shrink to fit (default: a fraction of
-            the free memory). A budget that holds no whole context is an error.
+        config: slots, draft_max, prompt_lookup, n_ctx, kv_budget_bytes, run_ahead ... (tandem.config.EngineConfig);
+            `settings` given by name replace its fields (Engine(target, draft, slots=2)). A KV budget that holds
+            no whole context is an error.
+        synthetic_acceptance: benchmarks: drafts pass with this probability, whatever they are.
         measure_costs: time the batched forwards now, for the adaptive planner (else every drafting request
             drafts draft_max, as draft_policy "fixed").
     """
 
     def __init__(self, target: Model, draft: Model | str | None = None, config: EngineConfig | None = None, *,
-                 kv_budget_bytes: int | None = None, synthetic_acceptance: float | None = None,
-                 measure_costs: bool = True, **settings) -> None:
+                 synthetic_acceptance: float | None = None, measure_costs: bool = True, **settings) -> None:
         config = replace(config or EngineConfig(), **settings)
         n_ctx = config.n_ctx or target.n_ctx
         self.target = target
         self.proposers = Proposers(target, draft, synthetic_acceptance)
         models = [target] + self.proposers.kv_models
-        slots = fit_slots(models, config.slots, n_ctx, kv_budget_bytes, config.kv_memory_fraction)
+        slots = fit_slots(models, config.slots, n_ctx, config.kv_budget_bytes, config.kv_memory_fraction)
         target_kv = target.new_batched_cache(slots, n_ctx)
         run_ahead = 1 if not target_kv.steps_on_device else config.run_ahead or \
             (RUN_AHEAD if self.device.type == "cuda" else 1)

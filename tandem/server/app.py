@@ -33,7 +33,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -84,17 +83,13 @@ class Server:
     `status` goes loading -> warming -> ready -> draining (or failed); only "ready" takes generations.
     """
 
-    def __init__(self, model_name: str, aliases: Seq[str], draft_max: int, draft_policy: str, api_key: str | None,
-                 slots: int, max_queue: int, kv_usage: Callable[[], float] | None = None,
-                 accept_any_model: bool = False, kv_budget_bytes: int | None = None,
-                 prompt_lookup: bool = True) -> None:
+    def __init__(self, engine: EngineConfig, config: ServerConfig, model_name: str,
+                 kv_usage: Callable[[], float] | None = None) -> None:
         self.target: Model | None = None
         self.draft: Draft = None
+        self.engine_config, self.config = engine, config
         self.model_name = model_name
-        self.model_names = {model_name, *aliases}
-        self.accept_any_model = accept_any_model
-        self.draft_max, self.draft_policy, self.prompt_lookup = draft_max, draft_policy, prompt_lookup
-        self.api_key = api_key
+        self.model_names = {model_name, *config.aliases}
         self.created = int(time.time())
         self.status = "loading"
         self.stage = "loading the models"  # what it is doing now, for /health and the log
@@ -103,9 +98,8 @@ class Server:
         self.calibrator: Calibrator | None = None  # the adaptive policy's costs (attach)
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
-        self.slots, self.kv_budget_bytes = slots, kv_budget_bytes
         self.engine: Engine | None = None  # made by attach(): it sizes its KV pool and measures batched costs
-        self.scheduler = Scheduler(None, slots=slots, max_queue=max_queue)
+        self.scheduler = Scheduler(None, slots=engine.slots, max_queue=config.max_queue)
         self.metrics = ServerMetrics(lambda: self.scheduler.queue_depth, lambda: self.scheduler.active_count,
                                      kv_usage or self.kv_usage, model_name)
         self.scheduler.on_finish = self.metrics.observe_generation
@@ -122,9 +116,7 @@ class Server:
         self.target, self.draft = target, draft
         # The costs come from the Calibrator, not the engine's own start-up measurement: kept or estimated now,
         # measured in full once the server is ready and idle.
-        self.engine = Engine(target, draft, slots=self.slots, draft_max=self.draft_max,
-                             kv_budget_bytes=self.kv_budget_bytes, prompt_lookup=self.prompt_lookup,
-                             measure_costs=False)
+        self.engine = Engine(target, draft, self.engine_config, measure_costs=False)
         threads = model_threads(target)
         if str(target.device).startswith("cpu") and threads and machine_busy(threads):
             # ggml's threads wait on each other at every operation: one descheduled, the rest spin (a 2-core machine
@@ -132,14 +124,14 @@ class Server:
             log.warning("other work is running on the cores this server's %d threads compute on: its forwards may take "
                         "several times as long beside it; --threads %d leaves that work a core", threads,
                         max(1, threads - 1))
-        if draft is not None and self.draft_policy == "adaptive" and self.engine.draft_max > 0:
+        if draft is not None and self.engine_config.draft_policy == "adaptive" and self.engine.draft_max > 0:
             self.set_stage("timing the pair's costs")
             self.calibrator = Calibrator(self.engine)
             self.calibrator.start()
             if not str(target.device).startswith("cpu"):
                 # A GPU times the whole measurement in seconds; a server loaded from its start is never idle and
                 # planned from the estimate all along (docs/decisions/0001).
-                self.calibrator.measure_now(ServerConfig.measure_at_start_s)
+                self.calibrator.measure_now(self.config.measure_at_start_s)
             log.info("costs: %s (%s)", self.calibrator.source, self.costs_summary())
             self.idle_work.append(lambda: self.calibrator.step(hurry=self.scheduler.has_waiting))
         self.scheduler.attach(self.engine)
@@ -201,7 +193,7 @@ class Server:
         if self.status != "ready":
             code = "shutting_down" if self.status == "draining" else "not_ready"
             raise APIError(503, f"{NOT_READY[self.status]}; retry later", type="server_error", code=code,
-                           headers={"Retry-After": str(ServerConfig.retry_after_s)})
+                           headers={"Retry-After": str(self.config.retry_after_s)})
 
     def kv_usage(self) -> float:
         """Fraction of the KV memory the running sequences hold (slots are reserved whole: Engine.kv_usage)."""
@@ -212,18 +204,19 @@ class Server:
     def authorize(self, request: Request) -> None:
         """With an API key set, every route but /health needs it: `Authorization: Bearer <key>`, or Anthropic's
         `x-api-key: <key>`."""
-        if self.api_key is None:
+        api_key = self.config.api_key
+        if api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         given = key if scheme.lower() == "bearer" else request.headers.get("x-api-key")
-        if given is None or not secrets.compare_digest(given.strip().encode(), self.api_key.encode()):
+        if given is None or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
                            "<key>')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, name: str | None) -> None:
         # No model named is fine (llama-server allows it); a wrong name is OpenAI's 404, unless the operator
         # accepts any name (replicas behind a gateway: docs/deployment.md says why).
-        if name is not None and name not in self.model_names and not self.accept_any_model:
+        if name is not None and name not in self.model_names and not self.config.accept_any_model:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
@@ -271,7 +264,7 @@ class Server:
                     ids, sampling, max_tokens=min(requested, room) if requested is not None else room,
                     stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []), speculate=enabled,
                     draft_max=draft_max,  # None: the server's; more is capped there (Generation.draft_max)
-                    draft_policy=self.draft_policy, logprobs=req.logprobs_count(),
+                    draft_policy=self.engine_config.draft_policy, logprobs=req.logprobs_count(),
                     logits=logits,
                 )
             except ValueError as e:
@@ -285,10 +278,10 @@ class Server:
             self.scheduler.submit_all(jobs)
         except QueueFullError as e:
             raise APIError(503, f"the server is busy: {e}; retry later", type="server_error", code="queue_full",
-                           headers={"Retry-After": str(ServerConfig.retry_after_s)}) from None
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
         except ShuttingDownError as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down",
-                           headers={"Retry-After": str(ServerConfig.retry_after_s)}) from None
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
 
     def cancel(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -307,58 +300,29 @@ class Server:
         return vocab.decode_bytes([token])
 
 
-def create_app(
-    target: Model | None = None,
-    draft: Draft = None,
-    *,
-    load: Loader | None = None,
-    warm_up: WarmUp | None = None,
-    model_name: str | None = None,
-    aliases: Seq[str] = (),
-    draft_max: int = EngineConfig.draft_max,
-    draft_policy: str = EngineConfig.draft_policy,
-    api_key: str | None = None,
-    max_queue: int = ServerConfig.max_queue,
-    slots: int = 1,
-    max_body_bytes: int = ServerConfig.max_body_bytes,
-    allowed_hosts: frozenset[str] | None = frozenset(),
-    cors_origins: Seq[str] = (),
-    accept_any_model: bool = False,
-    kv_usage: Callable[[], float] | None = None,
-    kv_budget_bytes: int | None = None,
-    prompt_lookup: bool = EngineConfig.prompt_lookup,
-) -> FastAPI:
+def create_app(target: Model | None = None, draft: Draft = None, *, load: Loader | None = None,
+               warm_up: WarmUp | None = None, engine: EngineConfig | None = None,
+               server: ServerConfig | None = None, kv_usage: Callable[[], float] | None = None) -> FastAPI:
     """The FastAPI app serving `target` (speculatively with `draft`: a Model, "ngram" or None).
 
     Args:
         target, draft: the models; or leave them out and give `load`, which returns (target, draft) and runs on a
             thread once the app starts, while /health answers 503 "loading".
         warm_up: run on the same thread after loading (/health: "warming"); requests wait for "ok".
-        model_name: the id /v1/models lists and responses carry [the target file's name without .gguf];
-            requests may name it or any of `aliases` (any name at all with `accept_any_model`).
-        draft_max, draft_policy: the default drafting; requests may lower it or turn it off ("speculative").
-        api_key: when set, every route but /health and /metrics needs `Authorization: Bearer <api_key>` (or
-            `x-api-key`); those two stay open for probes, routers and scrapers, which carry no key (they hold
-            readiness, counts and gauges, never a prompt or a reply).
-        max_queue: requests that may wait for a slot; one more gets a 503 with Retry-After.
-        slots: generations decoded together at most, in one batched forward a step (1 = strictly serial).
-        max_body_bytes: larger request bodies get a 413 without being read.
-        allowed_hosts: Host header values accepted besides loopback names and addresses; None accepts any
-            (`safety.allowed_hosts_for` derives it from the bind address).
-        cors_origins: origins browsers may call from (CORS); none by default.
+        engine: how the engine runs (slots, draft_max, draft_policy, prompt_lookup, kv_budget_bytes: EngineConfig);
+            requests may lower the drafting or turn it off ("speculative").
+        server: what it admits and how it answers (model names, api_key, max_queue, body size, allowed hosts,
+            CORS origins: ServerConfig). A model loaded later needs server.model_name.
         kv_usage: the KV cache usage fraction the metrics export [the slots running sequences hold].
-        kv_budget_bytes: KV memory for every slot's context (default: half the free memory); fewer slots fit a
-            smaller budget, and one that holds no whole context is a start-up error.
-        prompt_lookup: with a draft model, adaptive requests also draft by prompt lookup where the text repeats.
     The worker thread starts and stops with the app's lifespan.
     """
+    engine, config = engine or EngineConfig(), server or ServerConfig()
     if target is None and load is None:
         raise ValueError("create_app needs a target model or a load function")
-    if target is None and model_name is None:
+    if target is None and config.model_name is None:
         raise ValueError("create_app needs a model_name when the model is loaded later")
     file_name = os.path.basename(str(target.path)).removesuffix(".gguf") if target is not None else None
-    server = Server(model_name or file_name, aliases, draft_max, draft_policy, api_key, slots, max_queue,
-                    kv_usage, accept_any_model, kv_budget_bytes, prompt_lookup)
+    server = Server(engine, config, config.model_name or file_name, kv_usage)
     if target is not None:
         server.attach(target, draft)
         if warm_up is None:
@@ -385,11 +349,11 @@ def create_app(
     openapi.install(app)
     app.state.server = server
     # Starlette wraps the app in the order added, the last outermost: guard -> browser guard -> CORS -> app.
-    if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts)
-    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, metrics=server.metrics, endpoints=ENDPOINTS)
+    app.add_middleware(BrowserGuard, allowed_hosts=config.allowed_hosts)
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, metrics=server.metrics, endpoints=ENDPOINTS)
 
     def error_response(request: Request, status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         """OpenAI's error object, or Anthropic's on Anthropic's routes."""
@@ -407,7 +371,7 @@ def create_app(
 
     @app.exception_handler(BodyTooLargeError)
     async def too_large(request: Request, exc: BodyTooLargeError) -> JSONResponse:
-        return error_response(request, 413, too_large_body(max_body_bytes))
+        return error_response(request, 413, too_large_body(config.max_body_bytes))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -10,6 +10,7 @@ import socket
 
 import uvicorn
 
+from tandem.config import EngineConfig, ServerConfig
 from tandem.engine import Engine, Request
 from tandem.server.app import Server, create_app
 from tandem.server.safety import allowed_hosts_for, exposure_warning
@@ -66,6 +67,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def engine_config(args) -> EngineConfig:
+    """The engine a `tandem serve` command line asks for."""
+    return EngineConfig(slots=args.slots, draft_max=args.draft_max, draft_policy=args.draft_policy,
+                        prompt_lookup=args.prompt_lookup is not False,
+                        kv_budget_bytes=int(args.kv_budget_mib * 2**20) if args.kv_budget_mib else None)
+
+
+def server_config(args) -> ServerConfig:
+    """The server a `tandem serve` command line asks for."""
+    # The id clients see: a name, never the server's file path (the path as typed is still accepted).
+    served_names = args.served_model_name or [os.path.basename(args.model).removesuffix(".gguf")]
+    return ServerConfig(model_name=served_names[0], aliases=(*served_names[1:], args.model),
+                        accept_any_model=args.accept_any_model, api_key=args.api_key, max_queue=args.max_queue,
+                        max_body_bytes=args.max_body_bytes, cors_origins=tuple(args.cors_origin),
+                        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+                        shutdown_timeout_s=args.shutdown_timeout)
+
+
 def serve(args) -> int:
     """`tandem serve`: listen at once, load and warm up the pair meanwhile (/health: 503), serve until SIGTERM or
     SIGINT, then drain (see the module docstring)."""
@@ -79,24 +98,17 @@ def serve(args) -> int:
         rule = "!" * 100
         log.warning("\n%s\n%s\n%s", rule, warning, rule)
     sock = bind_socket(args.host, args.port)
-    # The id clients see: a name, never the server's file path (the path as typed is still accepted).
-    served_names = args.served_model_name or [os.path.basename(args.model).removesuffix(".gguf")]
     app = create_app(
         load=lambda: load_pair(args.model, args.draft, args.no_draft, args.device, args.dtype, args.backend,
                                args.ctx, args.draft_device, progress=sys.stderr.isatty(),
                                isolation=getattr(args, "llamacpp_isolation", "auto"), threads=args.threads),
         warm_up=lambda engine: warm_up(engine, args.draft_policy),
-        model_name=served_names[0], aliases=[*served_names[1:], args.model],
-        draft_max=args.draft_max, draft_policy=args.draft_policy, api_key=args.api_key, max_queue=args.max_queue,
-        slots=args.slots, max_body_bytes=args.max_body_bytes,
-        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), cors_origins=args.cors_origin,
-        accept_any_model=args.accept_any_model,
-        kv_budget_bytes=int(args.kv_budget_mib * 2**20) if args.kv_budget_mib else None,
-        prompt_lookup=args.prompt_lookup is not False,
+        engine=engine_config(args), server=server_config(args),
     )
     server: Server = app.state.server
     server.idle_work.append(lambda: grammar_vocabulary(server))
-    config = uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(app, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=server.config.shutdown_timeout_s)
     http = DrainingServer(config, server)
     server.on_load_error = lambda _: setattr(http, "should_exit", True)
     host, port = sock.getsockname()[:2]
