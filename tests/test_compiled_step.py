@@ -38,16 +38,20 @@ def compilations() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def prefill(model, cache, n, start, last_only):
+def prefill(model, cache, n, start, last_only, taps=()):
     """The step over a prompt of n tokens after `start` cached ones, as the backend chunks it (in inference mode,
-    as the backend runs it); checked against the eager forward."""
+    as the backend runs it); checked against the eager forward. taps: layers whose inputs it taps (a head draft's),
+    checked too."""
     with torch.inference_mode():
         tokens = torch.arange(n) % 50
         for a, b in prefill_chunks(n):
             args = (tokens[a:b], torch.arange(start + a, start + b), cache.k, cache.v)
-            got = model.step(*args, kv_len=start + b, last_only=last_only)
-            want = model.transformer.forward(*args, kv_len=start + b, last_only=last_only)
+            got_taps, want_taps = dict.fromkeys(taps), dict.fromkeys(taps)
+            got = model.step(*args, kv_len=start + b, last_only=last_only, tapped=got_taps if taps else None)
+            want = model.transformer.forward(*args, kv_len=start + b, last_only=last_only, tapped=want_taps)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            for layer in taps:
+                torch.testing.assert_close(got_taps[layer], want_taps[layer], atol=1e-4, rtol=1e-4)
 
 
 # A compile failure falls back to eager with a warning: fail instead
@@ -58,6 +62,9 @@ def test_no_prompt_compiles_again(compiled_pair):
         for n, start, slot, last_only in ((100, 0, 1, True), (65, 300, 1, True), (128, 0, 2, False),
                                          (513, 0, 0, True), (577, 513, 0, True), (200, 64, 2, False)):
             prefill(model, pool.row(slot), n, start, last_only)
+    # a head draft's taps (the layers' inputs, read between the compiled layers) compile nothing either
+    model, pool = compiled_pair[0]
+    prefill(model, pool.row(1), 100, 0, True, taps=(0, 1))
     assert compilations() == before
 
 

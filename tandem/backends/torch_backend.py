@@ -76,7 +76,10 @@ class TorchSequence(Sequence):
     def length(self) -> int:
         return self.cache.length
 
-    def forward(self, tokens: Seq[int] | torch.Tensor, logits: str = "all") -> torch.Tensor:
+    def forward(self, tokens: Seq[int] | torch.Tensor, logits: str = "all", taps: Seq[int] = (),
+                features: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """taps, features: a head draft's (TorchBatchedCache.tap): each chunk's inputs of the layers taps names,
+        [n, len(taps) * d] side by side, appended to features."""
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         n = len(tokens)
@@ -92,11 +95,14 @@ class TorchSequence(Sequence):
                     # copy before them, queued behind a replay (StepGraph.copied); unguarded, every chunk but the
                     # last read its successor's tokens (seen on an H200).
                     tokens = torch.tensor(tokens, dtype=torch.long, device=self.model.torch_device)
+                self.graphs.tap(taps)
                 rows = []
                 for start in range(0, n, self.rows):
                     chunk = tokens[start : start + self.rows]
                     last = start + len(chunk) == n
                     out = self.graphs.run(chunk, self.cache.length, last_only=logits == "last")
+                    if taps:
+                        features.append(self.graphs.features[: len(chunk)].clone())
                     self.cache.length += len(chunk)
                     if logits == "all" or last:
                         rows.append(out if last else out.clone())
@@ -110,8 +116,11 @@ class TorchSequence(Sequence):
                 chunk = tokens[start:stop]
                 begin, end = self.cache.length, self.cache.length + chunk.shape[0]
                 positions = torch.arange(begin, end, device=self.model.torch_device)
+                tapped = dict.fromkeys(taps) if taps else None
                 rows.append(forward(chunk, positions, self.cache.k, self.cache.v, kv_len=end,
-                                    last_only=logits == "last"))
+                                    last_only=logits == "last", tapped=tapped))
+                if tapped is not None:
+                    features.append(tapped_features(tapped, taps))
                 self.cache.length = end
         return rows[-1] if logits == "last" else torch.cat(rows) if len(rows) > 1 else rows[0]
 
@@ -147,6 +156,9 @@ class TorchBatchedCache(BatchedCache):
         self.pool = model.transformer.new_cache(cache_slots(capacity), sequences=slots)
         self.packed = None
         self.sequences = []
+        self.head = None  # a head draft's drafts over this cache (attach_head): told of every forward's rows
+        self.taps: tuple[int, ...] = ()  # the layers whose inputs it reads
+        self._tapped: list = []  # a forward's pieces with their tapped features, for the head
         # One slot has no batch to be invariant to: it runs the batch-1 path (StepGraph, cuBLAS), as
         # TANDEM_BATCH_INVARIANT=0 does, and captures no packed graphs.
         if model.transformer.packed and slots > 1 and os.environ.get("TANDEM_PACKED", "1") != "0":
@@ -203,6 +215,8 @@ class TorchBatchedCache(BatchedCache):
             replays.append((entries, owners))
         for n, (entries, owners) in enumerate(replays):
             logits = packed.run(entries, n)
+            if self.taps:
+                self._tapped_pieces(entries, packed.features)
             for i, rows in zip(owners, logits, strict=True):
                 if last_only[i]:
                     rows = rows[-1:]
@@ -210,6 +224,13 @@ class TorchBatchedCache(BatchedCache):
         for i in short:
             results[i] = parts[i][0] if len(parts[i]) == 1 else torch.cat(parts[i])
         return results
+
+    def _tapped_pieces(self, entries: Seq[tuple[int, Seq[int], int, bool]], features: torch.Tensor) -> None:
+        """A packed replay's pieces (slot, tokens, first position, _) and its rows' tapped features, for the head."""
+        at = 0
+        for slot, tokens, start, _ in entries:
+            self._tapped.append((slot, start, tokens, features[at : at + len(tokens)].clone()))
+            at += len(tokens)
 
     def _prefill(self, slot: int, tokens: Seq[int], last_only: bool) -> torch.Tensor:
         device, row = self.model.torch_device, self.pool.row(slot)
@@ -220,25 +241,43 @@ class TorchBatchedCache(BatchedCache):
             chunk = tokens[start:stop]
             begin = self.lengths[slot]
             end = begin + chunk.shape[0]
+            tapped = dict.fromkeys(self.taps) if self.taps else None
             rows.append(forward(chunk, torch.arange(begin, end, device=device), row.k, row.v, kv_len=end,
-                                last_only=last_only))
+                                last_only=last_only, tapped=tapped))
+            if tapped is not None:
+                self._tapped.append((slot, begin, chunk, tapped_features(tapped, self.taps)))
             self.lengths[slot] = end
         return rows[-1] if last_only else torch.cat(rows)
 
     def forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         self._check(batch)
+        if self.head is None:
+            return self._forward(batch, last_only)
+        self._tapped = []  # (slot, first position, tokens, features) of every piece the forward ran
+        logits = self._forward(batch, last_only)
+        self.head.take_in(self._tapped)
+        return logits
+
+    def _sequence_forward(self, slot: int, tokens: Seq[int] | torch.Tensor, last_only: bool) -> torch.Tensor:
+        """A batch of one through the slot's TorchSequence (its length is the cache's), tapped for a head."""
+        seq = self.sequences[slot]
+        if self.packed is not None:  # TANDEM_BATCH_INVARIANT=0: the slot's length is kept here
+            seq.cache.length = self.lengths[slot]
+        start, features = seq.cache.length, []
+        logits = seq.forward(tokens, logits="last" if last_only else "all", taps=self.taps, features=features)
+        if self.taps:
+            self._tapped.append((slot, start, tokens, torch.cat(features) if len(features) > 1 else features[0]))
+        if self.packed is not None:
+            self.lengths[slot] = seq.cache.length
+        return logits
+
+    def _forward(self, batch: Seq[tuple[int, Seq[int]]], last_only: Seq[bool]) -> list[torch.Tensor]:
         if self.packed is not None and (len(batch) > 1 or not self.sequences):
             with torch.inference_mode():
                 return self._forward_packed(batch, last_only)
-        if self.packed is not None:  # TANDEM_BATCH_INVARIANT=0: one sequence through its TorchSequence
-            (slot, tokens), seq = batch[0], self.sequences[batch[0][0]]
-            seq.cache.length = self.lengths[slot]
-            logits = seq.forward(tokens, logits="last" if last_only[0] else "all")
-            self.lengths[slot] = seq.cache.length
-            return [logits]
-        if len(batch) == 1:
+        if len(batch) == 1:  # (packed: TANDEM_BATCH_INVARIANT=0) one sequence through its TorchSequence
             (slot, tokens), last = batch[0], last_only[0]
-            return [self.sequences[slot].forward(tokens, logits="last" if last else "all")]
+            return [self._sequence_forward(slot, tokens, last)]
         device = self.model.torch_device
         tokens, positions, rows, spans, out_rows, counts = [], [], [], [], [], []
         for (slot, ids), last in zip(batch, last_only, strict=True):
@@ -250,9 +289,15 @@ class TorchBatchedCache(BatchedCache):
             out_rows.extend([begin + n - 1] if last else range(begin, begin + n))
             counts.append(1 if last else n)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)
+        tapped = dict.fromkeys(self.taps) if self.taps else None
         with torch.inference_mode():
             logits = self.model.transformer.forward_ragged(as_tensor(tokens), as_tensor(positions), as_tensor(rows),
-                                                           spans, self.pool.k, self.pool.v, as_tensor(out_rows))
+                                                           spans, self.pool.k, self.pool.v, as_tensor(out_rows),
+                                                           tapped)
+        if tapped is not None:
+            features = tapped_features(tapped, self.taps)
+            for (slot, ids), (begin, end, _, _) in zip(batch, spans, strict=True):
+                self._tapped.append((slot, self.length(slot), ids, features[begin:end]))
         for (slot, ids) in batch:
             self.sequences[slot].cache.length += len(ids)
         return list(logits.split(counts))
@@ -262,12 +307,10 @@ class TorchBatchedCache(BatchedCache):
         return bool(self.sequences)  # a slot's own TorchSequence (not the packed graphs) takes a device token
 
     def step_on_device(self, slot: int, tokens: torch.Tensor, last_only: bool = True) -> torch.Tensor:
-        seq = self.sequences[slot]
-        if self.packed is not None:  # TANDEM_BATCH_INVARIANT=0: the slot's length is kept here
-            seq.cache.length = self.lengths[slot]
-        logits = seq.forward(tokens, logits="last" if last_only else "all")
-        if self.packed is not None:
-            self.lengths[slot] = seq.cache.length
+        self._tapped = []
+        logits = self._sequence_forward(slot, tokens, last_only)
+        if self.head is not None:
+            self.head.take_in(self._tapped)
         return logits
 
     def rewind(self, slot: int, length: int) -> None:
@@ -288,7 +331,26 @@ class TorchBatchedCache(BatchedCache):
             self.lengths[dst] = length
         else:
             self.sequences[dst].cache.length = length
+        if self.head is not None:
+            self.head.copy_prefix(src, dst, length)
         return True
+
+    def attach_head(self, head: Model) -> BatchedCache:
+        from tandem.backends.torch_head import TorchHeadCache, TorchHeadModel
+
+        if not isinstance(head, TorchHeadModel):
+            raise ValueError(f"a head draft on the torch backend must be loaded by it too, got {head!r}")
+        return TorchHeadCache(head, self)
+
+    def tap(self, taps: Seq[int], head) -> None:
+        """Hand every forward's rows, with the inputs of the layers `taps` names, to head.take_in (a head draft's
+        hook: TorchHeadCache); no taps and no head turn it off. The plain path taps nothing."""
+        self.taps, self.head = tuple(taps), head
+        for seq in self.sequences:
+            if seq.graphs is not None:
+                seq.graphs.tap(self.taps)
+        if self.packed is not None:
+            self.packed.tap(self.taps)
 
     @property
     def nbytes(self) -> int:
@@ -422,20 +484,25 @@ def _compile_step(transformer: Transformer):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)  # see the docstring
     layer = torch.compile(transformer.layer, dynamic=True)
 
-    def step(tokens, positions, cache_k, cache_v, kv_len=None, last_only=False):
+    def step(tokens, positions, cache_k, cache_v, kv_len=None, last_only=False, tapped=None):
         nonlocal layer
         try:
-            x = transformer.hidden(tokens, positions, cache_k, cache_v, kv_len, layer=layer)
+            x = transformer.hidden(tokens, positions, cache_k, cache_v, kv_len, layer=layer, tapped=tapped)
         except Exception as error:  # a compiler bug must cost speed, never a request
             if layer == transformer.layer:
                 raise
             warnings.warn(f"torch.compile failed ({type(error).__name__}: {error}); running the step eagerly",
                           stacklevel=2)
             layer = transformer.layer
-            x = transformer.hidden(tokens, positions, cache_k, cache_v, kv_len)
+            x = transformer.hidden(tokens, positions, cache_k, cache_v, kv_len, tapped=tapped)
         return transformer.project(x[-1:] if last_only else x)
 
     return step
+
+
+def tapped_features(tapped: dict[int, torch.Tensor], taps: Seq[int]) -> torch.Tensor:
+    """The tapped layers' inputs side by side in taps' order (a layer named twice, twice): [T, len(taps) * d]."""
+    return torch.cat([tapped[layer] for layer in taps], dim=-1)
 
 
 def prefill_chunks(n: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
@@ -449,5 +516,10 @@ def prefill_chunks(n: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
 
 
 def load_torch(path: str, device: str = "cpu", dtype: str = "float32", n_ctx: int | None = None,
-               progress: bool = True, graphs: bool | None = None) -> TorchModel:
+               progress: bool = True, graphs: bool | None = None) -> Model:
+    """A target (TorchModel), or a head draft (an eagle3 file: torch_head.TorchHeadModel) to attach to one."""
+    if open_gguf(path).architecture == "eagle3":
+        from tandem.backends.torch_head import TorchHeadModel
+
+        return TorchHeadModel(path, device=parse_device(device), dtype=parse_dtype(dtype), n_ctx=n_ctx)
     return TorchModel.from_gguf(path, device=device, dtype=dtype, n_ctx=n_ctx, progress=progress, graphs=graphs)

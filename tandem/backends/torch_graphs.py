@@ -77,10 +77,29 @@ class StepGraph:
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.slots = cache.k[0].shape[2]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # kv_len -> graph, [rows, V] logits
+        self.taps: tuple[int, ...] = ()  # layers whose inputs a forward copies to features (a head draft's: `tap`)
+        self.features: torch.Tensor | None = None
 
     def _forward(self, kv_len: int) -> torch.Tensor:
         positions = self.start + self.offsets
-        return self.model.step(self.tokens, positions, self.cache.k, self.cache.v, kv_len)
+        if not self.taps:
+            return self.model.step(self.tokens, positions, self.cache.k, self.cache.v, kv_len)
+        tapped = dict.fromkeys(self.taps)
+        logits = self.model.step(self.tokens, positions, self.cache.k, self.cache.v, kv_len, tapped=tapped)
+        torch.cat([tapped[layer] for layer in self.taps], dim=-1, out=self.features)
+        return logits
+
+    def tap(self, taps: Seq[int]) -> None:
+        """From now on every forward leaves the inputs of the layers `taps` names in features, [rows, len(taps) *
+        d] (a head draft's: TorchBatchedCache.attach_head); its graphs are captured again."""
+        taps = tuple(taps)
+        if taps == self.taps:
+            return
+        self.taps = taps
+        d, t = self.model.transformer.config.d_model, self.model.transformer
+        self.features = torch.empty(self.rows, len(taps) * d, dtype=t.dtype, device=t.device) if taps else None
+        for span in list(self.graphs):
+            self.graphs[span] = self._capture(span)
 
     def _capture(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
         if self.model.torch_device.type != "cuda":
@@ -163,6 +182,8 @@ class PackedGraphs:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.spans = kv_spans(self.cache_slots)
+        self.taps: tuple[int, ...] = ()  # as StepGraph's: a head draft's layer inputs, [rows, len(taps) * d]
+        self.features: torch.Tensor | None = None
 
     def padded_rows(self, rows: int) -> int:
         """The rows `rows` rows of one-piece entries run as: full replays of max_rows, then the least bucket that
@@ -177,8 +198,23 @@ class PackedGraphs:
 
     def _forward(self, rows: int, span: int) -> None:
         tokens, positions, cache_rows, seqs, out_rows = self._views(rows)
+        tapped = dict.fromkeys(self.taps) if self.taps else None
         self.model.transformer.forward_packed(tokens, positions, cache_rows, seqs, span, out_rows, self.pool.k,
-                                              self.pool.v, self.logits)
+                                              self.pool.v, self.logits, tapped)
+        if tapped is not None:
+            torch.cat([tapped[layer] for layer in self.taps], dim=-1, out=self.features[:rows])
+
+    def tap(self, taps: Seq[int]) -> None:
+        """As StepGraph.tap: a run's rows' tapped layer inputs in features, in the order of its pieces' rows."""
+        taps = tuple(taps)
+        if taps == self.taps:
+            return
+        self.taps, t = taps, self.model.transformer
+        self.features = torch.empty(self.max_rows, len(taps) * t.config.d_model, dtype=t.dtype, device=t.device) \
+            if taps else None
+        if self.graphs:
+            self.graphs = {}
+            self.capture_all()
 
     def capture_all(self) -> None:
         """Every (rows, span) graph, now: from a buffer of padding alone, which writes no cache slot."""

@@ -395,9 +395,12 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     elif scaling_type not in (None, "none", "linear"):
         raise GGUFError(f"{gf.path}: unsupported rope scaling type {scaling_type!r} (only 'linear')")
 
-    if not gf.has_tensor("token_embd.weight"):
+    if gf.has_tensor("token_embd.weight"):
+        vocab_size = gf.tensor_shape("token_embd.weight")[0]
+    elif arch == "eagle3" and gf.get("tokenizer.ggml.tokens"):  # an EAGLE-3 head may use its target's embedding
+        vocab_size = len(gf.get("tokenizer.ggml.tokens"))
+    else:
         raise GGUFError(f"{gf.path}: missing tensor 'token_embd.weight'")
-    vocab_size = gf.tensor_shape("token_embd.weight")[0]
 
     # Gemma 3 and 4: GeGLU, a scaled embedding, q/k norms and sandwich norms. llama.cpp's converter already folds
     # Gemma's (1 + w) RMSNorm into the stored weights, so every norm in the GGUF is a plain `x_normed * w`; the

@@ -180,8 +180,9 @@ class Transformer(torch.nn.Module):
         cache_v: list[torch.Tensor],  # ... and v
         kv_len: int | None = None,  # attend over cache slots [0, kv_len); None = all of them
         last_only: bool = False,  # project only the last row to logits
+        tapped: dict[int, torch.Tensor | None] | None = None,  # see `hidden`
     ) -> torch.Tensor:  # [T or 1, V] float32 (float64 for float64 models)
-        x = self.hidden(tokens, positions, cache_k, cache_v, kv_len)
+        x = self.hidden(tokens, positions, cache_k, cache_v, kv_len, tapped=tapped)
         return self.project(x[-1:] if last_only else x)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] hidden states -> [T, V] logits
@@ -197,6 +198,8 @@ class Transformer(torch.nn.Module):
         cache_v: list[torch.Tensor],
         kv_len: int | None = None,
         layer: Callable | None = None,  # what runs each layer: `layer`, or a compiled copy (TorchModel.step)
+        # A head draft's taps (EAGLE-3: docs/decisions/0004): each key, a layer id, gets that layer's input [T, d]
+        tapped: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:  # [T, d]: the last layer's output, before the final norm (what forward projects)
         c, w = self.config, self.w
         kv_len = cache_k[0].shape[2] if kv_len is None else kv_len
@@ -213,6 +216,8 @@ class Transformer(torch.nn.Module):
         sum_sq = fused_projections.sum_squares(x[0]) if fused_projection else None
         layer = layer or self.layer
         for i in range(c.n_layers):
+            if tapped is not None and i in tapped:
+                tapped[i] = x[0]
             local = c.is_local_layer(i)
             x, sum_sq = layer(x, sum_sq, self.blocks[i], local, positions, cache_k[i], cache_v[i], kv_len, bias[local],
                               fused_projection, split_k)
@@ -255,6 +260,7 @@ class Transformer(torch.nn.Module):
         cache_k: list[torch.Tensor],  # per layer [B_pool, H_kv, S, D], one row a sequence
         cache_v: list[torch.Tensor],
         out_rows: torch.Tensor,  # [M] int64, the rows to project to logits
+        tapped: dict[int, torch.Tensor | None] | None = None,  # layer inputs [N, d], as `hidden`'s
     ) -> torch.Tensor:  # [M, V] float32 (float64 for float64 models)
         """Several sequences in one forward, each at its own position with its own number of rows: the
         projections and the MLP run over all N rows at once (one read of the weights for every sequence), the
@@ -264,6 +270,8 @@ class Transformer(torch.nn.Module):
         x = (F.embedding(tokens, w["token_embd.weight"]) * self.embed_scale)[None]  # [1, N, d]
         attention = RaggedAttention(self, positions, spans)
         for i, b in enumerate(self.blocks):
+            if tapped is not None and i in tapped:
+                tapped[i] = x[0]
             local = c.is_local_layer(i)
             rope = self.rope_local if local else self.rope_global
             h = rms_norm(x, None, c.rms_eps)  # attn_norm's scale is in attn_qkv
@@ -294,6 +302,7 @@ class Transformer(torch.nn.Module):
         cache_k: list[torch.Tensor],  # per layer [B_pool, H_kv, S, D], one row a sequence
         cache_v: list[torch.Tensor],
         logits: torch.Tensor,  # [>= M, V] float32, written in place: row m is out_rows[m]'s logits
+        tapped: dict[int, torch.Tensor | None] | None = None,  # layer inputs [N, d], as `hidden`'s
     ) -> None:
         """forward_ragged in tandem's GPU kernels alone (six launches a layer and two more), for CUDA graphs.
 
@@ -304,6 +313,8 @@ class Transformer(torch.nn.Module):
         c, w = self.config, self.w
         x, sum_sq = torch.ops.tandem.embed_rows(tokens, w["token_embd.weight"], float(self.embed_scale))  # [N, d]
         for i in range(c.n_layers):
+            if tapped is not None and i in tapped:
+                tapped[i] = x
             p = f"blk.{i}."
             local = c.is_local_layer(i)
             rope = self.rope_local if local else self.rope_global

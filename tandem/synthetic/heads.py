@@ -157,12 +157,15 @@ def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
                  target_layers: tuple[int, int, int] = (0, 1, 1), qtype: str = "F32", d_model: int = 64,
                  d_ffn: int = 128, n_heads: int = 4, n_kv_heads: int = 2,
                  vocab_size: int | None = None, context_length: int = 512, seed: int = 0, *,
-                 rope_base: float = 10000.0, rms_eps: float = 1e-6) -> str:
+                 rope_base: float = 10000.0, rms_eps: float = 1e-6, d2t: list[int] | None = None,
+                 own_embedding: bool = True, metadata: dict[str, Any] | None = None) -> str:
     """Write a random-weight EAGLE-3 drafter (llama.cpp's `eagle3` architecture, `llama_model_eagle3` in
     src/models/eagle3.cpp) for a tiny `llama` target of width target_d_model written by write_tiny_gguf: `fc` fuses
     the inputs of the target's `target_layers` (3 ids, each below its layer count) into d_model, one
-    decoder block reads [its token embedding, the fused features] (2 * d_model wide), and it has its own token
-    embedding and output (the tiny vocabulary). Return its path."""
+    decoder block reads [its token embedding, the fused features] (2 * d_model wide), and it has its own output
+    (the tiny vocabulary) and token embedding (own_embedding=False: the target's, as EAGLE-3 heads for Llama 3.1
+    8B). d2t: a draft vocabulary of its own, the target id of each of its rows (its output has one row each).
+    metadata: keys to add or replace (None deletes one). Return its path."""
     if len(target_layers) != 3:
         raise ValueError(f"EAGLE-3 reads exactly 3 target layers, got {target_layers}")
     path = os.fspath(path)
@@ -200,7 +203,7 @@ def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
     }
     q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
     specs = [
-        ("token_embd.weight", (vocab_size, d_model), "matrix"),
+        *([("token_embd.weight", (vocab_size, d_model), "matrix")] if own_embedding else []),
         ("fc.weight", (d_model, 3 * target_d_model), "matrix"),
         ("blk.0.attn_norm.weight", (d_model,), "norm"),
         ("blk.0.attn_norm_2.weight", (d_model,), "norm"),
@@ -213,6 +216,7 @@ def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
         ("blk.0.ffn_up.weight", (d_ffn, d_model), "matrix"),
         ("blk.0.ffn_down.weight", (d_model, d_ffn), "matrix"),
         ("output_norm.weight", (d_model,), "norm"),
-        ("output.weight", (vocab_size, d_model), "matrix"),
+        ("output.weight", (len(d2t) if d2t is not None else vocab_size, d_model), "matrix"),
     ]
-    return write_gguf(path, a, kv, specs, qtype, rng)
+    arrays = {"d2t": np.asarray(d2t, dtype=np.int64)} if d2t is not None else None
+    return write_gguf(path, a, kv, specs, qtype, rng, metadata, arrays=arrays)

@@ -343,10 +343,11 @@ def write_tiny_gguf(
 
 def write_gguf(path: str, arch: str, kv: dict[str, Any], specs: Iterable[tuple[str, tuple[int, ...], str]],
                qtype: str, rng: np.random.Generator, metadata: dict[str, Any] | None = None,
-               tensor_qtypes: dict[str, str] | None = None) -> str:
+               tensor_qtypes: dict[str, str] | None = None, arrays: dict[str, np.ndarray] | None = None) -> str:
     """A GGUF of `kv` (metadata: keys to add or replace, None deletes one) and random tensors of `specs` (name,
     shape, kind: "norm", "bias", "rope_freqs", "scale" or a matrix stored as qtype, or tensor_qtypes[name]), drawn
-    from rng in their order; the writer of every synthetic file. Returns path."""
+    from rng in their order, then `arrays` as given (an EAGLE-3 head's d2t map); the writer of every synthetic
+    file. Returns path."""
     from gguf import GGUFWriter
 
     kv = dict(kv)
@@ -376,6 +377,8 @@ def write_gguf(path: str, arch: str, kv: dict[str, Any], specs: Iterable[tuple[s
         values = (std * rng.standard_normal(shape)).astype(np.float32)
         array, raw_dtype = _encode_matrix(values, tensor_qtypes.get(name, qtype), std, rng)
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    for name, array in (arrays or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,310 @@
+"""EAGLE-3 head drafts on the torch backend (tandem/backends/torch_head.py, docs/decisions/0004-head-drafts.md): the
+llama target's taps, the head module loaded from the GGUF llama.cpp reads, speculation with it exact (greedy ==
+plain alone and batched; sampled against the target's distribution, with wrong residuals caught), and the same
+drafts as llama.cpp's head on the same files.
+
+A random head agrees with a random target on nothing: the tests that need accepted drafts give both a logit bias
+onto a few tokens (a request's logit_bias applies to the draft's rows as to the target's)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_speculated, cheap_drafting, record_verifies
+from sampling_reference import exact_distribution
+from test_lossless import chi_square_pvalue, residual_from_target, residual_from_target_after_an_accept
+
+import tandem
+from tandem.backends import torch_head
+from tandem.engine import Engine, Request
+from tandem.engine import outcomes as outcomes_module
+from tandem.logits.options import logits_settings
+from tandem.sampling import SamplingParams
+from tandem.speculative.compat import HeadMismatchError
+from tandem.speculative.verify import verify_greedy, verify_sampled
+from tandem.synthetic.heads import write_eagle3, write_gemma4_assistant
+
+TARGET = dict(arch="llama", n_layers=4, qtype="F32", seed=3)  # d_model 64, the tiny byte-level vocabulary (310)
+LAYERS = (0, 2, 3)
+PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "hi"]
+TWO_TOKENS = {300: 30.0, 301: 30.0}
+THREE_TOKENS = {300: 30.0, 301: 30.0, 302: 30.0}
+# A draft vocabulary of its own: 203 of the target's 310 ids (the biased three among them), by d2t
+D2T = sorted(set(range(0, 300, 3)) | set(range(1, 300, 3)) | {300, 301, 302})
+
+
+@pytest.fixture(scope="module")
+def head_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eagle3-torch")
+    return {
+        "own": write_eagle3(folder / "eagle3.gguf", target_d_model=64, target_layers=LAYERS, seed=4),
+        # the target's embedding, its own 203-token output mapped by d2t
+        "d2t": write_eagle3(folder / "eagle3-d2t.gguf", target_d_model=64, target_layers=LAYERS, seed=6, d2t=D2T,
+                            own_embedding=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_path):
+    return tandem.load(tiny_model_path(**TARGET), backend="torch", n_ctx=128)
+
+
+@pytest.fixture(scope="module", params=["own", "d2t"])
+def pair(request, target, head_files):
+    return target, tandem.load(head_files[request.param], backend="torch", n_ctx=128)
+
+
+def draft_logits(target, head, ids: list[int], k: int = 1, verify_from: int | None = None,
+                 copy_to: int | None = None) -> np.ndarray:
+    """The head's logits [k, V] of k greedy drafts after ids[-1], slot 0 of a fresh 2-slot target cache that took
+    ids[:-1] as a prompt (or up to verify_from as a prompt and the rest as a verify's rows, two drafts past them
+    rewound), slot 1 another prompt beside it. copy_to: draft in slot copy_to after the target copied slot 0 there."""
+    kv = target.new_batched_cache(2, 64)
+    head_kv = kv.attach_head(head)
+    try:
+        start = verify_from if verify_from is not None else len(ids) - 1
+        kv.forward([(0, ids[:start]), (1, ids[3:9])], [True, True])
+        if verify_from is not None:
+            kv.forward([(0, ids[start:] + [7, 8])], [False])
+            kv.rewind(0, len(ids) - 1)
+        slot = 0
+        if copy_to is not None:
+            kv.copy_prefix(0, copy_to, len(ids) - 1)
+            slot = copy_to
+        rows, token = [], ids[-1]
+        for _ in range(k):
+            logits = torch.as_tensor(head_kv.forward([(slot, [token])], [True])[0])[0].float()
+            rows.append(logits.numpy())
+            token = int(logits.argmax())
+        return np.stack(rows)
+    finally:
+        head_kv.close()
+        kv.close()
+
+
+def gap(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest difference of two drafts' logits where b's are finite (a d2t head's other ids are -inf)."""
+    finite = np.isfinite(b)
+    return float(np.abs(a[finite] - b[finite]).max())
+
+
+def test_torch_loads_an_eagle3_head_and_says_what_it_cannot_run(pair, tmp_path):
+    target, head = pair
+    assert isinstance(head, torch_head.TorchHeadModel) and head.config.head_target_layers == LAYERS
+    with pytest.raises(ValueError, match="drafts beside its target"):
+        head.new_sequence()
+    # the Gemma 4 assistant needs a gemma4 target, which the torch backend does not run
+    assistant = write_gemma4_assistant(tmp_path / "assistant.gguf", target_d_model=64)
+    with pytest.raises(ValueError, match="runs on the llama.cpp backend only"):
+        tandem.load(assistant, backend="torch")
+    broken = write_eagle3(tmp_path / "broken.gguf", target_d_model=64, metadata={"eagle3.norm_before_fc": True})
+    with pytest.raises(ValueError, match="enc.output_norm"):
+        tandem.load(broken, backend="torch")
+
+
+def test_a_head_that_does_not_fit_its_target_is_a_clear_error(target, tiny_model_path, tmp_path):
+    wider = tandem.load(write_eagle3(tmp_path / "wide.gguf", target_d_model=96), backend="torch")
+    deep = tandem.load(write_eagle3(tmp_path / "deep.gguf", target_d_model=64, target_layers=(0, 2, 7)),
+                       backend="torch")
+    qwen = tandem.load(tiny_model_path(qtype="F32"), backend="torch", n_ctx=64)
+    ok = tandem.load(write_eagle3(tmp_path / "ok.gguf", target_d_model=64), backend="torch")
+    with pytest.raises(HeadMismatchError, match="hidden states of 96 values, the target's are 64"):
+        tandem.generate(target, prompt="hi", max_tokens=2, draft=wider)
+    with pytest.raises(HeadMismatchError, match=r"target layers \[0, 2, 7\], the target has 4"):
+        tandem.generate(target, prompt="hi", max_tokens=2, draft=deep)
+    with pytest.raises(HeadMismatchError, match="drafts for llama targets, not qwen2"):
+        tandem.generate(qwen, prompt="hi", max_tokens=2, draft=ok)
+    with pytest.raises(ValueError, match="hidden states of 96"):
+        target.new_batched_cache(1, 64).attach_head(wider)  # also below the engine
+
+
+def test_the_plain_path_taps_nothing_and_a_closed_head_turns_the_taps_off(pair):
+    target, head = pair
+    kv = target.new_batched_cache(2, 64)
+    seen = []
+    assert kv.taps == () and kv.head is None
+    head_kv = kv.attach_head(head)
+    kv.head.take_in, real = (lambda pieces: (seen.extend(pieces), real(pieces))), kv.head.take_in
+    kv.forward([(0, [5, 6, 7]), (1, [8, 9])], [True, True])
+    kv.forward([(0, [10])], [False])
+    assert [(slot, start, list(tokens), tuple(f.shape)) for slot, start, tokens, f in seen] == \
+        [(0, 0, [5, 6, 7], (3, 3 * 64)), (1, 0, [8, 9], (2, 3 * 64)), (0, 3, [10], (1, 3 * 64))]
+    head_kv.close()
+    assert kv.taps == () and kv.head is None
+    kv.forward([(0, [11])], [False])
+    assert len(seen) == 3
+    kv.close()
+
+
+def test_the_taps_are_the_inputs_of_the_heads_layers(target):
+    """The features of a row: the inputs of layers 0, 2 and 3, as a forward computes them (layer 0's input, the
+    embedding; the others, the residual stream), in the head's order."""
+    t = target.transformer
+    tokens, positions = torch.tensor([5, 6, 7]), torch.arange(3)
+    cache = t.new_cache(16)
+    tapped = dict.fromkeys(LAYERS)
+    with torch.inference_mode():
+        logits = t.forward(tokens, positions, cache.k, cache.v, kv_len=3, tapped=tapped)
+        torch.testing.assert_close(tapped[0], t.w["token_embd.weight"][tokens] * t.embed_scale)
+        cache2 = t.new_cache(16)
+        assert torch.equal(logits, t.forward(tokens, positions, cache2.k, cache2.v, kv_len=3))  # taps change nothing
+        # layer 2's input is what layers 0 and 1 make of the embedding
+        x = tapped[0][None]
+        for i in (0, 1):
+            x, _ = t.layer(x, None, t.blocks[i], False, positions, cache2.k[i], cache2.v[i], 3, t.attention_bias(
+                positions, 3, None), False, False)
+        torch.testing.assert_close(tapped[2], x[0])
+
+
+def test_the_torch_head_drafts_what_llamacpps_drafts_on_the_same_files(pair, tiny_model_path):
+    """Cross-backend: the same F32 files, the same greedy drafts (4 in a row, each fed back) and logits within
+    float rounding (llama.cpp's kernels sum in another order), from a prompt and after a verify's rewind."""
+    pytest.importorskip("llama_cpp")
+    target, head = pair
+    ids = target.tokenizer.encode(PROMPTS[0]) + [300, 301, 302]
+    ours = draft_logits(target, head, ids, k=4)
+    lt = tandem.load(tiny_model_path(**TARGET), backend="llama.cpp", n_ctx=128, threads=1)
+    lh = tandem.load(head.path, backend="llama.cpp", n_ctx=128, threads=1)
+    try:
+        for verify_from in (None, len(ids) - 3):
+            theirs = draft_logits(lt, lh, ids, k=4, verify_from=verify_from)
+            assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+            finite = np.isfinite(theirs)
+            assert (finite == np.isfinite(ours)).all() and finite.sum(-1).min() == (len(D2T) if head.d2t is not None
+                                                                                    else target.vocab_size)
+            np.testing.assert_allclose(ours[finite], theirs[finite], atol=2e-2)
+    finally:
+        lh.close()
+        lt.close()
+
+
+def test_drafts_come_from_the_pairs_the_catch_up_wrote(pair, monkeypatch):
+    target, head = pair
+    ids = target.tokenizer.encode(PROMPTS[0]) + [300, 301, 302]
+    from_prompt = draft_logits(target, head, ids, k=3)
+    assert np.isfinite(from_prompt).any(-1).all()
+    # the pairs a verify's rows wrote (those of the rejected drafts dropped) give the drafts a prompt's give
+    np.testing.assert_allclose(draft_logits(target, head, ids, k=3, verify_from=len(ids) - 3), from_prompt, atol=1e-4)
+    # a prefix the target copied to another slot carries its pairs along
+    np.testing.assert_allclose(draft_logits(target, head, ids, k=3, copy_to=1), from_prompt, atol=1e-4)
+    # controls: without the catch-up on a verify's rows, or without copying the pairs, the drafts differ
+    take_in = torch_head.Eagle3Drafts.take_in
+    monkeypatch.setattr(torch_head.Eagle3Drafts, "take_in",
+                        lambda self, pieces: take_in(self, pieces) if pieces[0][1] == 0 else None)
+    assert gap(draft_logits(target, head, ids, k=3, verify_from=len(ids) - 3), from_prompt) > 1e-2
+    monkeypatch.undo()
+    monkeypatch.setattr(torch_head.Eagle3Drafts, "copy_prefix", lambda self, src, dst, length: self.forget(dst, 0))
+    assert gap(draft_logits(target, head, ids, k=3, copy_to=1), from_prompt) > 1e-2
+
+
+def test_greedy_with_the_head_is_the_target_alone_and_batched(pair):
+    target, head = pair
+    plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
+    alone = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
+                             draft_policy="fixed", draft_max=3) for p in PROMPTS]
+    batched = tandem.generate(target, prompts=PROMPTS, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
+                              draft_policy="fixed", draft_max=4)
+    assert [r.tokens for r in alone] == plain
+    assert [r.tokens for r in batched] == plain
+    assert {r.stats.draft_kind for r in alone + batched} == {"head"}
+    assert_speculated(*(r.stats for r in alone + batched), rejected=True)
+    # with nothing to agree on the head's drafts are all rejected, and the output is the target's all the same
+    unbiased = tandem.generate(target, prompt=PROMPTS[1], max_tokens=16, draft=head, draft_policy="fixed")
+    assert unbiased.tokens == tandem.generate(target, prompt=PROMPTS[1], max_tokens=16).tokens
+    assert_speculated(unbiased.stats, accepted=False)
+
+
+def test_the_greedy_comparison_catches_a_rule_that_keeps_a_rejected_draft(pair, monkeypatch):
+    """Control: a verify that keeps the first draft whether or not the target agrees drifts from plain decoding."""
+    target, head = pair
+
+    def keeps_the_first(draft_tokens, target_tokens):
+        n, tokens = verify_greedy(draft_tokens, target_tokens)
+        return (1, draft_tokens[:1] + [target_tokens[1]]) if n == 0 and draft_tokens else (n, tokens)
+
+    plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
+    monkeypatch.setattr(outcomes_module, "verify_greedy", keeps_the_first)
+    wrong = tandem.generate(target, prompts=PROMPTS, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
+                            draft_policy="fixed", draft_max=4)
+    assert [r.tokens for r in wrong] != plain
+
+
+def test_the_adaptive_policy_drafts_with_a_torch_head_and_stays_exact(pair, monkeypatch, tmp_path):
+    target, head = pair
+    cheap_drafting(monkeypatch, tmp_path)  # costs as a GPU's: drafting pays on acceptance alone
+    engine = Engine(target, head, slots=3, draft_max=4, prompt_lookup=False)
+    logits = logits_settings(logit_bias=TWO_TOKENS, vocab=target.vocab_size)
+    results = engine.generate([Request(target.tokenizer.encode(p), max_tokens=40, logits=logits) for p in PROMPTS])
+    plain = [tandem.generate(target, prompt=p, max_tokens=40, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
+    assert [r.tokens for r in results] == plain
+    assert_speculated(*(r.stats for r in results), rejected=True)
+
+
+def test_draft_auto_and_the_doctor_take_a_torch_head(tiny_model_path, head_files, tmp_path, capsys):
+    import json
+    import shutil
+
+    from tandem.api import load_pair
+    from tandem.cli import main
+    from tandem.synthetic.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "target.gguf", **TARGET)
+    shutil.copy(head_files["own"], tmp_path / "target-eagle3.gguf")
+    loaded, head = load_pair(str(path), "auto", backend="torch", n_ctx=64)
+    assert isinstance(head, torch_head.TorchHeadModel) and head.path == str(tmp_path / "target-eagle3.gguf")
+    assert main(["doctor", "--json", "--repeats", "2", "--model", str(path), "--draft", head.path, "--backend",
+                 "torch", "--slots", "2"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["draft_kind"] == "head" and d["draft_step_ms_paired"] > 0
+
+
+# --- sampled: the target's distribution, drafts of 2-3 tokens, 4 sequences a verify ---------------------------------
+SAMPLING = dict(temperature=1.0, top_k=3)  # the biased three, each model weighing them by its own logits
+N_GENERATED = 5
+N_SAMPLES = 3600
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def sampled_setup(target, head_files):
+    head = tandem.load(head_files["own"], backend="torch", n_ctx=128)
+    prompt_ids = target.tokenizer.encode(PROMPTS[1])
+    bias = np.zeros(target.vocab_size)
+    bias[list(THREE_TOKENS)] = list(THREE_TOKENS.values())
+    dist, _ = exact_distribution(lambda ids: target.logits(ids)[-1].numpy() + bias, prompt_ids, N_GENERATED,
+                                 **SAMPLING)
+    return target, head, prompt_ids, dist
+
+
+def sample_with_head(target, head, prompt_ids, monkeypatch, verify=verify_sampled):
+    outcomes = record_verifies(monkeypatch, verify)
+    engine = Engine(target, head, slots=SLOTS, draft_max=3, measure_costs=False, prompt_lookup=False)
+    logits = logits_settings(logit_bias=THREE_TOKENS, vocab=target.vocab_size)
+    counts, stats = {}, []
+    for start in range(0, N_SAMPLES, SLOTS):
+        requests = [Request(prompt_ids, SamplingParams(seed=seed, **SAMPLING), max_tokens=N_GENERATED,
+                            ignore_eos=True, draft_max=2 + seed % 2, draft_policy="fixed", logits=logits)
+                    for seed in range(start, start + SLOTS)]
+        for result in engine.generate(requests):
+            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
+            stats.append(result.stats)
+    monkeypatch.undo()
+    assert_speculated(*stats, rejected=True)
+    return counts, outcomes
+
+
+def test_sampled_speculation_with_a_torch_head_matches_the_targets_distribution(sampled_setup, monkeypatch):
+    target, head, prompt_ids, dist = sampled_setup
+    counts, outcomes = sample_with_head(target, head, prompt_ids, monkeypatch)
+    assert all(outcomes.get((k, n), 0) >= 10 for k in (2, 3) for n in range(k + 1)), sorted(outcomes.items())
+    p = chi_square_pvalue(counts, dist, N_SAMPLES)
+    assert p > 1e-3, f"sampled speculation with a torch head departs from the target's distribution (p={p:.3g})"
+
+
+@pytest.mark.parametrize("wrong_rule", [residual_from_target, residual_from_target_after_an_accept])
+def test_the_torch_head_distribution_test_catches_a_wrong_residual(sampled_setup, monkeypatch, wrong_rule):
+    target, head, prompt_ids, dist = sampled_setup
+    counts, _ = sample_with_head(target, head, prompt_ids, monkeypatch, verify=wrong_rule)
+    p = chi_square_pvalue(counts, dist, N_SAMPLES)
+    assert p < 1e-4, f"{wrong_rule.__name__} went unnoticed with a torch head (p={p:.3g})"
