@@ -241,19 +241,17 @@ def test_the_adaptive_policy_drafts_with_a_torch_head_and_stays_exact(pair, monk
     assert_speculated(*(r.stats for r in results), rejected=True)
 
 
-def test_draft_auto_and_the_doctor_take_a_torch_head(tiny_model_path, head_files, tmp_path, capsys):
+def test_draft_auto_and_the_doctor_take_a_torch_head(tmp_path, capsys):
     import json
-    import shutil
 
     from tandem.api import load_pair
     from tandem.cli import main
-    from tandem.synthetic.tiny_gguf import write_tiny_gguf
+    from tandem.synthetic.heads import write_eagle3_pair
 
-    path = write_tiny_gguf(tmp_path / "target.gguf", **TARGET)
-    shutil.copy(head_files["own"], tmp_path / "target-eagle3.gguf")
-    loaded, head = load_pair(str(path), "auto", backend="torch", n_ctx=64)
-    assert isinstance(head, torch_head.TorchHeadModel) and head.path == str(tmp_path / "target-eagle3.gguf")
-    assert main(["doctor", "--json", "--repeats", "2", "--model", str(path), "--draft", head.path, "--backend",
+    path, head_path = write_eagle3_pair(tmp_path, "tiny", qtype="F32", head_qtype="F32")
+    loaded, head = load_pair(path, "auto", backend="torch", n_ctx=64)
+    assert isinstance(head, torch_head.TorchHeadModel) and head.path == head_path
+    assert main(["doctor", "--json", "--repeats", "2", "--model", path, "--draft", head.path, "--backend",
                  "torch", "--slots", "2"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["draft_kind"] == "head" and d["draft_step_ms_paired"] > 0

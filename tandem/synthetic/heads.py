@@ -141,18 +141,6 @@ def write_head_pair(folder: str | os.PathLike[str], preset: str = "tiny", qtype:
     return target, head
 
 
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="write a random gemma4 target and its assistant head draft")
-    parser.add_argument("folder")
-    parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
-    parser.add_argument("--qtype", default="Q8_0", help="the target's matrices (e.g. Q4_K for a Q4_K_M stand-in)")
-    parser.add_argument("--head-qtype", default="Q8_0")
-    args = parser.parse_args()
-    print(*write_head_pair(args.folder, args.preset, args.qtype, args.head_qtype), sep="\n")
-
-
 def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
                  target_layers: tuple[int, int, int] = (0, 1, 1), qtype: str = "F32", d_model: int = 64,
                  d_ffn: int = 128, n_heads: int = 4, n_kv_heads: int = 2,
@@ -220,3 +208,54 @@ def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
     ]
     arrays = {"d2t": np.asarray(d2t, dtype=np.int64)} if d2t is not None else None
     return write_gguf(path, a, kv, specs, qtype, rng, metadata, arrays=arrays)
+
+
+# Random EAGLE-3 pairs for a GPU (a llama target and a head that fits it): Llama 3.1 8B's shape and its EAGLE-3 head
+# (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: one layer of the target's width, a 32000-token draft vocabulary by d2t). The
+# layers it reads are an assumption (EAGLE-3's low, middle and high: 2, n/2, n - 3); check a converted file's
+# `eagle3.target_layers`.
+EAGLE3_PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "tiny": (dict(n_layers=4, d_model=64, d_ffn=128, n_heads=4, n_kv_heads=2),
+             dict(target_layers=(0, 2, 3), d_model=64, d_ffn=128, n_heads=4, n_kv_heads=2, draft_vocab=None)),
+    "llama3-8b": (dict(n_layers=32, d_model=4096, d_ffn=14336, n_heads=32, n_kv_heads=8, vocab_size=128256),
+                  dict(target_layers=(2, 16, 29), d_model=4096, d_ffn=14336, n_heads=32, n_kv_heads=8,
+                       draft_vocab=32000)),
+}
+
+
+def write_eagle3_pair(folder: str | os.PathLike[str], preset: str = "tiny", qtype: str = "F16",
+                      head_qtype: str = "F16", seed: int = 0) -> tuple[str, str]:
+    """(target path, head path): a random llama target of the preset's shape and an EAGLE-3 head that fits it, side
+    by side in `folder` (`--draft auto` finds it), for either backend."""
+    from tandem.synthetic.tiny_gguf import write_tiny_gguf
+
+    if preset not in EAGLE3_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(EAGLE3_PRESETS)}")
+    target_shape, head_shape = EAGLE3_PRESETS[preset]
+    head_shape = dict(head_shape)
+    os.makedirs(folder, exist_ok=True)
+    target = write_tiny_gguf(os.path.join(folder, f"llama-{preset}-{qtype}.gguf"), arch="llama", qtype=qtype,
+                             seed=seed, context_length=8192, **target_shape)
+    draft_vocab, vocab = head_shape.pop("draft_vocab"), target_shape.get("vocab_size")
+    d2t = None
+    if draft_vocab:  # a random sorted subset of the target's ids
+        d2t = sorted(np.random.default_rng(seed).choice(vocab, draft_vocab, replace=False).tolist())
+    head = write_eagle3(os.path.join(folder, f"llama-{preset}-{qtype}-eagle3-{head_qtype}.gguf"),
+                        target_d_model=target_shape["d_model"], qtype=head_qtype, seed=seed + 1, vocab_size=vocab,
+                        context_length=8192, d2t=d2t, own_embedding=d2t is None, **head_shape)
+    return target, head
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write a random target and a head draft that fits it: a gemma4 "
+                                     "target and its assistant, or (--eagle3) a llama target and an EAGLE-3 head")
+    parser.add_argument("folder")
+    parser.add_argument("--eagle3", action="store_true", help=f"presets: {', '.join(EAGLE3_PRESETS)}")
+    parser.add_argument("--preset", default="tiny", help=f"gemma4 presets: {', '.join(PRESETS)}")
+    parser.add_argument("--qtype", default="Q8_0", help="the target's matrices (e.g. Q4_K for a Q4_K_M stand-in)")
+    parser.add_argument("--head-qtype", default="Q8_0")
+    args = parser.parse_args()
+    write = write_eagle3_pair if args.eagle3 else write_head_pair
+    print(*write(args.folder, args.preset, args.qtype, args.head_qtype), sep="\n")
