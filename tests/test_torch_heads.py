@@ -306,3 +306,72 @@ def test_the_torch_head_distribution_test_catches_a_wrong_residual(sampled_setup
     counts, _ = sample_with_head(target, head, prompt_ids, monkeypatch, verify=wrong_rule)
     p = chi_square_pvalue(counts, dist, N_SAMPLES)
     assert p < 1e-4, f"{wrong_rule.__name__} went unnoticed with a torch head (p={p:.3g})"
+
+
+def test_the_step_graphs_path_taps_as_the_eager_one(tiny_model_path, head_files):
+    """graphs=True: every forward of up to a graph's rows runs StepGraph's padded step (captured on CUDA, run as is
+    here), its taps copied to a static buffer; with a head its output is the target's alone and batched."""
+    target = tandem.load(tiny_model_path(**TARGET), backend="torch", n_ctx=128, graphs=True)
+    head = tandem.load(head_files["own"], backend="torch", n_ctx=128)
+    plain = [tandem.generate(target, prompt=p, max_tokens=20, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
+    alone = [tandem.generate(target, prompt=p, max_tokens=20, logit_bias=TWO_TOKENS, draft=head,
+                             draft_policy="fixed", draft_max=3) for p in PROMPTS]
+    batched = tandem.generate(target, prompts=PROMPTS, max_tokens=20, logit_bias=TWO_TOKENS, draft=head,
+                              draft_policy="fixed", draft_max=3)
+    assert [r.tokens for r in alone] == [r.tokens for r in batched] == plain
+    assert_speculated(*(r.stats for r in alone + batched), rejected=True)
+    ids = target.tokenizer.encode(PROMPTS[0]) + [300, 301, 302]
+    eager = tandem.load(tiny_model_path(**TARGET), backend="torch", n_ctx=128)
+    np.testing.assert_allclose(draft_logits(target, head, ids, k=3, verify_from=len(ids) - 3),
+                               draft_logits(eager, head, ids, k=3), atol=1e-4)
+
+
+PACKED_SCRIPT = """
+import sys, tempfile, torch
+from tandem.backends.torch_backend import TorchBatchedCache, load_torch
+from tandem.synthetic.heads import write_eagle3
+from tandem.synthetic.tiny_gguf import write_tiny_gguf
+
+folder = tempfile.mkdtemp()
+target = load_torch(write_tiny_gguf(folder + "/t.gguf", arch="llama", n_layers=4, seed=3), device=sys.argv[1],
+                    dtype="float16" if sys.argv[1] == "cpu" else "bfloat16", progress=False)
+head = load_torch(write_eagle3(folder + "/h.gguf", target_d_model=64, target_layers=(0, 2, 3), seed=4),
+                  device=sys.argv[1])
+if sys.argv[1] == "cpu":
+    target.transformer.packed = True  # the kernels, in Triton's interpreter (no CUDA graphs)
+cache = TorchBatchedCache(target, slots=3, capacity=160)
+assert cache.packed is not None
+head_kv = cache.attach_head(head)
+pieces, take_in = [], cache.head.take_in
+cache.head.take_in = lambda got: (pieces.extend(got), take_in(got))
+prompts = {0: list(range(5, 16)), 1: [7, 8, 9], 2: [(11 * i) % 300 + 1 for i in range(70)]}  # 70: the compiled step
+cache.forward([(s, p) for s, p in prompts.items()], [True] * 3)
+cache.forward([(0, [1, 2, 3]), (1, [4])], [False, False])
+head_kv.forward([(0, [5]), (1, [6]), (2, [7])], [True] * 3)
+fed = {0: prompts[0] + [1, 2, 3], 1: prompts[1] + [4], 2: prompts[2]}
+t = target.transformer
+for slot, start, tokens, features in pieces:
+    ids = fed[slot][: start + len(tokens)]
+    assert list(map(int, tokens)) == ids[start:]
+    cache_row = t.new_cache(256)
+    tapped = dict.fromkeys((0, 2, 3))
+    with torch.inference_mode():
+        t.forward(torch.tensor(ids, device=t.device), torch.arange(len(ids), device=t.device), cache_row.k,
+                  cache_row.v, kv_len=len(ids), tapped=tapped)
+    want = torch.cat([tapped[layer] for layer in (0, 2, 3)], -1)[start:].float()
+    err = ((features.float() - want).norm() / want.norm()).item()
+    assert err < 2e-2, ("packed taps far from the eager forward's", slot, start, err)
+for slot, ids in fed.items():  # pieces of at most a replay's rows, covering every row fed once
+    covered = sorted((st, st + len(t)) for s, st, t, _ in pieces if s == slot)
+    assert [a for a, _ in covered] == [0] + [b for _, b in covered[:-1]] and covered[-1][1] == len(ids), covered
+print("ok")
+"""
+
+
+def test_the_packed_path_taps_as_the_eager_one():
+    """The packed path (Transformer.forward_packed, PackedGraphs; a long prompt through the compiled step) hands the
+    head each piece's tapped rows, close to the eager forward's; on CPU in Triton's interpreter."""
+    pytest.importorskip("triton")
+    from test_decode_attention import run_script
+
+    run_script(PACKED_SCRIPT, "cuda" if torch.cuda.is_available() else "cpu", 0)
