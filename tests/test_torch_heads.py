@@ -115,7 +115,7 @@ def test_a_head_that_does_not_fit_its_target_is_a_clear_error(target, tiny_model
         tandem.generate(target, prompt="hi", max_tokens=2, draft=deep)
     with pytest.raises(HeadMismatchError, match="drafts for llama targets, not qwen2"):
         tandem.generate(qwen, prompt="hi", max_tokens=2, draft=ok)
-    with pytest.raises(ValueError, match="hidden states of 96"):
+    with pytest.raises(HeadMismatchError, match="hidden states of 96"):
         target.new_batched_cache(1, 64).attach_head(wider)  # also below the engine
 
 

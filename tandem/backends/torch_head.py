@@ -271,11 +271,12 @@ class TorchHeadCache(BatchedCache):
     rewind starts a new round. Attaching it turns the target's taps on; closing it, off."""
 
     def __init__(self, head: TorchHeadModel, target) -> None:
-        from tandem.speculative.compat import head_problems
+        from tandem.speculative.compat import HeadMismatchError, head_problems
 
         problems = head_problems(target.model.config, head.config)
         if problems:
-            raise ValueError(f"head {head.path!r} cannot draft for {target.model.path!r}: " + "; ".join(problems))
+            raise HeadMismatchError(f"head {head.path!r} cannot draft for {target.model.path!r}: "
+                                    + "; ".join(problems))
         self.model, self.target = head, target
         self.slots, self.capacity = target.slots, target.capacity
         self._drafts = Eagle3Drafts(head, target)
