@@ -198,6 +198,26 @@ def test_drafts_come_from_the_pairs_the_catch_up_wrote(pair, monkeypatch):
     assert gap(draft_logits(target, head, ids, k=3, copy_to=1), from_prompt) > 1e-2
 
 
+def test_a_sequences_drafts_are_the_same_alone_and_beside_others(pair):
+    target, head = pair
+    ids = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
+    kv = target.new_batched_cache(2, 64)
+    head_kv = kv.attach_head(head)
+    try:
+        kv.forward([(0, ids[0][:-1]), (1, ids[1][:-1])], [True, True])
+        together = [head_kv.forward([(0, ids[0][-1:]), (1, ids[1][-1:])], [True, True]),
+                    head_kv.forward([(0, [300]), (1, [301])], [True, True])]
+        for slot in (0, 1):  # a new round each, alone
+            head_kv.rewind(slot, kv.length(slot))
+        alone = [head_kv.forward([(0, ids[0][-1:])], [True]), head_kv.forward([(0, [300])], [True])]
+        for both, one in zip(together, alone, strict=True):
+            torch.testing.assert_close(both[0], one[0], atol=1e-5, rtol=1e-5)
+        assert gap(together[0][0].numpy(), together[0][1].numpy()) > 1e-2  # control: the two slots draft apart
+    finally:
+        head_kv.close()
+        kv.close()
+
+
 def test_greedy_with_the_head_is_the_target_alone_and_batched(pair):
     target, head = pair
     plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]

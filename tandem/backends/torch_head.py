@@ -163,20 +163,7 @@ class Eagle3Drafts:
         rows = torch.tensor(list(slots), dtype=torch.long, device=self.device)
         self.k.transpose(1, 2).index_put_((rows, pos), k.transpose(0, 1))
         self.v.transpose(1, 2).index_put_((rows, pos), v.transpose(0, 1))
-        attn = torch.empty(n, self.q_width, dtype=self.dtype, device=self.device)
-        group = c.n_heads // c.n_kv_heads
-        for slot in dict.fromkeys(slots):  # each slot's rows over its own KV
-            mine = [i for i, s in enumerate(slots) if s == slot]
-            at = torch.tensor(mine, device=self.device)
-            span = max(positions[i] for i in mine) + 1
-            keys = self.k[slot, :, :span].repeat_interleave(group, 0)  # [H, S, D]
-            values = self.v[slot, :, :span].repeat_interleave(group, 0)
-            visible = torch.arange(span, device=self.device)[None, :] <= pos[at][:, None]  # [m, S]
-            acc = torch.float64 if self.dtype == torch.float64 else torch.float32
-            scores = torch.matmul(q[:, at], keys.transpose(-1, -2)).to(acc) / math.sqrt(c.head_dim)
-            scores = scores.masked_fill(~visible, -math.inf)
-            out = torch.matmul(torch.softmax(scores, -1).to(self.dtype), values)  # [H, m, D]
-            attn[at] = out.transpose(0, 1).reshape(len(mine), self.q_width)
+        attn = self.attend(q, slots, positions, pos)
         x = F.linear(attn, w["blk.0.attn_output.weight"]) + (g_norm if self.head.norm_before_residual else states)
         hn = rms_norm(x, w["blk.0.ffn_norm.weight"], eps)
         x = x + F.linear(F.silu(F.linear(hn, w["blk.0.ffn_gate.weight"])) * F.linear(hn, w["blk.0.ffn_up.weight"]),
@@ -189,39 +176,66 @@ class Eagle3Drafts:
             out = full.index_copy_(1, self.d2t, out)
         return out, x
 
+    def attend(self, q: torch.Tensor, slots: Seq[int], positions: Seq[int], pos: torch.Tensor) -> torch.Tensor:
+        """Each row's attention (q [H, n, D]) over its slot's KV up to its position, every slot at once: a slot's rows
+        padded to the most any slot has (a padded row repeats its slot's last and is dropped), the slots' KV
+        gathered [B, H_kv, S, D], as Transformer's RaggedAttention does its short spans. Returns [n, H * D]."""
+        c, n = self.config, len(slots)
+        group, order = c.n_heads // c.n_kv_heads, list(dict.fromkeys(slots))
+        members = [[i for i, s in enumerate(slots) if s == slot] for slot in order]
+        B, T, span = len(order), max(len(m) for m in members), max(positions) + 1
+        index = torch.tensor([m + m[-1:] * (T - len(m)) for m in members], device=self.device)  # [B, T]
+        at = torch.tensor(order, device=self.device)
+        keys, values = self.k[at, :, :span], self.v[at, :, :span]  # [B, H_kv, S, D]
+        # query head h = kv head h // group: row g * T + t of a KV head's group is head g at token t
+        qb = q[:, index].view(c.n_kv_heads, group, B, T, c.head_dim).permute(2, 0, 1, 3, 4)
+        qb = qb.reshape(B, c.n_kv_heads, group * T, c.head_dim)
+        visible = torch.arange(span, device=self.device) <= pos[index][:, :, None]  # [B, T, S]
+        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
+        scores = torch.matmul(qb, keys.transpose(-1, -2)).to(acc) / math.sqrt(c.head_dim)
+        scores = scores.masked_fill(~visible.repeat(1, group, 1)[:, None], -math.inf)
+        out = torch.matmul(torch.softmax(scores, -1).to(self.dtype), values)  # [B, H_kv, G * T, D]
+        out = out.view(B, c.n_kv_heads, group, T, c.head_dim).permute(0, 3, 1, 2, 4).reshape(B * T, self.q_width)
+        real = [b * T + t for b, m in enumerate(members) for t in range(len(m))]
+        attn = torch.empty(n, self.q_width, dtype=self.dtype, device=self.device)
+        attn[torch.tensor([i for m in members for i in m], device=self.device)] = out[real]
+        return attn
+
     def take_in(self, pieces: Seq[tuple[int, int, Seq[int] | torch.Tensor, torch.Tensor]]) -> None:
         """After a target forward, its pieces (slot, first position, tokens, tapped features [n, 3 * width]):
         their g, and every pair (token P + 1, g P) the rows complete, written into the slots' KV."""
         if not pieces:
             return
         g = self.fuse(torch.cat([features for *_, features in pieces]))
-        pairs: dict[int, list] = {}  # slot -> [(token, position, g)] in position order
+        pairs: dict[int, list] = {}  # slot -> [(tokens [m], first position, states [m, d])] in position order
         at = 0
         for slot, start, tokens, _ in pieces:
             n = len(tokens)
             rows, kept = g[at : at + n], self.g[slot]
             tokens = torch.as_tensor(tokens, dtype=torch.long).to(self.device)
             before = kept.get(start - 1)
-            for i in range(n):
-                state = before if i == 0 else rows[i - 1]
-                if state is not None:  # the pair (this token, g before it) at the position before
-                    pairs.setdefault(slot, []).append((tokens[i : i + 1], start + i - 1, state))
+            if before is not None:  # row i's pair (token i, g before it) at the position before
+                pairs.setdefault(slot, []).append((tokens, start - 1, torch.cat([before[None], rows[:-1]])))
+            elif n > 1:
+                pairs.setdefault(slot, []).append((tokens[1:], start, rows[:-1]))
             for position in [p for p in kept if p >= start or p < start + n - G_KEPT]:
                 del kept[position]
             for i in range(max(0, n - G_KEPT), n):
                 kept[start + i] = rows[i].clone()
             at += n
         slots, tokens, positions, states = [], [], [], []
-        for slot, rows in pairs.items():
-            first = rows[0][1]
+        for slot, runs in pairs.items():
+            first = runs[0][1]
             self.lengths[slot] = min(self.lengths[slot], first)  # rejected drafts' pairs, a round's rows
             if self.lengths[slot] != first:
                 continue  # a gap (pairs missing before, as in llama.cpp): this slot drafts without them
-            for token, position, state in rows:
-                slots.append(slot), tokens.append(token), positions.append(position), states.append(state)
-            self.lengths[slot] = rows[-1][1] + 1
+            for run_tokens, start, run_states in runs:
+                slots += [slot] * len(run_tokens)
+                positions += range(start, start + len(run_tokens))
+                tokens.append(run_tokens), states.append(run_states)
+            self.lengths[slot] = positions[-1] + 1
         if slots:
-            self.decode(slots, torch.cat(tokens), positions, torch.stack(states), logits=False)
+            self.decode(slots, torch.cat(tokens), positions, torch.cat(states), logits=False)
 
     def step(self, entries: Seq[tuple[int, int]]) -> torch.Tensor:
         """entries: (slot, its newest token). The logits [n, target vocab] of each entry's next token."""
