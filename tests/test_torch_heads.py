@@ -137,6 +137,34 @@ def test_the_plain_path_taps_nothing_and_a_closed_head_turns_the_taps_off(pair):
     kv.close()
 
 
+def test_the_targets_forwards_run_no_head_layer_until_it_drafts(pair, monkeypatch):
+    """The head catches up on the target's rows at its next draft round (or past PENDING_MAX rows), so the target's
+    steps the policy does not draft beside pay for no head work."""
+    target, head = pair
+    runs, decode = [], torch_head.Eagle3Drafts.decode
+
+    def counted(self, slots, *args, **kwargs):
+        runs.append(len(slots))
+        return decode(self, slots, *args, **kwargs)
+
+    monkeypatch.setattr(torch_head.Eagle3Drafts, "decode", counted)
+    monkeypatch.setattr(torch_head, "PENDING_MAX", 25)
+    kv = target.new_batched_cache(2, 64)
+    head_kv = kv.attach_head(head)
+    try:
+        kv.forward([(0, list(range(5, 15))), (1, [5, 6])], [True, True])
+        for token in range(20, 30):
+            kv.forward([(0, [token]), (1, [token])], [False, False])
+        assert runs == []
+        head_kv.forward([(0, [30]), (1, [31])], [True, True])
+        assert runs == [19 + 11, 2]  # the pairs of both slots' rows in one catch-up, then the draft step
+        kv.forward([(0, list(range(40, 70)))], [False])  # slot 0 passes PENDING_MAX rows: caught up at once
+        assert runs[2:] == [30]
+    finally:
+        head_kv.close()
+        kv.close()
+
+
 def test_the_taps_are_the_inputs_of_the_heads_layers(target):
     """The features of a row: the inputs of layers 0, 2 and 3, as a forward computes them (layer 0's input, the
     embedding; the others, the residual stream), in the head's order."""

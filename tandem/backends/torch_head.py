@@ -7,7 +7,8 @@ file drafts the same on both backends:
 - the target's forwards tap the inputs of the drafter's three `target_layers` (TorchBatchedCache.tap: nothing is
   tapped while no head is attached), and `fc` fuses each row's three into g, the drafter's width;
 - the drafter keeps a KV of one decoder layer a slot: its position P holds the pair (token P + 1, g at P), written
-  once the target has computed both (the last row's pair waits for the next token);
+  once the target has computed both (the last row's pair waits for the next token); unlike llama.cpp's, it writes
+  them when the slot next drafts (catch_up), so target steps nobody drafts beside pay for no head work;
 - a draft round's first step feeds (the pending token, g at the position before it) at that position, the next
   ones (the draft, the layer's pre-norm output) at the following positions; a round's steps and the pairs of rows a
   verify rejected are dropped when the next pairs are written.
@@ -32,6 +33,7 @@ from tandem.loading.tokenizer import Tokenizer
 from tandem.models.transformer import apply_rope, rms_norm, rope_tables
 
 G_KEPT = 64  # g rows kept a slot behind its newest: a verify's rows, where a round's first draft reads its state
+PENDING_MAX = 512  # target rows a slot holds for its next catch-up at most (their features: 3 target widths each)
 
 
 def eagle3_tensors(gguf: GGUFFile) -> dict[str, tuple[int, ...]]:
@@ -116,7 +118,8 @@ class TorchHeadModel(Model):
 
 class Eagle3Drafts:
     """An EAGLE-3 drafter's state over a target's TorchBatchedCache: its KV (one layer, a slot a sequence), the g
-    rows of the newest target rows, each slot's draft round. take_in: after every target forward; step: a draft."""
+    rows of the newest target rows, each slot's draft round. take_in: after every target forward (its rows wait for
+    the slot's next draft round: catch_up); step: a draft."""
 
     def __init__(self, head: TorchHeadModel, target) -> None:
         """target: a TorchBatchedCache of a llama Transformer (check_head has matched the two)."""
@@ -136,6 +139,8 @@ class Eagle3Drafts:
         self.lengths = [0] * target.slots  # positions of the drafter's KV a slot holds
         self.g: list[dict[int, torch.Tensor]] = [{} for _ in range(target.slots)]  # slot -> position -> g
         self.round: dict[int, tuple[int, int, torch.Tensor]] = {}  # slot -> (target length, next position, state)
+        # slot -> the target's rows since its last catch-up: (first position, tokens, features), in order
+        self.pending: list[list[tuple[int, Seq[int] | torch.Tensor, torch.Tensor]]] = [[] for _ in range(target.slots)]
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """g [n, d] of the target layers' inputs [n, 3 * target width] (llama.cpp's ENCODE pass)."""
@@ -202,8 +207,29 @@ class Eagle3Drafts:
         return attn
 
     def take_in(self, pieces: Seq[tuple[int, int, Seq[int] | torch.Tensor, torch.Tensor]]) -> None:
-        """After a target forward, its pieces (slot, first position, tokens, tapped features [n, 3 * width]):
-        their g, and every pair (token P + 1, g P) the rows complete, written into the slots' KV."""
+        """After a target forward, its pieces (slot, first position, tokens, tapped features [n, 3 * width]), kept
+        for the slot's next catch-up (its next draft round, or once PENDING_MAX rows wait): a target step the
+        policy does not draft beside pays for no head work. Rows a rewind took back are dropped."""
+        full = []
+        for slot, start, tokens, features in pieces:
+            self._trim(slot, start)
+            self.pending[slot].append((start, tokens, features))
+            if sum(len(t) for _, t, _ in self.pending[slot]) >= PENDING_MAX:
+                full.append(slot)
+        self.catch_up(full)
+
+    def _trim(self, slot: int, end: int) -> None:
+        """Drop the slot's pending rows at positions >= end."""
+        kept = [(start, t[: end - start], f[: end - start]) for start, t, f in self.pending[slot] if start < end]
+        self.pending[slot] = kept
+
+    def catch_up(self, slots: Seq[int]) -> None:
+        """The slots' pending rows: their g, and every pair (token P + 1, g P) they complete, written into the
+        slots' KV."""
+        pieces = [(slot, start, tokens, features) for slot in dict.fromkeys(slots)
+                  for start, tokens, features in self.pending[slot]]
+        for slot in slots:
+            self.pending[slot] = []
         if not pieces:
             return
         g = self.fuse(torch.cat([features for *_, features in pieces]))
@@ -239,6 +265,9 @@ class Eagle3Drafts:
 
     def step(self, entries: Seq[tuple[int, int]]) -> torch.Tensor:
         """entries: (slot, its newest token). The logits [n, target vocab] of each entry's next token."""
+        for slot, _ in entries:  # rows past the target's length: drafts a verify rejected
+            self._trim(slot, self.target.length(slot))
+        self.catch_up([slot for slot, _ in entries])
         slots, positions, states, lengths = [], [], [], []
         for slot, _ in entries:
             length = self.target.length(slot)
@@ -263,6 +292,7 @@ class Eagle3Drafts:
     def forget(self, slot: int, length: int) -> None:
         """A new sequence in slot keeps the target's first `length` positions: the pairs before them stay."""
         self.round.pop(slot, None)
+        self._trim(slot, length)
         self.lengths[slot] = min(self.lengths[slot], max(0, length - 1))
         for position in [p for p in self.g[slot] if p >= length]:
             del self.g[slot][position]
@@ -270,7 +300,10 @@ class Eagle3Drafts:
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """dst takes src's first `length` target positions: the pairs within them (each needs the token after its
         position) and their g."""
+        self.catch_up([src])
         self.round.pop(dst, None)
+        if src != dst:
+            self.pending[dst] = []  # rows of the sequence dst held before
         held = min(self.lengths[src], max(0, length - 1))
         if src != dst:
             self.k[dst, :, :held].copy_(self.k[src, :, :held])
