@@ -58,7 +58,7 @@ def main() -> None:
 
 
 def bench_shape(model, shape: str, args) -> None:
-    from tandem.backends.torch_backend import TorchBatchedCache
+    from tandem.backends.torch_batched import TorchBatchedCache
 
     batches = [int(b) for b in args.batches.split(",")]
     row_counts = [int(r) for r in args.rows.split(",")]

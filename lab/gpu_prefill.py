@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from tandem.backends.torch_backend import TorchSequence
 from tandem.backends.torch_graphs import GRAPH_ROWS
+from tandem.backends.torch_sequence import TorchSequence
 from tandem.synthetic.shapes import random_model
 
 

@@ -9,14 +9,14 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tandem.backends import torch_backend
+from tandem.backends import torch_sequence
 from tandem.synthetic.shapes import random_model
 
 shape, rows, compiled = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 span = int(sys.argv[4]) if len(sys.argv) > 4 else 256
 os.environ["TANDEM_COMPILE"] = "1" if compiled else "0"
 model = random_model(shape, device="cuda", dtype="bfloat16", n_ctx=4096)
-seq = torch_backend.TorchSequence(model, 4096, rows, graphs=False)
+seq = torch_sequence.TorchSequence(model, 4096, rows, graphs=False)
 cache = seq.cache
 tokens = torch.arange(rows, device="cuda")
 positions = torch.arange(16, 16 + rows, device="cuda")

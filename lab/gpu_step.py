@@ -39,9 +39,9 @@ def copy_bandwidth_gb_s(device: str) -> float:
 
 
 def time_step(model, rows: int, n: int, context: int = 16, repeats: int = 50) -> float:
-    from tandem.backends import torch_backend
+    from tandem.backends import torch_sequence
 
-    seq = torch_backend.TorchSequence(model, 4096, rows)
+    seq = torch_sequence.TorchSequence(model, 4096, rows)
     seq.forward([1 + i % 200 for i in range(context)], logits="last")
     base = seq.length
     times = []

@@ -5,7 +5,8 @@ recompile-limit warning and fell back to eager prefills). Run here with Inductor
 import pytest
 import torch
 
-from tandem.backends.torch_backend import GRAPH_CHUNKS_MAX, _compile_step, load_torch, prefill_chunks
+from tandem.backends.torch_backend import _compile_step, load_torch
+from tandem.backends.torch_sequence import GRAPH_CHUNKS_MAX, prefill_chunks
 from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
 pytest.importorskip("triton")  # _compile_step compiles only where Inductor's GPU generator is installed

@@ -16,7 +16,7 @@ SCRIPT = """
 import os
 import sys
 import torch
-from tandem.backends.torch_backend import TorchBatchedCache
+from tandem.backends.torch_batched import TorchBatchedCache
 from tandem.models import fused_projections
 from tandem.synthetic.shapes import random_model
 

@@ -376,7 +376,8 @@ def test_the_step_graphs_path_taps_as_the_eager_one(tiny_model_path, head_files)
 
 PACKED_SCRIPT = """
 import sys, tempfile, torch
-from tandem.backends.torch_backend import TorchBatchedCache, load_torch
+from tandem.backends.torch_backend import load_torch
+from tandem.backends.torch_batched import TorchBatchedCache
 from tandem.synthetic.heads import write_eagle3
 from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
