@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.backends.base import BatchedCache, Model
 from tandem.backends.torch_graphs import GRAPH_ROWS, PackedGraphs
 from tandem.backends.torch_sequence import GRAPH_CHUNKS_MAX, TorchSequence, cache_slots, prefill_chunks, tapped_features
-
-if TYPE_CHECKING:
-    from tandem.backends.torch_backend import TorchModel
 
 
 class TorchBatchedCache(BatchedCache):
@@ -34,7 +30,7 @@ class TorchBatchedCache(BatchedCache):
 
     can_copy = True
 
-    def __init__(self, model: TorchModel, slots: int, capacity: int) -> None:
+    def __init__(self, model: Model, slots: int, capacity: int) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.model, self.slots, self.capacity = model, slots, capacity

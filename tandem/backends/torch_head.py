@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.backends.base import BatchedCache, Model
-from tandem.config import ModelConfig
+from tandem.config import HeadMismatchError, ModelConfig, head_problems
 from tandem.loading.gguf import GGUFError, GGUFFile, open_gguf
 from tandem.loading.tokenizer import Tokenizer
 from tandem.models.transformer import apply_rope, rms_norm, rope_tables
@@ -318,8 +318,6 @@ class TorchHeadCache(BatchedCache):
     rewind starts a new round. Attaching it turns the target's taps on; closing it, off."""
 
     def __init__(self, head: TorchHeadModel, target) -> None:
-        from tandem.speculative.compat import HeadMismatchError, head_problems
-
         problems = head_problems(target.model.config, head.config)
         if problems:
             raise HeadMismatchError(f"head {head.path!r} cannot draft for {target.model.path!r}: "

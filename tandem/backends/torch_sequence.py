@@ -4,16 +4,12 @@ where captured, long prompts in compiled pieces."""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.backends.base import Sequence
+from tandem.backends.base import Model, Sequence
 from tandem.backends.torch_graphs import GRAPH_ROWS, StepGraph
 from tandem.cache import KVCache
-
-if TYPE_CHECKING:
-    from tandem.backends.torch_backend import TorchModel
 
 PREFILL_CHUNK = 512  # bounds the [T, S] attention mask and activations of a long prompt
 GRAPH_CHUNKS_MAX = 64  # forwards of up to this many tokens replay the graph in chunks; longer ones run eagerly
@@ -42,7 +38,7 @@ def prefill_chunks(n: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
 
 
 class TorchSequence(Sequence):
-    def __init__(self, model: TorchModel, capacity: int, rows: int, graphs: bool = True,
+    def __init__(self, model: Model, capacity: int, rows: int, graphs: bool = True,
                  cache: KVCache | None = None) -> None:
         """cache: a row of a pool (TorchBatchedCache) to use instead of a cache of its own."""
         self.model = model

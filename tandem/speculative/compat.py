@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tandem.backends.base import Model
+from tandem.config import HeadMismatchError, head_problems
 
 PROBE_TEXT = "def main():\n    print('héllo, wörld') # 123 {\"json\": [1, 2]} <|im_start|>user\n"
 
@@ -36,40 +37,11 @@ def check_compatible(target: Model, draft: Model) -> None:
         )
 
 
-class HeadMismatchError(ValueError):
-    """A head draft was trained on another target: another architecture, hidden size or vocabulary."""
-
-
 def is_head(model: Model) -> bool:
     """Whether a model is a head draft (it drafts from a target's hidden states and cannot run alone)."""
     from tandem.config import HEAD_ARCHITECTURES
 
     return getattr(model.config, "architecture", None) in HEAD_ARCHITECTURES
-
-
-def head_problems(target_config, head_config) -> list[str]:
-    """Why a head (its ModelConfig) cannot draft for a target (its ModelConfig); [] where it can."""
-    from tandem.config import HEAD_ARCHITECTURES
-
-    wanted = HEAD_ARCHITECTURES[head_config.architecture]
-    problems = []
-    if target_config.architecture != wanted:
-        problems.append(f"a {head_config.architecture} head drafts for {wanted} targets, not "
-                        f"{target_config.architecture}")
-    if head_config.head_input_width != target_config.d_model:
-        problems.append(f"it reads hidden states of {head_config.head_input_width} values, the target's are "
-                        f"{target_config.d_model}")
-    if head_config.vocab_size != target_config.vocab_size:
-        problems.append(f"vocabulary of {head_config.vocab_size} tokens, the target's {target_config.vocab_size}")
-    if head_config.architecture == "eagle3":  # its own KV; the layers it reads must exist
-        if any(not 0 <= layer < target_config.n_layers for layer in head_config.head_target_layers):
-            problems.append(f"it reads target layers {list(head_config.head_target_layers)}, the target has "
-                            f"{target_config.n_layers}")
-    elif (head_config.head_dim, head_config.global_head_dim) != (target_config.head_dim,
-                                                                  target_config.global_head_dim):
-        problems.append(f"head widths {head_config.head_dim}/{head_config.global_head_dim} (sliding/full), the "
-                        f"target's KV {target_config.head_dim}/{target_config.global_head_dim}")
-    return problems
 
 
 def check_head(target: Model, head: Model) -> None:
