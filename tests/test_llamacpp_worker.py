@@ -71,7 +71,7 @@ def test_a_forward_picking_greedy_rows_gives_their_argmax(pair, monkeypatch):
     """BatchedCache.forward_picking: a picked entry comes back as its rows' argmax (taken in the worker, no rows
     copied back), the others as their logits, in process and in the worker alike. The worker's rewinds ride on the
     next request: one round trip for three rewinds and a forward."""
-    from tandem.backends.llamacpp_worker import WorkerProcess
+    from tandem.backends.llamacpp_process import WorkerProcess
     from tandem.sampling import argmax
 
     requests = []
@@ -297,7 +297,7 @@ def test_the_doctor_times_the_draft_as_the_engine_drafts(pair, monkeypatch):
     """doctor.time_draft_steps times a drafting step as the engine runs a lone greedy sequence's: in the worker one
     request for its k drafts and one for the verify after them, the rewinds riding on the next request; the idle
     target's steps and the paired ones take turns in blocks."""
-    from tandem.backends.llamacpp_worker import WorkerProcess
+    from tandem.backends.llamacpp_process import WorkerProcess
     from tandem.bench.doctor import STEPS_PER_REPEAT, WARMUP_STEPS, time_draft_steps
 
     requests = []

@@ -2,16 +2,13 @@
 
 Why: a CUDA build of llama.cpp and torch's CUDA libraries crash in one process (llama-cpp-python loads libllama
 with RTLD_GLOBAL; libggml-cuda links the system's CUDA runtime and cuBLAS, torch brings its own: docs/backends.md).
-Here llama.cpp lives in a child process that never imports torch (`python -m tandem.backends.llamacpp_worker`,
-which imports only llamacpp_core, numpy and llama_cpp), and the engine cannot tell: `WorkerModel` is a `Model`.
+Here llama.cpp lives in a child process that never imports torch (llamacpp_process: the process and its
+transport), and the engine cannot tell: `WorkerModel` is a `Model`, its caches are proxies of the worker's.
 
-Transport. Requests are small tuples pickled over a Unix socket pair (token ids, positions, slot numbers); logits
-come back through one shared buffer (an unlinked file, mapped by both processes, grown with ftruncate when a
-forward needs more rows) that the worker writes straight from llama.cpp's output and the parent copies once into
-the tensor it returns: no logits are pickled. Greedy sequences need no logits at all: a step's drafting runs here
-in one request (greedy_drafts) and a verify's rows come back as their argmax (forward_picking); a batched cache's
-rewinds ride on its next request. One worker serves every model of the process (target and draft: one
-CUDA context, and on a CPU no second OpenMP team spinning beside the first); requests are serialised by a lock.
+Greedy sequences need no logits at all: a step's drafting runs in the worker in one request (greedy_drafts) and a
+verify's rows come back as their argmax (forward_picking); a batched cache's rewinds ride on its next request. One
+worker serves every model of the process (target and draft: one CUDA context, and on a CPU no second OpenMP team
+spinning beside the first); requests are serialised by a lock.
 
 A dead worker (a crash in llama.cpp, a kill) fails the request in flight and every later one with WorkerDiedError,
 saying how it died, and logs it once; nothing waits on it.
@@ -23,30 +20,14 @@ keeps llama.cpp in process.
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    # The worker loads llama.cpp's libraries before numpy: on the H200 box a CUDA libllama loaded after numpy (as
-    # after torch) segfaulted in llama_model_load's print_info, and loaded first it runs (h200-2026-12-05 results).
-    import llama_cpp.llama_cpp  # noqa: F401
-
-import functools
 import importlib.util
 import logging
-import mmap
 import os
-import pickle
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
 from collections.abc import Sequence as Seq
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Literal
 
-import numpy as np
-
 from tandem.backends.base import Alongside, BatchedCache, Model, Sequence
+from tandem.backends.llamacpp_process import WorkerDiedError, WorkerProcess
 from tandem.backends.llamacpp_settings import launches_asynchronously
 
 if TYPE_CHECKING:
@@ -60,9 +41,6 @@ log = logging.getLogger("tandem.llamacpp")
 WORKER_ENV = "TANDEM_LLAMACPP_WORKER"  # 1: always a worker process; 0: never; unset: as isolation says
 ISOLATIONS = ("auto", "process", "none")
 CUDA_BACKEND_LIBS = ("libggml-cuda.so", "ggml-cuda.dll", "libggml-cuda.dylib")  # a CUDA build of llama.cpp ships one
-FLOAT32 = 4  # bytes
-BATCHED_REQUESTS = ("batch_forward", "batch_greedy_drafts", "batch_feed", "batch_synchronize", "reusable",
-                    "copy_prefix")  # name a batched cache
 
 
 # --- when ---------------------------------------------------------------------------------------------------------
@@ -100,105 +78,6 @@ def wants_worker(device: str, isolation: str = "auto") -> bool:
         return isolation == "process"
     # Even with no layer offloaded a CUDA libllama crashed beside CUDA torch (docs/backends.md).
     return device.split(":")[0].lower() == "cuda" or (llamacpp_has_cuda() and torch_has_cuda())
-
-
-# --- the parent's side ----------------------------------------------------------------------------------------------
-
-
-class WorkerDiedError(RuntimeError):
-    """The llama.cpp worker process is gone; every model it held is unusable."""
-
-
-class WorkerProcess:
-    """The child process running llama.cpp, its socket and the shared logits buffer; one per parent process."""
-
-    _shared: WorkerProcess | None = None
-    _shared_lock = threading.Lock()
-
-    @classmethod
-    def shared(cls) -> WorkerProcess:
-        with cls._shared_lock:
-            if cls._shared is None or cls._shared.dead is not None:
-                cls._shared = cls()
-            return cls._shared
-
-    def __init__(self) -> None:
-        parent, child = socket.socketpair()
-        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self._buffer_file = tempfile.TemporaryFile(dir=shm_dir)  # unlinked: gone with both processes
-        self._buffer_bytes = 0
-        self._buffer: mmap.mmap | None = None
-        fds = (child.fileno(), self._buffer_file.fileno())
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tandem.backends.llamacpp_worker", *map(str, fds)],
-            pass_fds=fds, stdin=subprocess.DEVNULL)
-        child.close()
-        self._conn = Connection(parent.detach())
-        self._lock = threading.Lock()
-        self.dead: str | None = None  # how it died, once it has
-        self.models = 0  # open WorkerModels on it; the worker exits when the last closes
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def rows(self, count: int, vocab: int) -> np.ndarray:
-        """A view [count, vocab] of the shared buffer, grown first where it is too small."""
-        need = max(count * vocab * FLOAT32, 1)
-        if need > self._buffer_bytes:
-            size = max(need, 2 * self._buffer_bytes)
-            os.ftruncate(self._buffer_file.fileno(), size)
-            # the old mapping unmaps when the last view of it goes (closing it under a live view would raise)
-            self._buffer = mmap.mmap(self._buffer_file.fileno(), size)
-            self._buffer_bytes = size
-        return np.ndarray((count, vocab), dtype=np.float32, buffer=self._buffer)
-
-    def call(self, *request, rows: tuple[int, int] | None = None):
-        """Send a request and wait for its reply; rows=(count, vocab) makes room for that many logits rows first
-        and returns them (copied) with the reply."""
-        with self._lock:
-            if self.dead is not None:
-                raise WorkerDiedError(self.dead)
-            view = self.rows(*rows) if rows is not None else None
-            try:
-                self._conn.send((*request, self._buffer_bytes))
-                reply = self._conn.recv()
-            except (EOFError, OSError, pickle.UnpicklingError) as e:
-                self.dead = self._death(request[0], e)
-                log.error("%s", self.dead)
-                raise WorkerDiedError(self.dead) from None
-            if reply[0] == "error":
-                _, kind, message = reply
-                raise (ValueError if kind == "ValueError" else RuntimeError)(message)
-            return reply[1] if view is None else (reply[1], np.array(view[: rows[0]]))
-
-    def _death(self, doing: str, error: Exception) -> str:
-        try:
-            code = self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
-        how = f"exit status {code}" if code >= 0 else f"signal {-code} ({signal.Signals(-code).name})"
-        return (f"the llama.cpp worker process (pid {self.pid}) died ({how}) during {doing!r}: its models are "
-                f"gone; restart the server or load them again")
-
-    def close(self) -> None:
-        """Ask the worker to exit and wait for it (it also exits on its own when this process closes the socket)."""
-        if self.dead is None:
-            try:
-                with self._lock:
-                    self._conn.send(("exit", 0))
-            except OSError:
-                pass
-        self._conn.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._buffer = None
-        self._buffer_file.close()
-        self.dead = self.dead or "closed"
 
 
 class WorkerSequence(Sequence):
@@ -470,135 +349,3 @@ class WorkerModel(Model):
 
     # No __del__ that closes: a collection inside another request's round trip would send a request of its own in
     # the middle of it. What is not closed goes with the worker, which exits when this process closes its socket.
-
-
-# --- the worker's side ----------------------------------------------------------------------------------------------
-
-
-class _Worker:
-    """Objects by handle, and the request handlers; runs in the child process."""
-
-    def __init__(self, buffer_fd: int) -> None:
-        self.objects: dict[int, object] = {}
-        self.next_handle = 1
-        self.buffer_fd = buffer_fd
-        self.buffer: mmap.mmap | None = None
-        self.buffer_bytes = 0
-        self.scratch = None  # rows read here and never shared (llamacpp_core.ReusedRows), made on first use
-
-    def allocate(self, rows: int, vocab: int) -> np.ndarray:
-        return np.ndarray((rows, vocab), dtype=np.float32, buffer=self.buffer)
-
-    def map_buffer(self, size: int) -> None:
-        if size > self.buffer_bytes:
-            self.buffer = mmap.mmap(self.buffer_fd, size)
-            self.buffer_bytes = size
-
-    def add(self, obj: object) -> int:
-        handle, self.next_handle = self.next_handle, self.next_handle + 1
-        self.objects[handle] = obj
-        return handle
-
-    def handle(self, op: str, *args):
-        from tandem.backends import llamacpp_core as core
-
-        if op == "load":
-            path, vocab_size, options = args
-            weights = core.LlamaCppWeights(path, vocab_size, **options)
-            return self.add(weights), {"n_threads": weights.n_threads, "k_q8": weights.k_q8,
-                                       "repacked": weights.repacked,
-                                       "device_description": weights.device_description}
-        if op == "sequence":
-            model, capacity, n_batch, exact = args
-            weights = self.objects[model]
-            return self.add(core.SequenceForward(weights, weights.context(capacity, n_batch), capacity, exact))
-        if op == "batched":
-            model, slots, capacity, n_batch, exact = args
-            cache = core.BatchedForward(self.objects[model], slots, capacity, n_batch, exact)
-            return self.add(cache), cache.prefill_align
-        if op == "forward":
-            handle, ids, last = args
-            self.objects[handle].forward(ids, last, self.allocate)
-            return None
-        if op in BATCHED_REQUESTS:  # on a batched cache: the rewinds the parent kept for it first
-            handle, rewinds, *args = args
-            cache = self.objects[handle]
-            for slot, length in rewinds.items():
-                cache.rewind(slot, length)
-        if op == "batch_forward":  # the picked entries' argmax in the reply; with every one picked, no rows shared
-            batch, last_only, picks, beside = args
-            alongside = None
-            if beside is not None:  # another cache's feed, launched before this forward's rows are read
-                other = self.objects[beside[0]]
-                for slot, length in beside[1].items():
-                    other.rewind(slot, length)
-                alongside = functools.partial(other.feed, beside[2])
-            self.scratch = self.scratch or core.ReusedRows()
-            rows = cache.forward(batch, last_only, self.scratch if all(picks) else self.allocate, alongside)
-            return {i: core.argmax_rows(r).tolist() for i, (r, pick) in enumerate(zip(rows, picks, strict=True))
-                    if pick}
-        if op == "rewind":
-            return self.objects[args[0]].rewind(args[1])
-        if op == "head":  # a head draft over a target's batched cache (llamacpp_head)
-            from tandem.backends.llamacpp_head import drafts_for
-
-            head, target, config = args
-            return self.add(drafts_for(config, self.objects[head], self.objects[target]))
-        if op == "head_step":  # the target's rewinds first: the head drafts at its length
-            handle, target, rewinds, forgotten, entries = args
-            for slot, length in rewinds.items():
-                self.objects[target].rewind(slot, length)
-            drafts = self.objects[handle]
-            for slot, length in forgotten.items():
-                drafts.forget(slot, length)
-            drafts.step(entries, self.allocate)
-            return None
-        if op == "batch_greedy_drafts":
-            feeds, counts, vocab_limit, steady = args
-            drawn, forwards = cache.greedy_drafts(feeds, counts, vocab_limit, steady)
-            return drawn, forwards, {slot: cache.lengths[slot] for feed in feeds for slot, _ in feed}
-        if op == "batch_feed":
-            return cache.feed(*args)
-        if op == "batch_synchronize":
-            return cache.synchronize()
-        if op == "reusable":
-            return cache.reusable(*args)
-        if op == "copy_prefix":
-            return cache.copy_prefix(*args)
-        if op == "close":
-            obj = self.objects.pop(args[0])
-            if isinstance(obj, core.SequenceForward):
-                obj.weights.release(obj.context)
-            else:
-                obj.close()
-            return None
-        if op == "imports":  # tests: what this process has loaded, in the order it loaded them
-            return [name for name in sys.modules if name in ("torch", "numpy", "llama_cpp.llama_cpp")]
-        if op == "crash":  # tests: die as llama.cpp would, mid-request
-            os.kill(os.getpid(), signal.SIGSEGV)
-        raise ValueError(f"unknown request {op!r}")
-
-
-def worker_main(socket_fd: int, buffer_fd: int) -> int:
-    """Serve requests until the parent says exit or goes away."""
-    conn = Connection(socket_fd)
-    worker = _Worker(buffer_fd)
-    while True:
-        try:
-            *request, buffer_bytes = conn.recv()
-        except (EOFError, OSError):
-            return 0
-        if request[0] == "exit":
-            return 0
-        worker.map_buffer(buffer_bytes)
-        try:
-            reply = ("ok", worker.handle(*request))
-        except Exception as e:  # noqa: BLE001  (the parent re-raises it; the worker keeps serving)
-            reply = ("error", "ValueError" if isinstance(e, ValueError) else type(e).__name__, str(e))
-        conn.send(reply)
-
-
-if __name__ == "__main__":
-    if "torch" in sys.modules:  # the point of this process (module docstring)
-        raise SystemExit("tandem's llama.cpp worker must not import torch")
-    sys.exit(worker_main(int(sys.argv[1]), int(sys.argv[2])))
