@@ -840,7 +840,7 @@ def test_a_steady_shaped_draft_feeds_one_row_a_sequence_and_keeps_each_iteration
     expected = [alone(target, p, max_tokens=30).tokens for p in prompts]
     engine = Engine(target, draft, slots=3, draft_max=3)
     calls = []  # per draft forward its rows per sequence; None at each target forward
-    from tandem.backends.llamacpp_core import BatchedForward
+    from tandem.backends.llamacpp_batched import BatchedForward
 
     def recording(rows, batch, last_only, *args, forward=BatchedForward.forward, **kwargs):  # under greedy_drafts
         calls.append(None if rows is engine.target_kv._rows else [len(tokens) for _, tokens in batch])

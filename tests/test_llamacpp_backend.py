@@ -308,15 +308,15 @@ def test_batched_sequences_share_one_unified_cache_on_gpus_and_stay_correct(tiny
     # (BatchedForward). Forced here on the CPU, the unified cache must give each sequence what it gets alone, up
     # to rounding (its keys now sit among other sequences' cells), through prompts, mixed verifies, rewinds and
     # prefix copies.
-    from tandem.backends import llamacpp_core
+    from tandem.backends import llamacpp_batched
 
-    assert llamacpp_core.kv_streams("cpu") and not llamacpp_core.kv_streams("cuda:0")
-    assert not llamacpp_core.kv_streams("vulkan") and not llamacpp_core.kv_streams("metal")
+    assert llamacpp_batched.kv_streams("cpu") and not llamacpp_batched.kv_streams("cuda:0")
+    assert not llamacpp_batched.kv_streams("vulkan") and not llamacpp_batched.kv_streams("metal")
     model = load_llamacpp(tiny_model_path(qtype="Q8_0", **K_QUANT_SHAPES), n_ctx=64, n_threads=2)
     streams = model.new_batched_cache(3, 64)
     assert not streams._rows.context.unified
     streams.close()
-    monkeypatch.setattr(llamacpp_core, "kv_streams", lambda device: False)
+    monkeypatch.setattr(llamacpp_batched, "kv_streams", lambda device: False)
     cache = model.new_batched_cache(3, 64)
     assert cache._rows.context.unified
     prompts = [IDS[:9], IDS[3:8], IDS[1:13]]

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from tandem.backends.base import Alongside, BatchedCache, Model, Sequence
+from tandem.backends.llamacpp_batched import BatchedForward
 from tandem.backends.llamacpp_core import (
-    BatchedForward,
     LlamaCppWeights,
     ReusedRows,
     SequenceForward,

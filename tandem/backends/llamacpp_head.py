@@ -24,7 +24,8 @@ from collections.abc import Sequence as Seq
 import llama_cpp.llama_cpp as llc
 import numpy as np
 
-from tandem.backends.llamacpp_core import HIDDEN_KEPT, Allocator, BatchedForward, LlamaCppWeights, new_rows
+from tandem.backends.llamacpp_batched import HIDDEN_KEPT, BatchedForward
+from tandem.backends.llamacpp_core import Allocator, LlamaCppWeights, new_rows
 from tandem.backends.llamacpp_runtime import recent_errors, staging
 
 

@@ -166,6 +166,7 @@ class _Worker:
 
     def handle(self, op: str, *args):
         from tandem.backends import llamacpp_core as core
+        from tandem.backends.llamacpp_batched import BatchedForward
 
         if op == "load":
             path, vocab_size, options = args
@@ -179,7 +180,7 @@ class _Worker:
             return self.add(core.SequenceForward(weights, weights.context(capacity, n_batch), capacity, exact))
         if op == "batched":
             model, slots, capacity, n_batch, exact = args
-            cache = core.BatchedForward(self.objects[model], slots, capacity, n_batch, exact)
+            cache = BatchedForward(self.objects[model], slots, capacity, n_batch, exact)
             return self.add(cache), cache.prefill_align
         if op == "forward":
             handle, ids, last = args
