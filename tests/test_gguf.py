@@ -208,7 +208,7 @@ def test_metadata_decoding(tiny_model_path):
 
 def _tensor_info_fields(data: bytes) -> dict[str, int]:
     """Byte position of each tensor info's offset field, by tensor name (infos in file order)."""
-    from tandem.loading.gguf import _HeaderParser
+    from tandem.loading.gguf_header import _HeaderParser
 
     p = _HeaderParser(memoryview(data), "test")
     p.pos = 8
