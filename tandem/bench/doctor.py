@@ -327,7 +327,7 @@ def format_report(r: DoctorReport, device_name: str = "") -> str:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    from tandem.bench.bench import environment, load_draft, load_target, synthetic_shapes
+    from tandem.bench.loading import environment, load_draft, load_target, synthetic_shapes
 
     repeats = getattr(args, "repeats", None) or DEFAULT_REPEATS
     k = max(1, args.draft_max)
