@@ -18,7 +18,8 @@ from test_server import LiveServer, wait_for
 import tandem
 from tandem.config import EngineConfig, ServerConfig
 from tandem.engine import calibration, cost_store
-from tandem.server.app import Server, create_app
+from tandem.server.app import create_app
+from tandem.server.state import Server
 
 SLOTS = 2
 DRAFT_MAX = 3

@@ -489,7 +489,7 @@ def test_kv_usage_is_the_slots_running_sequences_hold(paths):
     """Slots are reserved whole (a context each): KV usage is the fraction of slots running sequences hold, what
     admission waits on, until they finish or are cancelled."""
     from tandem.engine import Request
-    from tandem.server.app import Server
+    from tandem.server.state import Server
 
     server = Server(EngineConfig(slots=2, draft_max=4, draft_policy="fixed"), ServerConfig(max_queue=4), "tiny")
     server.attach(load(paths[0]), None)

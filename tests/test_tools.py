@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tandem.server.protocol import APIError, ChatCompletionRequest, parse_request
+from tandem.server.errors import APIError
+from tandem.server.protocol import ChatCompletionRequest, parse_request
 from tandem.server.tools import (
     ToolCallParser,
     detect_format,

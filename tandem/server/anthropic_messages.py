@@ -8,7 +8,7 @@ input_schema}) are function tools; `tool_choice` auto / any / tool / none is aut
 none, and `disable_parallel_tool_use` is parallel_tool_calls false; `stop_sequences` are stop strings;
 `output_config.format` (a JSON schema) is structured output. What this server cannot honour (server tools, extended
 thinking, images and documents, MCP servers, effort) is a 400 naming it.
-Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (protocol.shaped_error);
+Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (errors.shaped_error);
 the key is taken from `x-api-key` as well as `Authorization: Bearer`.
 
 Answer: a `message` with text and tool_use blocks, stop_reason end_turn / max_tokens / stop_sequence / tool_use, and
@@ -31,15 +31,8 @@ from pydantic import Field
 
 from tandem.server import openapi
 from tandem.server.asgi import SSEResponse, sse_event
-from tandem.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    SpeculativeOptions,
-    _Lenient,
-    _whole,
-    anthropic_error_body,
-    parse_request,
-)
+from tandem.server.errors import APIError, anthropic_error_body
+from tandem.server.protocol import ChatCompletionRequest, SpeculativeOptions, _Lenient, _whole
 from tandem.server.turns import Call, Turn, chat_prompt
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -285,13 +278,10 @@ async def stream(turn: Turn, message_id: str, model: str, request: Request) -> A
 
 
 def add_routes(app: FastAPI, server) -> None:
-    """POST /v1/messages and /v1/messages/count_tokens on `app`, answering from `server` (app.Server)."""
+    """POST /v1/messages and /v1/messages/count_tokens on `app`, answering from `server` (state.Server)."""
 
     async def prepared(request: Request, model: type[_MessagesBody]) -> tuple[Any, ChatCompletionRequest]:
-        server.require_ready()
-        server.authorize(request)
-        body = parse_request(model, await request.body())
-        server.check_model(body.model)
+        body = await server.parsed(request, model)
         return body, chat_request(body)
 
     @app.post("/v1/messages", response_model=None, openapi_extra=openapi.request_body(MessagesRequest),

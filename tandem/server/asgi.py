@@ -13,8 +13,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.server.errors import error_body, shaped_error
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import error_body, shaped_error
 
 log = logging.getLogger("tandem.server")
 

@@ -19,7 +19,8 @@ from tandem.engine.scoring import prompt_logprobs
 from tandem.server import protocol, responses
 from tandem.server.asgi import SSEResponse, sse
 from tandem.server.choices import Choice
-from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from tandem.server.errors import APIError
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.server.scheduler import Event, Job, Scheduler, ShuttingDownError
 from tandem.speculative.stats import GenerationStats
 
@@ -27,7 +28,7 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its cli
 
 
 class Host(Protocol):
-    """What a Responder needs of the server (app.Server)."""
+    """What a Responder needs of the server (state.Server)."""
 
     target: Model
     model_name: str

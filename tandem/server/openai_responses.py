@@ -32,15 +32,8 @@ from pydantic import Field
 
 from tandem.server import openapi
 from tandem.server.asgi import SSEResponse, sse_event
-from tandem.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    SpeculativeOptions,
-    WholeInt,
-    _Lenient,
-    _whole,
-    parse_request,
-)
+from tandem.server.errors import APIError
+from tandem.server.protocol import ChatCompletionRequest, SpeculativeOptions, WholeInt, _Lenient, _whole
 from tandem.server.turns import Call, Turn, chat_prompt
 
 STORE_SIZE = 256  # stored responses at most (each holds its whole conversation's text): the oldest go first
@@ -368,17 +361,14 @@ async def stream(exchange: Exchange, turn: Turn, request: Request) -> AsyncItera
 
 
 def add_routes(app: FastAPI, server) -> None:
-    """POST /v1/responses and GET /v1/responses/{response_id} on `app`, answering from `server` (app.Server)."""
+    """POST /v1/responses and GET /v1/responses/{response_id} on `app`, answering from `server` (state.Server)."""
     server.response_store = ResponseStore()
 
     @app.post("/v1/responses", response_model=None, openapi_extra=openapi.request_body(ResponsesRequest),
               responses={200: {"model": openapi.ResponseObject}, **openapi.ERRORS}, summary="Response (OpenAI)")
     async def create_response(request: Request) -> Response:
         """OpenAI's Responses API: text, function tools, structured output, previous_response_id, streaming."""
-        server.require_ready()
-        server.authorize(request)
-        req = parse_request(ResponsesRequest, await request.body())
-        server.check_model(req.model)
+        req = await server.parsed(request, ResponsesRequest)
         history: list[dict] = []
         if req.previous_response_id is not None:
             stored = server.response_store.get(req.previous_response_id)

@@ -5,7 +5,7 @@ Requests are parsed from the raw body with pydantic in strict JSON mode, so a kn
 naming the field (OpenAI does the same); integer fields take whole-number floats (8.0), as JSON Schema's `integer`
 does. Unknown fields are ignored, but the OpenAI parameters tandem cannot honour are typed here and refused with a
 400 naming them (`_UNSUPPORTED`), so no client gets a silently different answer. The same models describe the bodies
-in /openapi.json (openapi.py). Every error leaves the server as `{"error": {message, type, param, code}}`.
+in /openapi.json (openapi.py). Every error leaves the server as errors.py writes it.
 Reference: https://platform.openai.com/docs/api-reference/chat and llama.cpp's tools/server README (`timings`).
 """
 
@@ -22,6 +22,7 @@ from tandem.engine.generation import MAX_TOP_LOGPROBS
 from tandem.logits.grammar import COMPACT_JSON
 from tandem.logits.options import logits_settings
 from tandem.logits.processor import DEFAULT_REPEAT_LAST_N, MAX_PENALTY, LogitsError, LogitsSettings
+from tandem.server.errors import APIError
 from tandem.server.tools import MAX_FORCED_CALLS, tool_call_schema
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -29,42 +30,6 @@ _REFUSED = "not supported: a request that sets it gets a 400"
 MAX_N = 16  # choices a request may ask for: each takes a slot of the batch
 MAX_DRAFT_OVERRIDE = 64  # a per-request draft_max above this is surely a mistake (and each new k calibrates once)
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class APIError(Exception):
-    """An error the client caused (or may retry), sent as OpenAI's error object with `status`."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")  # their errors are Anthropic's shape
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                         503: "overloaded_error"}
-
-
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error object for an answer with `status`."""
-    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def shaped_error(path: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI error object as the API of route `path` writes its errors (Anthropic's on its routes)."""
-    return anthropic_error_body(status, body["error"]["message"]) if path in ANTHROPIC_ROUTES else body
 
 
 # --- requests -------------------------------------------------------------------------------------------------

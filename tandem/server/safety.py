@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.server.protocol import ANTHROPIC_ROUTES, error_body, shaped_error
+from tandem.server.errors import ANTHROPIC_ROUTES, error_body, shaped_error
 
 JSON_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", *ANTHROPIC_ROUTES})
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})

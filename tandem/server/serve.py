@@ -12,8 +12,9 @@ import uvicorn
 
 from tandem.config import EngineConfig, ServerConfig
 from tandem.engine import Engine, Request
-from tandem.server.app import Server, create_app
+from tandem.server.app import create_app
 from tandem.server.safety import allowed_hosts_for, exposure_warning
+from tandem.server.state import Server
 
 log = logging.getLogger("tandem.server")
 

@@ -19,7 +19,8 @@ from starlette.concurrency import run_in_threadpool
 from tandem.server import responses
 from tandem.server.choices import Choice
 from tandem.server.completion import as_api_error
-from tandem.server.protocol import APIError, ChatCompletionRequest
+from tandem.server.errors import APIError
+from tandem.server.protocol import ChatCompletionRequest
 
 
 class ClientGone(Exception):
