@@ -61,6 +61,33 @@ def record_verifies(monkeypatch, verify) -> dict[tuple[int, int], int]:
     return outcomes
 
 
+def sample_with_drafts(engine, prompt_ids: list[int], sampling: dict, n_samples: int, n_generated: int,
+                       draft_maxes: list[int], monkeypatch, verify, **request_options) -> tuple[dict, dict]:
+    """n_samples generations of prompt_ids, engine.slots at a time, request i seeded i and drafting a fixed
+    draft_maxes[i % len] tokens from the engine's draft model, verified by `verify`: ({sequence: count},
+    {(drafts, accepted): verifies}). Every request must have speculated, some drafts rejected."""
+    from tandem.engine import Request
+    from tandem.sampling import SamplingParams
+
+    def model_drafted(draft_tokens, draft_probs, target_probs, generator):
+        assert draft_tokens.shape[0] == 0 or draft_probs is not None  # drafted by the model, not looked up
+        return verify(draft_tokens, draft_probs, target_probs, generator)
+
+    outcomes = record_verifies(monkeypatch, model_drafted)
+    counts, stats = {}, []
+    for start in range(0, n_samples, engine.slots):
+        requests = [Request(prompt_ids, SamplingParams(seed=seed, **sampling), max_tokens=n_generated,
+                            ignore_eos=True, draft_max=draft_maxes[seed % len(draft_maxes)], draft_policy="fixed",
+                            **request_options)
+                    for seed in range(start, start + engine.slots)]
+        for result in engine.generate(requests):
+            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
+            stats.append(result.stats)
+    monkeypatch.undo()
+    assert_speculated(*stats, rejected=True)
+    return counts, outcomes
+
+
 def load_llamacpp_pair(tiny_model_path, seed: int, n_ctx: int):
     """A tiny Q8_0 target and the same weights in Q4_0 as its draft, both on llama.cpp (one thread each)."""
     import tandem

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
 
-from conftest import assert_speculated, cheap_drafting  # noqa: E402
+from conftest import assert_speculated, cheap_drafting, sample_with_drafts  # noqa: E402
 from sampling_reference import exact_distribution  # noqa: E402
 from test_lossless import chi_square_pvalue, residual_from_target, residual_from_target_after_an_accept  # noqa: E402
 
@@ -22,7 +22,6 @@ import tandem  # noqa: E402
 from tandem.engine import Engine, Request  # noqa: E402
 from tandem.engine import outcomes as outcomes_module  # noqa: E402
 from tandem.logits.options import logits_settings  # noqa: E402
-from tandem.sampling import SamplingParams  # noqa: E402
 from tandem.speculative.compat import HeadMismatchError, check_head  # noqa: E402
 from tandem.speculative.verify import verify_greedy, verify_sampled  # noqa: E402
 from tandem.synthetic.heads import write_eagle3, write_gemma4_assistant  # noqa: E402
@@ -298,29 +297,10 @@ def sampled_setup(both):
 
 
 def sample_with_head(target, head, prompt_ids, monkeypatch, verify=verify_sampled):
-    outcomes = {}
-
-    def recording(draft_tokens, draft_probs, target_probs, generator):
-        assert draft_tokens.shape[0] == 0 or draft_probs is not None
-        n_accepted, token = verify(draft_tokens, draft_probs, target_probs, generator)
-        outcomes[(draft_tokens.shape[0], int(n_accepted))] = outcomes.get((draft_tokens.shape[0], int(n_accepted)),
-                                                                          0) + 1
-        return n_accepted, token
-
-    monkeypatch.setattr(outcomes_module, "verify_sampled", recording)
     engine = Engine(target, head, slots=SLOTS, draft_max=3, measure_costs=False, prompt_lookup=False)
     logits = logits_settings(logit_bias=THREE_TOKENS, vocab=target.vocab_size)
-    counts, stats = {}, []
-    for start in range(0, N_SAMPLES, SLOTS):
-        requests = [Request(prompt_ids, SamplingParams(seed=seed, **SAMPLING), max_tokens=N_GENERATED,
-                            ignore_eos=True, draft_max=2 + seed % 2, draft_policy="fixed", logits=logits)
-                    for seed in range(start, start + SLOTS)]
-        for result in engine.generate(requests):
-            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
-            stats.append(result.stats)
-    monkeypatch.undo()
-    assert_speculated(*stats, rejected=True)
-    return counts, outcomes
+    return sample_with_drafts(engine, prompt_ids, SAMPLING, N_SAMPLES, N_GENERATED, [2, 3], monkeypatch, verify,
+                              logits=logits)
 
 
 def test_sampled_speculation_with_the_head_matches_the_targets_distribution(sampled_setup, monkeypatch):

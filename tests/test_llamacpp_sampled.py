@@ -12,13 +12,11 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
 
-from conftest import assert_speculated, load_llamacpp_pair  # noqa: E402
+from conftest import load_llamacpp_pair, sample_with_drafts  # noqa: E402
 from sampling_reference import exact_distribution  # noqa: E402
 from test_lossless import chi_square_pvalue, residual_from_target, residual_from_target_after_an_accept  # noqa: E402
 
-from tandem.engine import Engine, Request  # noqa: E402
-from tandem.engine import outcomes as outcomes_module  # noqa: E402
-from tandem.sampling import SamplingParams  # noqa: E402
+from tandem.engine import Engine  # noqa: E402
 from tandem.speculative.verify import verify_sampled  # noqa: E402
 
 # Seed 9's Q8_0 target on this prompt, with the same weights in Q4_0 as its draft: about 0.75 of drafts accepted
@@ -44,36 +42,21 @@ def llamacpp_setup(tiny_model_path):
 def sample_sequences(target, draft, prompt_ids, monkeypatch, verify=verify_sampled):
     """N_SAMPLES generations, SLOTS at a time on one engine (each request its own seed), drafts from the llama.cpp
     draft, verified by `verify`: ({sequence: count}, {(k, n_accepted): verifies}, [verifies with drafts per step])."""
-    outcomes, per_step = {}, []
-
-    def recording(draft_tokens, draft_probs, target_probs, generator):
-        assert draft_tokens.shape[0] == 0 or draft_probs is not None  # drafted by the model, not looked up
-        n_accepted, token = verify(draft_tokens, draft_probs, target_probs, generator)
-        key = (draft_tokens.shape[0], int(n_accepted))
-        outcomes[key] = outcomes.get(key, 0) + 1
-        per_step[-1] += draft_tokens.shape[0] > 0
-        return n_accepted, token
-
-    monkeypatch.setattr(outcomes_module, "verify_sampled", recording)
     engine = Engine(target, draft, slots=SLOTS, draft_max=max(DRAFT_LENGTHS), measure_costs=False,
                     prompt_lookup=False)
-    step = engine.step
+    per_step, step = [], engine.step
 
     def counted_step():
         per_step.append(0)
         return step()
 
+    def counted_verify(draft_tokens, *args):
+        per_step[-1] += draft_tokens.shape[0] > 0
+        return verify(draft_tokens, *args)
+
     monkeypatch.setattr(engine, "step", counted_step)
-    counts, stats = {}, []
-    for start in range(0, N_SAMPLES, SLOTS):
-        requests = [Request(prompt_ids, SamplingParams(seed=seed, **SAMPLING), max_tokens=N_GENERATED,
-                            ignore_eos=True, draft_max=DRAFT_LENGTHS[seed % len(DRAFT_LENGTHS)], draft_policy="fixed")
-                    for seed in range(start, start + SLOTS)]
-        for result in engine.generate(requests):
-            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
-            stats.append(result.stats)
-    monkeypatch.undo()
-    assert_speculated(*stats, rejected=True)
+    counts, outcomes = sample_with_drafts(engine, prompt_ids, SAMPLING, N_SAMPLES, N_GENERATED, DRAFT_LENGTHS,
+                                          monkeypatch, counted_verify)
     return counts, outcomes, per_step
 
 
