@@ -755,7 +755,7 @@ def test_the_verify_table_is_timed_finer_where_it_bends(monkeypatch, curve, rows
 
     timed = []
     monkeypatch.setattr(calibration, "_time", lambda cache, b, n, sync, after=None: timed.append(n) or cost(n))
-    table = calibration._verify_costs(None, 1, 8, lambda: None)
+    table = calibration.run(calibration._verify_steps(None, 1, 8, lambda: None))
     assert set(table.verify_ms) == rows == set(timed)
     assert table.verify(3) == pytest.approx(cost(3), rel=0.05 if curve == "line" else 1e-9)
 

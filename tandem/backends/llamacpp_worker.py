@@ -80,7 +80,21 @@ def wants_worker(device: str, isolation: str = "auto") -> bool:
     return device.split(":")[0].lower() == "cuda" or (llamacpp_has_cuda() and torch_has_cuda())
 
 
-class WorkerSequence(Sequence):
+class _Held:
+    """What the worker holds by handle for a model of this process: closed there once, unless the worker is gone."""
+
+    model: WorkerModel
+    handle: int
+    _open: bool
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            if self.model.worker.dead is None:
+                self.model.worker.call("close", self.handle)
+
+
+class WorkerSequence(_Held, Sequence):
     def __init__(self, model: WorkerModel, handle: int, capacity: int) -> None:
         self.model, self.handle, self.capacity = model, handle, capacity
         self._length = 0
@@ -113,18 +127,12 @@ class WorkerSequence(Sequence):
             self.model.worker.call("rewind", self.handle, length)
             self._length = length
 
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            if self.model.worker.dead is None:
-                self.model.worker.call("close", self.handle)
-
     def _live(self) -> None:
         if not self._open:
             raise RuntimeError("this sequence is closed")
 
 
-class WorkerBatchedCache(BatchedCache):
+class WorkerBatchedCache(_Held, BatchedCache):
     can_copy = True
     drafts_greedy = True
 
@@ -228,14 +236,8 @@ class WorkerBatchedCache(BatchedCache):
                              f"got {head!r}")
         return WorkerHeadCache(head, self)
 
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            if self.model.worker.dead is None:
-                self.model.worker.call("close", self.handle)
 
-
-class WorkerHeadCache(BatchedCache):
+class WorkerHeadCache(_Held, BatchedCache):
     """A head draft over a target's cache in the worker (llamacpp_head.HeadDrafts there): a draft step is one round
     trip, the target's pending rewinds applied first, its logits back through the shared buffer."""
 
@@ -261,12 +263,6 @@ class WorkerHeadCache(BatchedCache):
 
     def rewind(self, slot: int, length: int) -> None:
         self._forgotten[slot] = length  # a new sequence in slot: the target rewinds itself
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            if self.model.worker.dead is None:
-                self.model.worker.call("close", self.handle)
 
 
 class WorkerModel(Model):

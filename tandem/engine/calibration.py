@@ -164,10 +164,6 @@ def _time_each(cache: BatchedCache, sizes: list[int], synchronize, last_only: bo
     return times
 
 
-def _verify_costs(target: BatchedCache, batch: int, k_max: int, synchronize) -> CostModel:
-    return run(_verify_steps(target, batch, k_max, synchronize))
-
-
 def _verify_steps(target: BatchedCache, batch: int, k_max: int, synchronize) -> Generator[str, None, CostModel]:
     """V(batch, R) at R = batch x 1, 2 and k_max + 1 rows, and at PROBE_ROWS; at FINE_ROWS as well where a probe
     is off the line through the others (a timing at a time: see measure_steps)."""
