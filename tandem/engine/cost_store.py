@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Generic, TypeVar
 
-from tandem.backends.base import BatchedCache, Model
+from tandem.backends.base import Model
 from tandem.engine import calibration
 from tandem.engine.calibration import HURRY, SCRATCH, Timings, estimate, measure_steps
 from tandem.engine.costs import BatchCosts, CostModel
@@ -217,7 +217,7 @@ class Calibrator:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.path = costs_path(engine.target, engine.draft_model, engine.draft_max, engine.slots, engine.n_ctx)
+        self.path = engine.costs_path()
         self.threads = model_threads(engine.target)
         self.source: str | None = None  # what the engine plans from: see progress()
         self.pending = False  # a full measurement is still to be taken
@@ -236,14 +236,14 @@ class Calibrator:
         if kept is not None:
             self.estimated, self.pending = kept.estimate, kept.estimate or not kept.quiet
             self.source = "estimate (kept)" if kept.estimate else "kept" if kept.quiet else "kept (busy machine)"
-            self._plan_from(kept.costs)
+            engine.plan_from(kept.costs)
             return
         quiet = not machine_busy(self.threads)
-        costs = estimate(engine.target_kv, self._draft_kv(), engine.draft_max, engine._synchronize)
+        costs = estimate(engine.target_kv, engine.draft_kv, engine.draft_max, engine._synchronize)
         keep(self.path, costs.measured(), engine.target, engine.draft_model,
              quiet=quiet and not machine_busy(self.threads), estimate=True)
         self.source, self.estimated, self.pending = "estimate", True, True
-        self._plan_from(costs)
+        engine.plan_from(costs)
 
     def step(self, hurry: Callable[[], bool] | None = None) -> float | None:
         """One timing of the full measurement, the engine idle (its free slots are scratch meanwhile, and their kept
@@ -258,7 +258,7 @@ class Calibrator:
             self.waits_for_quiet = not self._quiet and not self.estimated
             if self.waits_for_quiet:
                 return REMEASURE_WAIT_S
-            self._timings = measure_steps(engine.target_kv, self._draft_kv(), engine.draft_max, engine._synchronize)
+            self._timings = measure_steps(engine.target_kv, engine.draft_kv, engine.draft_max, engine._synchronize)
             self.timings_done, self._started = 0, time.monotonic()
             log.info("measuring the costs in full while idle (planning from: %s)", self.source)
         # The timing runs in the least recently used free slots: a conversation's kept prompt is overwritten only
@@ -284,7 +284,7 @@ class Calibrator:
         log.info("costs %s: %d timings in %.0f s while idle", self.source, self.timings_done,
                  time.monotonic() - self._started)
         self.estimated, self.pending, self._timings, self.timing = False, not quiet, None, None
-        self._plan_from(costs)
+        engine.plan_from(costs)
         return REMEASURE_WAIT_S if self.pending else None
 
     def measure_now(self, seconds: float) -> None:
@@ -303,11 +303,3 @@ class Calibrator:
             out["measuring"] = "waiting for a quiet machine" if self.waits_for_quiet else "when the server is idle"
         return out
 
-    def _draft_kv(self) -> BatchedCache | None:
-        return self.engine.drafter.kv if self.engine.drafter is not None else None
-
-    def _plan_from(self, costs: BatchCosts) -> None:
-        # As Engine.calibrate plans from what it measured.
-        engine = self.engine
-        costs.steady_draft = engine.drafter is not None and engine.draft_model.steady_shapes
-        engine.costs = costs.pad_rows(engine.target_kv.padded_rows)

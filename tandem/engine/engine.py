@@ -106,6 +106,10 @@ class Engine:
         return self.proposers.draft_model
 
     @property
+    def draft_kv(self) -> BatchedCache | None:
+        return self.drafter.kv if self.drafter is not None else None
+
+    @property
     def device(self) -> torch.device:
         return torch.device(getattr(self.target, "torch_device", "cpu"))
 
@@ -131,12 +135,18 @@ class Engine:
         """The planner's costs: as kept on disk for this device, pair and engine shape (cost_store.costs_path), else
         measured on these caches (empty: their slots are scratch here) and kept. refresh: measure afresh."""
         def measure() -> BatchCosts:
-            return calibration.measure(self.target_kv, self.drafter and self.drafter.kv, self.draft_max,
-                                   self._synchronize)
+            return calibration.measure(self.target_kv, self.draft_kv, self.draft_max, self._synchronize)
 
-        path = costs_path(self.target, self.draft_model, self.draft_max, self.slots, self.n_ctx)
-        costs = kept_costs(path, measure, BatchCosts.measured, BatchCosts.from_measured,
-                           self.target, self.draft_model, refresh)
+        self.plan_from(kept_costs(self.costs_path(), measure, BatchCosts.measured, BatchCosts.from_measured,
+                                  self.target, self.draft_model, refresh))
+
+    def costs_path(self) -> str | None:
+        """Where this engine's costs are kept: per device, pair and engine shape."""
+        return costs_path(self.target, self.draft_model, self.draft_max, self.slots, self.n_ctx)
+
+    def plan_from(self, costs: BatchCosts) -> None:
+        """The policy plans from these costs, padded to the target's row shapes (a steady draft's where it keeps its
+        shapes)."""
         costs.steady_draft = self.drafter is not None and self.draft_model.steady_shapes
         self.costs = costs.pad_rows(self.target_kv.padded_rows)
 
