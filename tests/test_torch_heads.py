@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_speculated, cheap_drafting, record_verifies
+from conftest import assert_speculated, cheap_drafting, sample_with_drafts
 from sampling_reference import exact_distribution
 from test_lossless import chi_square_pvalue, residual_from_target, residual_from_target_after_an_accept
 
@@ -20,7 +20,6 @@ from tandem.backends import torch_head
 from tandem.engine import Engine, Request
 from tandem.engine import outcomes as outcomes_module
 from tandem.logits.options import logits_settings
-from tandem.sampling import SamplingParams
 from tandem.speculative.compat import HeadMismatchError
 from tandem.speculative.verify import verify_greedy, verify_sampled
 from tandem.synthetic.heads import write_eagle3, write_gemma4_assistant
@@ -324,20 +323,10 @@ def sampled_setup(target, head_files):
 
 
 def sample_with_head(target, head, prompt_ids, monkeypatch, verify=verify_sampled):
-    outcomes = record_verifies(monkeypatch, verify)
     engine = Engine(target, head, slots=SLOTS, draft_max=3, measure_costs=False, prompt_lookup=False)
     logits = logits_settings(logit_bias=THREE_TOKENS, vocab=target.vocab_size)
-    counts, stats = {}, []
-    for start in range(0, N_SAMPLES, SLOTS):
-        requests = [Request(prompt_ids, SamplingParams(seed=seed, **SAMPLING), max_tokens=N_GENERATED,
-                            ignore_eos=True, draft_max=2 + seed % 2, draft_policy="fixed", logits=logits)
-                    for seed in range(start, start + SLOTS)]
-        for result in engine.generate(requests):
-            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
-            stats.append(result.stats)
-    monkeypatch.undo()
-    assert_speculated(*stats, rejected=True)
-    return counts, outcomes
+    return sample_with_drafts(engine, prompt_ids, SAMPLING, N_SAMPLES, N_GENERATED, [2, 3], monkeypatch, verify,
+                              logits=logits)
 
 
 def test_sampled_speculation_with_a_torch_head_matches_the_targets_distribution(sampled_setup, monkeypatch):
