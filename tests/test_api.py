@@ -547,6 +547,43 @@ def test_a_requests_choices_queue_together_or_not_at_all():
         loop.close()
 
 
+def test_an_idle_server_settles_a_finished_reply_for_the_next_turn(tiny_model_path):
+    """While no request runs, the worker recomputes a finished reply's rows as a prompt computes them
+    (KVSlots.settler), so that the conversation's next turn may keep all the slot holds (repacked Q4_K weights)."""
+    pytest.importorskip("llama_cpp")
+    import asyncio
+    import time
+
+    from conftest import K_QUANT_SHAPES
+
+    from tandem.engine import Engine, Request
+    from tandem.server.scheduler import Job, Scheduler
+
+    target = tandem.load(tiny_model_path(qtype="Q4_K", seed=5, **K_QUANT_SHAPES), backend="llama.cpp", n_ctx=256)
+    engine = Engine(target, slots=1)
+    loop = asyncio.new_event_loop()
+    scheduler = Scheduler(engine)
+    scheduler.start()
+    try:
+        job = Job(request=Request(list(range(1, 31)), max_tokens=20, ignore_eos=True), loop=loop)
+        scheduler.submit(job)
+
+        async def finished() -> None:
+            while (await job.events.get()).chunk.finish_reason is None:
+                pass
+
+        loop.run_until_complete(asyncio.wait_for(finished(), 120))
+        deadline = time.monotonic() + 120
+        while engine.kv.settler.pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = engine.target_kv.length(0)  # 30 + 20 tokens (the pending one too), 48 of them by the GEMM
+        assert not engine.kv.settler.pending and held == 50 and engine.target_kv.reusable(0, held) == 48
+    finally:
+        scheduler.stop()
+        loop.close()
+        target.close()
+
+
 def test_idle_work_waits_a_quiet_second_from_when_it_is_given():
     """A server hands its idle work (the cost measurement) over at ready and its first request comes at once: the
     work waits QUIET_S from then, not from the last request (none yet), so it does not run ahead of that request."""

@@ -902,6 +902,34 @@ def test_llamacpp_repacked_target_chunked_batched_and_reused_equals_alone(tiny_m
     draft.close()
 
 
+def test_llamacpp_settled_reply_is_reused_and_equals_alone(tiny_model_path):
+    """A reply's rows (the GEMV's, on repacked weights) are recomputed as prompt rows while the engine is idle
+    (KVSlots.settler, a piece of SETTLE_ROWS at a time): the next turn then reuses the reply too, aligned, and still
+    gets the tokens it gets alone. A slot emptied since is left alone."""
+    pytest.importorskip("llama_cpp")
+    from conftest import K_QUANT_SHAPES
+
+    target = tandem.load(tiny_model_path(qtype="Q4_K", seed=5, **K_QUANT_SHAPES), backend="llama.cpp", n_ctx=256)
+    engine = Engine(target, slots=2)
+    prompt = target.tokenizer.encode(PROMPTS[4])
+    first = engine.generate([Request(prompt, max_tokens=24, ignore_eos=True)])[0]
+    held = prompt + first.tokens  # the last token is pending: a settle takes it in too
+    assert engine.kv.settler.pending
+    pieces = 0
+    while engine.kv.settler.step():
+        pieces += 1
+    assert pieces == 2 and not engine.kv.settler.pending  # 24 + the prompt's unaligned tail: 16 rows, then the rest
+    turn2 = held + target.tokenizer.encode(" again")
+    second = engine.generate([Request(turn2, max_tokens=10)])[0]
+    assert second.stats.cached_tokens == len(held) - len(held) % 4 > len(prompt)
+    assert second.tokens == alone(target, turn2, max_tokens=10).tokens
+    engine.generate([Request(prompt, max_tokens=12, ignore_eos=True)])
+    assert engine.kv.settler.pending
+    engine.kv.forget_prefixes()
+    assert not engine.kv.settler.step() and not engine.kv.settler.pending
+    target.close()
+
+
 # --- log-probabilities -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("draft_kind", [None, "model"])

@@ -302,6 +302,38 @@ def test_repacked_batched_cache_aligned_prompt_chunks_and_reuse_are_exact(real_p
     model.close()
 
 
+@pytest.mark.real
+def test_settled_reply_rows_give_a_fresh_prompts_kv(real_pair):
+    # A reply's rows came from the GEMV (plain steps): `settle` recomputes them as prompt rows, a piece at a time,
+    # after which the next turn keeps them and sees the KV a fresh prompt computes, bit for bit. The control: the
+    # reply's GEMV rows kept as they are give other logits.
+    model = load_llamacpp(real_pair[0], n_ctx=128)
+    tok = model.tokenizer
+    prompt = tok.encode("def fibonacci(n):\n    # return the n-th Fibonacci number of the sequence, computed "
+                        "iteratively, not recursively, in constant memory")[:22]
+    cache = model.new_batched_cache(3, 128)
+    out = cache.forward([(0, prompt)], [True])[0]
+    tokens = list(prompt)
+    for _ in range(14):  # plain steps: 22 + 13 rows held, the 14th token pending
+        tokens.append(int(out[-1].argmax()))
+        if len(tokens) < 36:
+            out = cache.forward([(0, tokens[-1:])], [False])[0]
+    turn2 = tokens + tok.encode(" # and now three tests for it")
+    cache.copy_prefix(0, 1, 35)
+    assert cache.length(0) == 35 and cache.reusable(0, 35) == 20
+    assert cache.settle(0, tokens, 8) == 8 and cache.length(0) == 28 and cache.reusable(0, 28) == 28
+    assert cache.settle(0, tokens, 8) == 0 and cache.length(0) == 36 and cache.reusable(0, 36) == 36
+    assert cache.settle(0, tokens, 8) == 0 and cache.length(0) == 36  # nothing left
+    fresh = cache.forward([(2, turn2)], [True])[0]
+    kept = cache.forward([(0, turn2[36:])], [True])[0]
+    assert torch.equal(kept, fresh)
+    cache._rows._gemm_end[1] = 35  # the control: slot 1 keeps its reply's GEMV rows as if a prompt computed them
+    cache.rewind(1, 32)
+    assert not torch.equal(cache.forward([(1, turn2[32:])], [True])[0], fresh)
+    cache.close()
+    model.close()
+
+
 def test_batched_sequences_share_one_unified_cache_on_gpus_and_stay_correct(tiny_model_path, monkeypatch):
     # On a GPU the batched context's sequences share one KV cache: with a stream each, llama.cpp ran a call of
     # unequal rows per sequence (drafts of 3, 1, 3, 2 tokens) as one pass over the weights per equal-rows ubatch

@@ -129,6 +129,12 @@ class BatchedCache(ABC):
         recomputes, so that it sees the KV a fresh prompt would."""
         return length
 
+    def settle(self, slot: int, tokens: Seq[int], rows: int) -> int:
+        """Recompute up to `rows` of slot's positions past reusable() as a prompt computes them, so that a prompt
+        sharing them keeps them (tokens: the ids of positions 0.., past the slot's length too); returns the positions
+        still to recompute. Backends whose every position is reusable have nothing to do."""
+        return 0
+
     def copy_prefix(self, src: int, dst: int, length: int) -> bool:
         """Make dst hold src's first `length` positions (dst's length becomes `length`); False where the backend
         cannot copy KV between sequences (the caller then recomputes them)."""

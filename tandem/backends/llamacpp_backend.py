@@ -175,6 +175,9 @@ class LlamaCppBatchedCache(BatchedCache):
     def reusable(self, slot: int, length: int) -> int:
         return self._rows.reusable(slot, length)
 
+    def settle(self, slot: int, tokens: Seq[int], rows: int) -> int:
+        return self._rows.settle(slot, tokens, rows)
+
     def copy_prefix(self, src: int, dst: int, length: int) -> bool:
         self._rows.copy_prefix(src, dst, length)
         return True

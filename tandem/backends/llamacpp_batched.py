@@ -124,7 +124,7 @@ class BatchedForward:
                     tokens += entry[begin:end]
                     positions += range(at + begin, at + end)
                     if last_only[i]:
-                        wanted += [False] * (end - begin - 1) + [end == n]
+                        wanted += [False] * (end - begin - 1) + [end == n and allocate is not None]
                         targets += [offsets[i]] if end == n else []
                     else:
                         wanted += [True] * (end - begin)
@@ -195,6 +195,24 @@ class BatchedForward:
             return length
         usable = min(length, self._gemm_end[slot])
         return usable - usable % PREFILL_ALIGN
+
+    def settle(self, slot: int, tokens: Seq[int], rows: int) -> int:
+        """Recompute up to `rows` (a multiple of PREFILL_ALIGN) of slot's positions past what a new prompt may keep
+        as prompt rows, unread, so that a prompt sharing them keeps them: a finished reply's rows came from the
+        GEMV, a fresh prompt computes them by the GEMM (KERNELS in llamacpp_core). tokens: the ids at positions 0..
+        (the slot holds the first lengths[slot]; it is fed the rest too). Returns the positions of tokens still to
+        recompute (0 when no whole group of PREFILL_ALIGN is left). A head's target (hidden states, on_rows) is left
+        alone."""
+        if not self.split or self.hidden_width or self.on_rows is not None:
+            return 0
+        start, n = self.reusable(slot, self.lengths[slot]), min(len(tokens), self.capacity)
+        end = min(n, start + rows)
+        if end - start < PREFILL_ALIGN:
+            return 0
+        self.rewind(slot, start)
+        self.forward([(slot, list(tokens[start:end]))], [True], None)
+        left = n - self.reusable(slot, end)
+        return left if left >= PREFILL_ALIGN else 0
 
     def rewind(self, slot: int, length: int) -> None:
         if not 0 <= length <= self.lengths[slot]:

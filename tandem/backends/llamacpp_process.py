@@ -35,7 +35,7 @@ log = logging.getLogger("tandem.llamacpp")
 
 FLOAT32 = 4  # bytes
 BATCHED_REQUESTS = ("batch_forward", "batch_greedy_drafts", "batch_feed", "batch_synchronize", "reusable",
-                    "copy_prefix")  # name a batched cache
+                    "settle", "copy_prefix")  # name a batched cache
 
 
 # --- the parent's side ----------------------------------------------------------------------------------------------
@@ -229,6 +229,8 @@ class _Worker:
             return cache.synchronize()
         if op == "reusable":
             return cache.reusable(*args)
+        if op == "settle":
+            return cache.settle(*args), cache.lengths[args[0]]
         if op == "copy_prefix":
             return cache.copy_prefix(*args)
         if op == "close":

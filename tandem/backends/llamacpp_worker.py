@@ -225,6 +225,16 @@ class WorkerBatchedCache(_Held, BatchedCache):
     def reusable(self, slot: int, length: int) -> int:
         return self._call("reusable", slot, length) if self.prefill_align > 1 else length
 
+    def settle(self, slot: int, tokens: Seq[int], rows: int) -> int:
+        if self.prefill_align == 1:
+            return 0
+        try:
+            left, self._lengths[slot] = self._call("settle", slot, list(tokens), rows)
+        except RuntimeError:  # the failed forward forgot its positions: the slot holds what it could keep
+            self._lengths[slot] = self._call("reusable", slot, self._lengths[slot])
+            raise
+        return left
+
     def copy_prefix(self, src: int, dst: int, length: int) -> bool:
         self._call("copy_prefix", src, dst, length)
         self._lengths[dst] = length

@@ -21,6 +21,8 @@ from tandem.engine.generation import Generation
 
 log = logging.getLogger("tandem.engine")
 
+SETTLE_ROWS = 16  # positions a piece of idle settling recomputes: ~0.25 s of the 1.5B target on 2 CPU cores
+
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     n = 0
@@ -86,9 +88,60 @@ class SlotTable:
         """The free slots, least recently used first."""
         return sorted(self.free, key=self._used.__getitem__)
 
+    def refill(self, slot: int, tokens: Seq[int]) -> None:
+        """A free slot now holds these tokens' KV (Settler: a reply's pending token taken in)."""
+        self._contents[slot] = list(tokens)
+
     def forget(self, slot: int, keep: int) -> None:
         """Only the first `keep` tokens of a free slot's contents are still valid (its cache was rewound)."""
         self._contents[slot] = self._contents[slot][:keep]
+
+
+class Settler:
+    """Free slots whose KV a new prompt could not keep in full (BatchedCache.reusable: on llama.cpp's repacked CPU
+    weights a reply's rows came from another kernel than a prompt's), recomputed a piece at a time while the server
+    is idle (BatchedCache.settle), so that the next turn of a conversation feeds only its new tokens."""
+
+    def __init__(self, table: SlotTable, kv: BatchedCache, rows: int = SETTLE_ROWS) -> None:
+        self.table, self.kv, self.rows = table, kv, rows
+        self._slots: dict[int, tuple[list[int], int]] = {}  # slot -> (its tokens, the reusable part when it ended)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._slots)
+
+    def retired(self, slot: int, tokens: list[int]) -> None:
+        """The sequence in slot ended; tokens: all of its tokens, the pending one too (a next turn holds it)."""
+        held = self.kv.length(slot)
+        kept, tokens = self.kv.reusable(slot, held), tokens[: held + 1]  # a prompt cut short is not fed on
+        if len(tokens) - kept >= self.kv.prefill_align > 1:
+            self._slots[slot] = (tokens, kept)
+        else:
+            self._slots.pop(slot, None)
+
+    def step(self) -> bool:
+        """Settle one piece of one slot; False when there was nothing left to settle."""
+        while self._slots:
+            slot, (tokens, kept) = next(iter(self._slots.items()))
+            held = self.kv.length(slot)
+            # A slot taken since, or rewound below what it kept (a cost timing, forget_prefixes), is left as it is.
+            if slot not in self.table.free or self.kv.reusable(slot, held) < kept or \
+                    list(self.table.contents(slot)) != tokens[:held]:
+                del self._slots[slot]
+                continue
+            try:
+                left = self.kv.settle(slot, tokens, self.rows)
+            except Exception:
+                del self._slots[slot]
+                raise
+            finally:  # a forward that failed forgot its positions: the table says what the slot still holds
+                self.table.refill(slot, tokens[: self.kv.length(slot)])
+            if left:
+                self._slots[slot] = (tokens, self.kv.reusable(slot, self.kv.length(slot)))
+            else:
+                del self._slots[slot]
+            return True
+        return False
 
 
 class KVSlots:
@@ -97,6 +150,7 @@ class KVSlots:
 
     def __init__(self, target: BatchedCache, drafter, slots: int) -> None:
         self.target, self.drafter, self.table = target, drafter, SlotTable(slots)
+        self.settler = Settler(self.table, target)  # the rows ended replies left, recomputed while idle
 
     @property
     def has_free(self) -> bool:
@@ -138,6 +192,7 @@ class KVSlots:
     def release(self, gen: Generation) -> None:
         """gen left the batch; its slot keeps the KV of its tokens for a later prompt to reuse."""
         self.table.release(gen.slot, self.target.length(gen.slot))
+        self.settler.retired(gen.slot, gen.tokens)
 
     def scratch_slots(self) -> list[int]:
         """The free slots, least recently used first: where a cost timing overwrites the least worth keeping."""

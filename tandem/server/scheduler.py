@@ -32,6 +32,7 @@ log = logging.getLogger("tandem.server")
 
 IDLE_WAIT_S = 1.0  # the worker re-checks for shutdown this often when there is nothing to do
 QUIET_S = 1.0  # idle work waits for this long without requests: not the gaps between a client's back-to-back ones
+SETTLE_QUIET_S = 0.2  # settling ended replies (KVSlots.settler) waits this long: it is the next turn's own work
 
 IdleTask = Callable[[], float | None]  # one piece of work; seconds until the next piece is due, None when done
 
@@ -206,25 +207,44 @@ class Scheduler:
             for job in admitted:
                 self._admit(job)
             self._step()
+            self._busy_until = time.monotonic()
         self._shutdown()
 
     def _has_work(self) -> bool:
         return self.engine is not None and bool(self._waiting or self._active or self._calls)
 
     def _idle_wait(self) -> float:
-        """Seconds to wait for a job before the first idle task is due (0: it is due), at most IDLE_WAIT_S."""
-        if self.engine is None or not self._idle:
+        """Seconds to wait for a job before the first idle work is due (0: it is due), at most IDLE_WAIT_S."""
+        if self.engine is None:
             return IDLE_WAIT_S
-        # A cost timing in the few ms between one client's requests delayed each by it and, with one slot, overwrote
-        # the conversation's prompt (docs/decisions/0001).
-        due = max(self._idle_due, self._busy_until + QUIET_S)
-        return min(IDLE_WAIT_S, max(0.0, due - time.monotonic()))
+        dues, settler = [], self._settler()
+        if settler is not None and settler.pending:  # the next turn of a conversation is likely its first taker
+            dues.append(self._busy_until + SETTLE_QUIET_S)
+        if self._idle:
+            # A cost timing in the few ms between one client's requests delayed each by it and, with one slot,
+            # overwrote the conversation's prompt (docs/decisions/0001).
+            dues.append(max(self._idle_due, self._busy_until + QUIET_S))
+        if not dues:
+            return IDLE_WAIT_S
+        return min(IDLE_WAIT_S, max(0.0, min(dues) - time.monotonic()))
+
+    def _settler(self):
+        """The engine's KVSlots.settler (None for an engine without one: the tests' scripted engines)."""
+        return getattr(getattr(self.engine, "kv", None), "settler", None)
 
     def _run_idle(self) -> None:
-        """A piece of the first idle task. Sequences the engine still holds were cancelled (a job leaves the
-        scheduler at once, the engine at its next step): one step retires them first, freeing their slots."""
+        """A piece of idle work: settling ended replies first, then the first idle task. Sequences the engine still
+        holds were cancelled (a job leaves the scheduler at once, the engine at its next step): one step retires
+        them first, freeing their slots."""
         if self.engine.busy:
             self.engine.step()
+        settler = self._settler()
+        if settler is not None and settler.pending:
+            try:
+                settler.step()
+            except Exception:  # noqa: BLE001  (as an idle task's failure: the slot is left as it is)
+                log.exception("settling a finished reply's KV failed; the server carries on without it")
+            return
         task = self._idle[0]
         try:
             wait = task()
