@@ -69,6 +69,7 @@ class Turn:
     cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens (tandem; OpenAI's field)
     cache_n: int | None  # timings.cache_n (tandem and llama-server)
     error: str | None = None
+    prompt_ms: float | None = None  # timings.prompt_ms: the server's own time for the prompt
 
 
 @dataclass
@@ -186,16 +187,22 @@ async def warm_up(url: str) -> None:
         await one_request(client, url, model, "warm-up", "Say hello.", 8, 0.0)
 
 
-async def conversation(url: str, turns: int, max_tokens: int) -> list[Turn]:
-    """A chat of `turns` turns, each sending the whole chat so far: its TTFT and the prompt tokens reused."""
+async def conversation(url: str, turns: int, max_tokens: int, opening: str = "", think_s: float = 0.0
+                       ) -> list[Turn]:
+    """A chat of `turns` turns, each sending the whole chat so far: its TTFT and the prompt tokens reused. opening
+    goes before the first message (a chat no server has seen); think_s: the pause between a reply and the next turn
+    (a user reading it)."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         messages: list[dict] = []
         out = []
         for i in range(turns):
-            messages.append({"role": "user", "content": TURNS[i % len(TURNS)]})
+            if i and think_s:
+                await asyncio.sleep(think_s)
+            messages.append({"role": "user", "content": (opening if i == 0 else "") + TURNS[i % len(TURNS)]})
             r = await one_request(client, url, model, "chat", list(messages), max_tokens, 0.0)
-            out.append(Turn(r.ttft_s, r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.cache_n, r.error))
+            out.append(Turn(r.ttft_s, r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.cache_n, r.error,
+                            r.prompt_ms))
             messages.append({"role": "assistant", "content": r.text})
         return out
 

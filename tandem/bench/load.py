@@ -51,6 +51,7 @@ class RequestResult:
     draft_n_accepted: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
     cache_n: int | None = None  # timings.cache_n (llama-server's name for the same)
+    prompt_ms: float | None = None  # timings.prompt_ms: the server's own time for the prompt (both servers)
     text: str = ""
     error: str | None = None
 
@@ -124,6 +125,7 @@ async def one_request(client, url: str, model: str, kind: str, prompt: str | lis
                     result.draft_n = chunk["timings"].get("draft_n", 0)
                     result.draft_n_accepted = chunk["timings"].get("draft_n_accepted", 0)
                     result.cache_n = chunk["timings"].get("cache_n")
+                    result.prompt_ms = chunk["timings"].get("prompt_ms")
         result.ok = True
     except Exception as e:  # noqa: BLE001  (a load test reports failures, it does not stop at them)
         result.error = f"{type(e).__name__}: {e}"
