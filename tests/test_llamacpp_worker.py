@@ -59,10 +59,13 @@ def test_batched_caches_give_the_in_process_logits_bit_for_bit(pair):
         cache.rewind(0, 10)
         cache.copy_prefix(0, 1, 8)
         rows += cache.forward([(1, IDS[8:13]), (0, IDS[10:11])], [False, True])
-        out.append((rows, [cache.length(s) for s in range(3)], cache.prefill_align, cache.reusable(0, 11)))
+        settled = [cache.settle(1, IDS[:16], 4), cache.length(1), cache.reusable(1, cache.length(1))]
+        rows += cache.forward([(1, IDS[cache.length(1) : 16])], [True])
+        out.append((rows, [cache.length(s) for s in range(3)], cache.prefill_align, cache.reusable(0, 11), settled))
         cache.close()
     (rows_a, *rest_a), (rows_b, *rest_b) = out
     assert rest_a == rest_b
+    assert rest_a[-1] == ([4, 12, 12] if rest_a[1] == 4 else [0, 13, 13])  # repacked: rows 8-11 settled, 4 to go
     for a, b in zip(rows_a, rows_b, strict=True):
         assert torch.equal(a, b)
 
