@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu"), ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"])
     ap.add_argument("--clients", default="8", help="comma-separated client counts")
-    ap.add_argument("--configs", default="plain,adaptive,fixed1,fixed2,fixed3")
+    ap.add_argument("--configs", default="plain,adaptive,fixed1,fixed2,fixed3",
+                    help="plain, adaptive (prompt lookup and the draft), adaptive-draft (the draft alone), fixedK")
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--draft-max", type=int, default=8)
@@ -123,7 +124,7 @@ def main() -> None:
         for name in configs:
             engines[name] = Engine(target, None if name == "plain" else draft, slots=clients,
                                    draft_max=args.draft_max, synthetic_acceptance=args.synthetic_acceptance,
-                                   measure_costs=name == "adaptive")
+                                   measure_costs=name.startswith("adaptive"), prompt_lookup=name != "adaptive-draft")
             if engines[name].drafter is not None:
                 counters[name] = Counted(engines[name].drafter.kv)
         policy = {n: ("fixed" if n.startswith("fixed") else "adaptive") for n in configs}

@@ -549,6 +549,25 @@ def test_a_drafting_step_dearer_than_its_costs_turns_drafting_off():
     assert table.drafting_overrun(1) == 0.0  # per batch size
 
 
+def test_a_lone_drafting_step_between_plain_ones_is_observed():
+    """Prompt lookup drafts a step here and there, each a change of shape between plain steps: observed only with
+    a second step of its shape, such a step's host work never reached drafting_overrun (a CPU's lookup steps took
+    1.6x a plain step's time, planned at 1.15x). Observed alone, less the change's price, it does."""
+    from types import SimpleNamespace
+
+    from tandem.engine.policy import DraftPolicy
+
+    table = costs({8: {8: 10.0, 9: 11.0, 16: 14.0}}, draft_ms=1.5)
+    policy = DraftPolicy(table, AcceptancePrior(), None, None, 8)
+    gens = [SimpleNamespace(draft_source="lookup") for _ in range(8)]
+    for _ in range(4):
+        for drafting in (False, False, True):
+            rows, ks = (9, [1] + [0] * 7) if drafting else (8, [0] * 8)
+            policy.observe_shape(rows, drafting)
+            policy.observe_step(gens, ks, [], rows, 11.0 + 3.0 if drafting else 10.0, None)
+    assert table.drafting_overrun(8) == pytest.approx(3.0)
+
+
 def test_plans_are_held_to_what_drafting_yielded_in_a_batch():
     """BatchCosts.yield_factor: where a batch's drafting steps yield fewer accepted drafts than their plans expected
     (the highest of several noisy estimates set the draft length), the plans count only that share of the gain: a

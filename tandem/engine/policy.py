@@ -410,10 +410,20 @@ class DraftPolicy:
         """A whole step's time against what its costs predict (BatchCosts.drafting_overrun): its forwards' costs,
         and for the two forwards after a change of shape, the change (llama.cpp's CUDA build runs the first
         uncaptured and captures the second; elsewhere the first rebuilds the graph). Those two are observed as one,
-        their mean excess less the change (each alone reads as overrun). Not a step that took in prompts, read
-        evidence or caught a draft up (no steady step's cost)."""
+        their mean excess less the change (each alone reads as overrun); a first that no second follows (a lone
+        drafting step between plain ones, as prompt lookup's are) is observed alone, less the change. Not a step
+        that took in prompts, read evidence or caught a draft up (no steady step's cost)."""
         first_of_shape, self._after_change = self._after_change, None
-        if self.costs is None or prefills or self.evidence:
+        if self.costs is None:
+            return
+        key = (len(decoding), any(ks))
+        if first_of_shape is not None and (self.shape_run != 2 or prefills or self.evidence or
+                                           first_of_shape[:2] != key):
+            # Else a drafting step never followed by one of its shape went unobserved, and its host work was free
+            # to the planner: lookup drafted a quarter of a batch's steps at 1.6x a plain step's time on a CPU.
+            self.costs.observe_iteration(first_of_shape[0], first_of_shape[1], 0.0,
+                                         first_of_shape[2] - self.costs.switch_ms)
+        if prefills or self.evidence:
             return
         model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
         if model_drafting and drafted is None:
@@ -421,7 +431,6 @@ class DraftPolicy:
         draft_ms = (self.costs.draft_ms(drafted[0]) * drafted[1] +
                     self.costs.feed_ahead_ms(drafted[0])) if model_drafting else 0.0
         predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows)
-        key = (len(decoding), any(ks))
         seen = self.step_times.setdefault(key, [0, 0.0, 0.0])
         seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + predicted, seen[2] + ms
         if self.planned and not any(ks):
