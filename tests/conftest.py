@@ -88,6 +88,63 @@ def sample_with_drafts(engine, prompt_ids: list[int], sampling: dict, n_samples:
     return counts, outcomes
 
 
+HEAD_PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "hi"]
+HEAD_BIAS = {300: 30.0, 301: 30.0}  # two single characters of the tiny vocabularies: a target and its head agree
+
+
+def check_head_greedy_is_plain(target, head) -> None:
+    """Greedy with a head draft, alone and batched, is the target alone; with nothing to agree on (no bias) every
+    draft is rejected and the output is the target's all the same."""
+    import tandem
+
+    plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=HEAD_BIAS).tokens for p in HEAD_PROMPTS]
+    alone = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=HEAD_BIAS, draft=head,
+                             draft_policy="fixed", draft_max=3) for p in HEAD_PROMPTS]
+    batched = tandem.generate(target, prompts=HEAD_PROMPTS, max_tokens=24, logit_bias=HEAD_BIAS, draft=head,
+                              draft_policy="fixed", draft_max=4)
+    assert [r.tokens for r in alone] == plain
+    assert [r.tokens for r in batched] == plain
+    assert {r.stats.draft_kind for r in alone + batched} == {"head"}
+    assert_speculated(*(r.stats for r in alone + batched), rejected=True)
+    unbiased = tandem.generate(target, prompt=HEAD_PROMPTS[1], max_tokens=16, draft=head, draft_policy="fixed")
+    assert unbiased.tokens == tandem.generate(target, prompt=HEAD_PROMPTS[1], max_tokens=16).tokens
+    assert_speculated(unbiased.stats, accepted=False)
+
+
+def check_head_greedy_catches_a_kept_rejection(target, head, monkeypatch) -> None:
+    """Control for check_head_greedy_is_plain: a verify that keeps the first draft whether or not the target
+    agrees drifts from plain decoding."""
+    import tandem
+    from tandem.engine import outcomes
+    from tandem.speculative.verify import verify_greedy
+
+    def keeps_the_first(draft_tokens, target_tokens):
+        n, tokens = verify_greedy(draft_tokens, target_tokens)
+        return (1, draft_tokens[:1] + [target_tokens[1]]) if n == 0 and draft_tokens else (n, tokens)
+
+    plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=HEAD_BIAS).tokens for p in HEAD_PROMPTS]
+    monkeypatch.setattr(outcomes, "verify_greedy", keeps_the_first)
+    wrong = tandem.generate(target, prompts=HEAD_PROMPTS, max_tokens=24, logit_bias=HEAD_BIAS, draft=head,
+                            draft_policy="fixed", draft_max=4)
+    assert [r.tokens for r in wrong] != plain
+
+
+def check_adaptive_head_is_plain(target, head, monkeypatch, tmp_path) -> None:
+    """The adaptive policy drafts with a head where drafting pays (a GPU's costs) and stays the target alone."""
+    import tandem
+    from tandem.engine import Engine, Request
+    from tandem.logits.options import logits_settings
+
+    cheap_drafting(monkeypatch, tmp_path)  # costs as a GPU's: drafting pays on acceptance alone
+    engine = Engine(target, head, slots=3, draft_max=4, prompt_lookup=False)
+    logits = logits_settings(logit_bias=HEAD_BIAS, vocab=target.vocab_size)
+    results = engine.generate([Request(target.tokenizer.encode(p), max_tokens=40, logits=logits)
+                               for p in HEAD_PROMPTS])
+    plain = [tandem.generate(target, prompt=p, max_tokens=40, logit_bias=HEAD_BIAS).tokens for p in HEAD_PROMPTS]
+    assert [r.tokens for r in results] == plain
+    assert_speculated(*(r.stats for r in results), rejected=True)
+
+
 def load_llamacpp_pair(tiny_model_path, seed: int, n_ctx: int):
     """A tiny Q8_0 target and the same weights in Q4_0 as its draft, both on llama.cpp (one thread each)."""
     import tandem

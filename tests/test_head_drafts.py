@@ -14,21 +14,26 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llamacpp
 
-from conftest import assert_speculated, cheap_drafting, sample_with_drafts  # noqa: E402
+from conftest import (  # noqa: E402
+    HEAD_BIAS,
+    HEAD_PROMPTS,
+    assert_speculated,
+    check_adaptive_head_is_plain,
+    check_head_greedy_catches_a_kept_rejection,
+    check_head_greedy_is_plain,
+    sample_with_drafts,
+)
 from sampling_reference import exact_distribution  # noqa: E402
 from test_lossless import chi_square_pvalue, residual_from_target, residual_from_target_after_an_accept  # noqa: E402
 
 import tandem  # noqa: E402
-from tandem.engine import Engine, Request  # noqa: E402
-from tandem.engine import outcomes as outcomes_module  # noqa: E402
+from tandem.engine import Engine  # noqa: E402
 from tandem.logits.options import logits_settings  # noqa: E402
 from tandem.speculative.compat import HeadMismatchError, check_head  # noqa: E402
-from tandem.speculative.verify import verify_greedy, verify_sampled  # noqa: E402
+from tandem.speculative.verify import verify_sampled  # noqa: E402
 from tandem.synthetic.heads import write_eagle3, write_gemma4_assistant  # noqa: E402
 
 TARGET = dict(arch="gemma4", layout="dense", n_layers=3, qtype="Q8_0", seed=5, tie_embeddings=True)  # d_model 64
-PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "hi"]
-TWO_TOKENS = {300: 30.0, 301: 30.0}  # single characters of the tiny gemma4 vocabulary
 THREE_TOKENS = {300: 30.0, 301: 30.0, 302: 30.0}
 
 
@@ -112,7 +117,7 @@ def _first_draft(target, head, ids: list[int], verify_from: int | None = None, o
 
 def test_the_head_drafts_from_the_targets_hidden_state_at_the_position_before(pair):
     target, head = pair
-    ids = target.tokenizer.encode(PROMPTS[0]) + [300, 301, 302]
+    ids = target.tokenizer.encode(HEAD_PROMPTS[0]) + [300, 301, 302]
     from_prompt = _first_draft(target, head, ids)
     assert np.isfinite(from_prompt).all() and from_prompt.shape == (target.vocab_size,)
     # the state of the row before the pending token, read out of a verify's rows, gives the same draft
@@ -124,7 +129,7 @@ def test_the_head_drafts_from_the_targets_hidden_state_at_the_position_before(pa
 
 def test_a_sequences_draft_is_the_same_alone_and_beside_others(pair):
     target, head = pair
-    ids, *others = (target.tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[0], PROMPTS[2]))
+    ids, *others = (target.tokenizer.encode(p) for p in (HEAD_PROMPTS[1], HEAD_PROMPTS[0], HEAD_PROMPTS[2]))
     np.testing.assert_allclose(_first_draft(target, head, ids, others=others), _first_draft(target, head, ids),
                                atol=1e-4)
 
@@ -132,7 +137,7 @@ def test_a_sequences_draft_is_the_same_alone_and_beside_others(pair):
 def test_eagle3_drafts_from_the_pairs_its_catch_up_wrote(eagle_pair):
     target, head = eagle_pair
     assert head.config.architecture == "eagle3" and head.config.head_target_layers == (0, 2, 3)
-    ids = target.tokenizer.encode(PROMPTS[0]) + [300, 301, 302]
+    ids = target.tokenizer.encode(HEAD_PROMPTS[0]) + [300, 301, 302]
     from_prompt = _first_draft(target, head, ids)
     assert np.isfinite(from_prompt).all() and from_prompt.shape == (target.vocab_size,)
     # the pairs a verify's rows wrote (those of the rejected drafts dropped) give the draft a prompt's give
@@ -143,48 +148,15 @@ def test_eagle3_drafts_from_the_pairs_its_catch_up_wrote(eagle_pair):
 
 
 def test_greedy_with_the_head_is_the_target_alone_and_batched(both):
-    target, head = both
-    plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
-    alone = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
-                             draft_policy="fixed", draft_max=3) for p in PROMPTS]
-    batched = tandem.generate(target, prompts=PROMPTS, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
-                              draft_policy="fixed", draft_max=4)
-    assert [r.tokens for r in alone] == plain
-    assert [r.tokens for r in batched] == plain
-    assert {r.stats.draft_kind for r in alone + batched} == {"head"}
-    assert_speculated(*(r.stats for r in alone + batched), rejected=True)
-    # with nothing to agree on the head's drafts are all rejected, and the output is the target's all the same
-    unbiased = tandem.generate(target, prompt=PROMPTS[1], max_tokens=16, draft=head, draft_policy="fixed")
-    assert unbiased.tokens == tandem.generate(target, prompt=PROMPTS[1], max_tokens=16).tokens
-    assert_speculated(unbiased.stats, accepted=False)
+    check_head_greedy_is_plain(*both)
 
 
 def test_the_greedy_comparison_catches_a_rule_that_keeps_a_rejected_draft(pair, monkeypatch):
-    """Control: a verify that keeps the first draft whether or not the target agrees drifts from plain decoding."""
-    target, head = pair
-
-    def keeps_the_first(draft_tokens, target_tokens):
-        n, tokens = verify_greedy(draft_tokens, target_tokens)
-        return (1, draft_tokens[:1] + [target_tokens[1]]) if n == 0 and draft_tokens else (n, tokens)
-
-    plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
-    monkeypatch.setattr(outcomes_module, "verify_greedy", keeps_the_first)
-    wrong = tandem.generate(target, prompts=PROMPTS, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
-                            draft_policy="fixed", draft_max=4)
-    assert [r.tokens for r in wrong] != plain
+    check_head_greedy_catches_a_kept_rejection(*pair, monkeypatch)
 
 
 def test_the_adaptive_policy_drafts_with_a_head_where_it_pays_and_stays_exact(both, monkeypatch, tmp_path):
-    target, head = both
-    cheap_drafting(monkeypatch, tmp_path)  # costs as a GPU's: drafting pays on acceptance alone
-    engine = Engine(target, head, slots=3, draft_max=4, prompt_lookup=False)
-    logits = logits_settings(logit_bias=TWO_TOKENS, vocab=target.vocab_size)
-    ids = [target.tokenizer.encode(p) for p in PROMPTS]
-    results = engine.generate([Request(p, max_tokens=40, logits=logits) for p in ids])
-    plain = [tandem.generate(target, prompt=p, max_tokens=40, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
-    assert [r.tokens for r in results] == plain
-    assert_speculated(*(r.stats for r in results), rejected=True)
-
+    check_adaptive_head_is_plain(*both, monkeypatch, tmp_path)
 
 def test_a_head_that_does_not_fit_its_target_is_a_clear_error(pair, tiny_model_path, tmp_path):
     target, head = pair
@@ -206,10 +178,10 @@ def test_a_head_drafts_through_the_worker_process_as_in_this_one(pair, tiny_mode
     """The CUDA build's way (llama.cpp in a worker process): the head's context there over the target's, one round
     trip a draft step; the output is the target's, as in process."""
     in_process, _ = pair
-    plain = [tandem.generate(in_process, prompt=p, max_tokens=20, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
+    plain = [tandem.generate(in_process, prompt=p, max_tokens=20, logit_bias=HEAD_BIAS).tokens for p in HEAD_PROMPTS]
     target = tandem.load(tiny_model_path(**TARGET), backend="llama.cpp", n_ctx=64, threads=1, isolation="process")
     try:
-        results = tandem.generate(target, prompts=PROMPTS, max_tokens=20, logit_bias=TWO_TOKENS, draft=head_path,
+        results = tandem.generate(target, prompts=HEAD_PROMPTS, max_tokens=20, logit_bias=HEAD_BIAS, draft=head_path,
                                   draft_policy="fixed", draft_max=3)
         assert [r.tokens for r in results] == plain
         assert_speculated(*(r.stats for r in results), rejected=True)
@@ -221,11 +193,11 @@ def test_a_head_drafts_through_the_worker_process_as_in_this_one(pair, tiny_mode
 
 def test_eagle3_drafts_through_the_worker_process_as_in_this_one(eagle_pair, tiny_model_path):
     in_process, head = eagle_pair
-    plain = [tandem.generate(in_process, prompt=p, max_tokens=16, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
+    plain = [tandem.generate(in_process, prompt=p, max_tokens=16, logit_bias=HEAD_BIAS).tokens for p in HEAD_PROMPTS]
     target = tandem.load(tiny_model_path(**EAGLE_TARGET), backend="llama.cpp", n_ctx=64, threads=1,
                          isolation="process")
     try:
-        results = tandem.generate(target, prompts=PROMPTS, max_tokens=16, logit_bias=TWO_TOKENS, draft=head.path,
+        results = tandem.generate(target, prompts=HEAD_PROMPTS, max_tokens=16, logit_bias=HEAD_BIAS, draft=head.path,
                                   draft_policy="fixed", draft_max=3)
         assert [r.tokens for r in results] == plain
         assert_speculated(*(r.stats for r in results), rejected=True)
@@ -288,7 +260,7 @@ SLOTS = 4
 @pytest.fixture(scope="module")
 def sampled_setup(both):
     target, head = both
-    prompt_ids = target.tokenizer.encode(PROMPTS[1])
+    prompt_ids = target.tokenizer.encode(HEAD_PROMPTS[1])
     bias = np.zeros(target.vocab_size)
     bias[list(THREE_TOKENS)] = list(THREE_TOKENS.values())
     dist, _ = exact_distribution(lambda ids: target.logits(ids)[-1].numpy() + bias, prompt_ids, N_GENERATED,

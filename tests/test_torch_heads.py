@@ -11,23 +11,28 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_speculated, cheap_drafting, sample_with_drafts
+from conftest import (
+    HEAD_BIAS,
+    HEAD_PROMPTS,
+    assert_speculated,
+    check_adaptive_head_is_plain,
+    check_head_greedy_catches_a_kept_rejection,
+    check_head_greedy_is_plain,
+    sample_with_drafts,
+)
 from sampling_reference import exact_distribution
 from test_lossless import chi_square_pvalue, residual_from_target, residual_from_target_after_an_accept
 
 import tandem
 from tandem.backends import torch_head
-from tandem.engine import Engine, Request
-from tandem.engine import outcomes as outcomes_module
+from tandem.engine import Engine
 from tandem.logits.options import logits_settings
 from tandem.speculative.compat import HeadMismatchError
-from tandem.speculative.verify import verify_greedy, verify_sampled
+from tandem.speculative.verify import verify_sampled
 from tandem.synthetic.heads import write_eagle3, write_gemma4_assistant
 
 TARGET = dict(arch="llama", n_layers=4, qtype="F32", seed=3)  # d_model 64, the tiny byte-level vocabulary (310)
 LAYERS = (0, 2, 3)
-PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "hi"]
-TWO_TOKENS = {300: 30.0, 301: 30.0}
 THREE_TOKENS = {300: 30.0, 301: 30.0, 302: 30.0}
 # A draft vocabulary of its own: 203 of the target's 310 ids (the biased three among them), by d2t
 D2T = sorted(set(range(0, 300, 3)) | set(range(1, 300, 3)) | {300, 301, 302})
@@ -189,7 +194,7 @@ def test_the_torch_head_drafts_what_llamacpps_drafts_on_the_same_files(pair, tin
     float rounding (llama.cpp's kernels sum in another order), from a prompt and after a verify's rewind."""
     pytest.importorskip("llama_cpp")
     target, head = pair
-    ids = target.tokenizer.encode(PROMPTS[0]) + [300, 301, 302]
+    ids = target.tokenizer.encode(HEAD_PROMPTS[0]) + [300, 301, 302]
     ours = draft_logits(target, head, ids, k=4)
     lt = tandem.load(tiny_model_path(**TARGET), backend="llama.cpp", n_ctx=128, threads=1)
     lh = tandem.load(head.path, backend="llama.cpp", n_ctx=128, threads=1)
@@ -208,7 +213,7 @@ def test_the_torch_head_drafts_what_llamacpps_drafts_on_the_same_files(pair, tin
 
 def test_drafts_come_from_the_pairs_the_catch_up_wrote(pair, monkeypatch):
     target, head = pair
-    ids = target.tokenizer.encode(PROMPTS[0]) + [300, 301, 302]
+    ids = target.tokenizer.encode(HEAD_PROMPTS[0]) + [300, 301, 302]
     from_prompt = draft_logits(target, head, ids, k=3)
     assert np.isfinite(from_prompt).any(-1).all()
     # the pairs a verify's rows wrote (those of the rejected drafts dropped) give the drafts a prompt's give
@@ -227,7 +232,7 @@ def test_drafts_come_from_the_pairs_the_catch_up_wrote(pair, monkeypatch):
 
 def test_a_sequences_drafts_are_the_same_alone_and_beside_others(pair):
     target, head = pair
-    ids = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
+    ids = [target.tokenizer.encode(p) for p in HEAD_PROMPTS[:2]]
     kv = target.new_batched_cache(2, 64)
     head_kv = kv.attach_head(head)
     try:
@@ -246,47 +251,15 @@ def test_a_sequences_drafts_are_the_same_alone_and_beside_others(pair):
 
 
 def test_greedy_with_the_head_is_the_target_alone_and_batched(pair):
-    target, head = pair
-    plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
-    alone = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
-                             draft_policy="fixed", draft_max=3) for p in PROMPTS]
-    batched = tandem.generate(target, prompts=PROMPTS, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
-                              draft_policy="fixed", draft_max=4)
-    assert [r.tokens for r in alone] == plain
-    assert [r.tokens for r in batched] == plain
-    assert {r.stats.draft_kind for r in alone + batched} == {"head"}
-    assert_speculated(*(r.stats for r in alone + batched), rejected=True)
-    # with nothing to agree on the head's drafts are all rejected, and the output is the target's all the same
-    unbiased = tandem.generate(target, prompt=PROMPTS[1], max_tokens=16, draft=head, draft_policy="fixed")
-    assert unbiased.tokens == tandem.generate(target, prompt=PROMPTS[1], max_tokens=16).tokens
-    assert_speculated(unbiased.stats, accepted=False)
+    check_head_greedy_is_plain(*pair)
 
 
 def test_the_greedy_comparison_catches_a_rule_that_keeps_a_rejected_draft(pair, monkeypatch):
-    """Control: a verify that keeps the first draft whether or not the target agrees drifts from plain decoding."""
-    target, head = pair
-
-    def keeps_the_first(draft_tokens, target_tokens):
-        n, tokens = verify_greedy(draft_tokens, target_tokens)
-        return (1, draft_tokens[:1] + [target_tokens[1]]) if n == 0 and draft_tokens else (n, tokens)
-
-    plain = [tandem.generate(target, prompt=p, max_tokens=24, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
-    monkeypatch.setattr(outcomes_module, "verify_greedy", keeps_the_first)
-    wrong = tandem.generate(target, prompts=PROMPTS, max_tokens=24, logit_bias=TWO_TOKENS, draft=head,
-                            draft_policy="fixed", draft_max=4)
-    assert [r.tokens for r in wrong] != plain
+    check_head_greedy_catches_a_kept_rejection(*pair, monkeypatch)
 
 
 def test_the_adaptive_policy_drafts_with_a_torch_head_and_stays_exact(pair, monkeypatch, tmp_path):
-    target, head = pair
-    cheap_drafting(monkeypatch, tmp_path)  # costs as a GPU's: drafting pays on acceptance alone
-    engine = Engine(target, head, slots=3, draft_max=4, prompt_lookup=False)
-    logits = logits_settings(logit_bias=TWO_TOKENS, vocab=target.vocab_size)
-    results = engine.generate([Request(target.tokenizer.encode(p), max_tokens=40, logits=logits) for p in PROMPTS])
-    plain = [tandem.generate(target, prompt=p, max_tokens=40, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
-    assert [r.tokens for r in results] == plain
-    assert_speculated(*(r.stats for r in results), rejected=True)
-
+    check_adaptive_head_is_plain(*pair, monkeypatch, tmp_path)
 
 def test_draft_auto_and_the_doctor_take_a_torch_head(tmp_path, capsys):
     import json
@@ -314,7 +287,7 @@ SLOTS = 4
 @pytest.fixture(scope="module")
 def sampled_setup(target, head_files):
     head = tandem.load(head_files["own"], backend="torch", n_ctx=128)
-    prompt_ids = target.tokenizer.encode(PROMPTS[1])
+    prompt_ids = target.tokenizer.encode(HEAD_PROMPTS[1])
     bias = np.zeros(target.vocab_size)
     bias[list(THREE_TOKENS)] = list(THREE_TOKENS.values())
     dist, _ = exact_distribution(lambda ids: target.logits(ids)[-1].numpy() + bias, prompt_ids, N_GENERATED,
@@ -350,14 +323,14 @@ def test_the_step_graphs_path_taps_as_the_eager_one(tiny_model_path, head_files)
     here), its taps copied to a static buffer; with a head its output is the target's alone and batched."""
     target = tandem.load(tiny_model_path(**TARGET), backend="torch", n_ctx=128, graphs=True)
     head = tandem.load(head_files["own"], backend="torch", n_ctx=128)
-    plain = [tandem.generate(target, prompt=p, max_tokens=20, logit_bias=TWO_TOKENS).tokens for p in PROMPTS]
-    alone = [tandem.generate(target, prompt=p, max_tokens=20, logit_bias=TWO_TOKENS, draft=head,
-                             draft_policy="fixed", draft_max=3) for p in PROMPTS]
-    batched = tandem.generate(target, prompts=PROMPTS, max_tokens=20, logit_bias=TWO_TOKENS, draft=head,
+    plain = [tandem.generate(target, prompt=p, max_tokens=20, logit_bias=HEAD_BIAS).tokens for p in HEAD_PROMPTS]
+    alone = [tandem.generate(target, prompt=p, max_tokens=20, logit_bias=HEAD_BIAS, draft=head,
+                             draft_policy="fixed", draft_max=3) for p in HEAD_PROMPTS]
+    batched = tandem.generate(target, prompts=HEAD_PROMPTS, max_tokens=20, logit_bias=HEAD_BIAS, draft=head,
                               draft_policy="fixed", draft_max=3)
     assert [r.tokens for r in alone] == [r.tokens for r in batched] == plain
     assert_speculated(*(r.stats for r in alone + batched), rejected=True)
-    ids = target.tokenizer.encode(PROMPTS[0]) + [300, 301, 302]
+    ids = target.tokenizer.encode(HEAD_PROMPTS[0]) + [300, 301, 302]
     eager = tandem.load(tiny_model_path(**TARGET), backend="torch", n_ctx=128)
     np.testing.assert_allclose(draft_logits(target, head, ids, k=3, verify_from=len(ids) - 3),
                                draft_logits(eager, head, ids, k=3), atol=1e-4)
