@@ -201,7 +201,6 @@ class Scheduler:
             if idle:
                 self._run_idle()
                 continue
-            self._busy_until = time.monotonic()
             for fn, future, loop in calls:
                 self._run_call(fn, future, loop)
             for job in admitted:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.backends.base import Model
-from tandem.config import HeadMismatchError, head_problems
+from tandem.config import HEAD_ARCHITECTURES, HeadMismatchError, head_problems
 
 PROBE_TEXT = "def main():\n    print('héllo, wörld') # 123 {\"json\": [1, 2]} <|im_start|>user\n"
 
@@ -39,8 +39,6 @@ def check_compatible(target: Model, draft: Model) -> None:
 
 def is_head(model: Model) -> bool:
     """Whether a model is a head draft (it drafts from a target's hidden states and cannot run alone)."""
-    from tandem.config import HEAD_ARCHITECTURES
-
     return getattr(model.config, "architecture", None) in HEAD_ARCHITECTURES
 
 
@@ -57,7 +55,6 @@ def heads_beside(target_path: str) -> list[tuple[str, list[str]]]:
     draft for that target ([] where it can): `--draft auto`, `tandem models heads`."""
     import os
 
-    from tandem.config import HEAD_ARCHITECTURES
     from tandem.loading.gguf import GGUFError, open_gguf
 
     target = open_gguf(target_path).config
