@@ -10,13 +10,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import assert_speculated, record_verifies
+from conftest import sample_with_drafts
 from sampling_reference import CUT_MARGIN, exact_distribution, group_totals, reference_probs, reference_probs_row
 from scipy.stats import chi2, ncx2
 from test_lossless import MIN_EXPECTED, chi_square_pvalue
 
 import tandem
-from tandem.engine import Engine, Request
+from tandem.engine import Engine
 from tandem.engine import drafter as drafter_module
 from tandem.engine import outcomes as outcomes_module
 from tandem.sampling import SamplingParams, probs_from_logits
@@ -215,23 +215,13 @@ def sample_sequences(target, prompt_ids, monkeypatch, target_temperature=None):
     """N_SAMPLES generations on an engine of 4 slots (4 requests at a time, each on its own seed), the target drafting
     for itself through ranked_draft_probs: ({sequence: count}, {(k, n_accepted): verifies}). target_temperature:
     the verifier's p at this temperature instead of the request's (a planted bug)."""
-    outcomes = record_verifies(monkeypatch, verify_sampled)
     monkeypatch.setattr(drafter_module, "probs_from_logits", ranked_draft_probs)
     if target_temperature is not None:
         monkeypatch.setattr(outcomes_module, "probs_from_logits", lambda logits, params: probs_from_logits(
             logits, replace(params, temperature=target_temperature)))
     engine = Engine(target, target, slots=4, draft_max=max(DRAFT_LENGTHS), measure_costs=False, prompt_lookup=False)
-    counts, results = {}, []
-    for start in range(0, N_SAMPLES, 4):
-        requests = [Request(prompt_ids, SamplingParams(seed=seed, **TOP_P_MIN_P), max_tokens=N_GENERATED,
-                            ignore_eos=True, draft_max=DRAFT_LENGTHS[seed % len(DRAFT_LENGTHS)], draft_policy="fixed")
-                    for seed in range(start, start + 4)]
-        for result in engine.generate(requests):
-            counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
-            results.append(result.stats)
-    monkeypatch.undo()
-    assert_speculated(*results, rejected=True)
-    return counts, outcomes
+    return sample_with_drafts(engine, prompt_ids, TOP_P_MIN_P, N_SAMPLES, N_GENERATED, DRAFT_LENGTHS, monkeypatch,
+                              verify_sampled)
 
 
 @pytest.fixture(scope="module")
