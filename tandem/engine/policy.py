@@ -420,7 +420,7 @@ class DraftPolicy:
         if first_of_shape is not None and (self.shape_run != 2 or prefills or self.evidence or
                                            first_of_shape[:2] != key):
             # Else a drafting step never followed by one of its shape went unobserved, and its host work was free
-            # to the planner: lookup drafted a quarter of a batch's steps at 1.6x a plain step's time on a CPU.
+            # to the planner (docs/decisions/0001).
             self.costs.observe_iteration(first_of_shape[0], first_of_shape[1], 0.0,
                                          first_of_shape[2] - self.costs.switch_ms)
         if prefills or self.evidence:
