@@ -17,6 +17,12 @@
 #             start cold and warm, conversation TTFT, the draft's presence under load (a random draft is never
 #             accepted, so adaptive must equal plain at every load; random weights repeat one token, which prompt
 #             lookup would accept: SERVE_ARGS=--tandem-arg=--no-prompt-lookup). Gains need the real pair's acceptance.
+#   plan      setup, chunk 26, pair, then `steps` in the background (setsid: it outlives the call, the box stays warm
+#             while calls come back to back); carry .whs .xfer/p026 and .lls (llama.cpp's source, for llama-server)
+#   poll      waits for the plan (LIMIT s at most), prints its log and copies what it measured to $OUT; again until
+#             it prints "plan done". steps: serve_start (cold: a fresh TANDEM_HOME, compiles too; then warm),
+#             load_rounds (every config's server at once, interleaved rounds, 1/4/16/64 clients), the conversation
+#             beside llama-server, tandem bench at one request (every prompt, fixed k and lookup), the torch heads.
 # load's settings: CONFIGS (tandem-plain,tandem-adaptive,tandem-fixed1,tandem-fixed2,tandem-fixed3), CLIENTS
 # (1,4,16,64), MAX_TOKENS (128), REQS (requests a client, 4), CONVERSATION=1 (the 10-turn chat too), RERUN=1
 # (measure CONFIGS again even where measured or failed), LIMIT (560 s a call), PER_CONFIG (220 s: a cold start took
@@ -26,7 +32,7 @@
 #   .whs   the wheels the box lacks, for its Python 3.12 (~6.3 MiB): WHEELS below, the versions tested together here
 #   .xfer  pNNN: the registry's qwen2.5-coder-1.5b-instruct.gguf and -0.5b-instruct.gguf, cat | split -b 58M
 set -u
-phase=${1:?phase: chunk N, last, load, setup, pair, table, carries}
+phase=${1:?phase: chunk N, last, load, plan, poll, setup, pair, table, carries}
 M=${M:-/root/m} SITE=${SITE:-/tmp/site} WHS=${WHS:-.whs} OUT=${OUT:-/tmp/out} DEVICE=${DEVICE:-cuda}
 T=${T:-$M/T.gguf} D=${D:-$M/D.gguf}
 T_BYTES=1117320768  # qwen2.5-coder-1.5b-instruct.gguf (Q4_K_M); the draft, qwen2.5-coder-0.5b-instruct, follows it
@@ -130,6 +136,63 @@ load() {
     else echo "left for the next call: ${left[*]}"; fi
 }
 
+STEPS_CONFIGS=tandem-plain,tandem-adaptive,tandem-fixed1,tandem-fixed2,tandem-fixed3
+TORCH=(--tandem-arg=--backend --tandem-arg=torch)
+step() {  # $1: a name; the rest: a command, run with its output in $M/$1.txt and its time in the plan's log
+    local name=$1; shift
+    echo "== $name ($(date +%T), ${SECONDS} s into the plan)"
+    "$@" > "$M/$name.txt" 2>&1; local rc=$?
+    tail -n "${TAIL:-25}" "$M/$name.txt" | grep -v Warn; echo "== $name: rc $rc after ${SECONDS} s"
+}
+
+llama_server() {  # llama-server's CUDA build from llama-cpp-python's vendored source (.lls), niced beside the plan
+    [ -f .lls/llama.cpp.tar.xz ] || { echo "no .lls/llama.cpp.tar.xz: no llama-server"; return 1; }
+    mkdir -p "$M/lls" && tar xJf .lls/llama.cpp.tar.xz -C "$M/lls" && cd "$M/lls/llama.cpp" &&
+        cmake -B b -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=off -DLLAMA_USE_PREBUILT_UI=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > "$M/lls.txt" 2>&1 &&
+        nice -n 19 cmake --build b -j 8 --target llama-server >> "$M/lls.txt" 2>&1 && cp b/bin/llama-server "$M/"
+}
+
+steps() {
+    unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR  # tandem keeps its compiles under TANDEM_HOME: cold means fresh
+    export TANDEM_HOME=$M/home
+    (llama_server; echo "llama-server build: rc $?") > "$M/lls.done" 2>&1 &
+    local serve=(--model "$T" --draft "$D" --device cuda --backend torch --slots 64 --ctx 2048)
+    step start python3 bench/serve_start.py --home "$TANDEM_HOME" --cases cold,warm --log "$M/start.log" \
+        --json "$M/start.json" -- "${serve[@]}"
+    step rounds python3 bench/load_rounds.py --model "$T" --draft "$D" --device cuda --configs "$STEPS_CONFIGS" \
+        --clients 1,4,16,64 --requests-per-client "${REQS:-4}" --max-tokens "${MAX_TOKENS:-128}" \
+        --rounds "${ROUNDS:-3}" "${TORCH[@]}" --tandem-arg=--ctx --tandem-arg=2048 --logs "$M/logs/rounds" \
+        --json "$M/rounds.json"
+    local waited=0
+    while [ ! -s "$M/lls.done" ] && ((waited < 240)); do sleep 5; waited=$((waited + 5)); done
+    cat "$M/lls.done"; tail -3 "$M/lls.txt"
+    local llama=(); [ -x "$M/llama-server" ] && llama=(--llama-server "$M/llama-server" --ngl 99)
+    step conversation python3 bench/conversation_rounds.py --model "$T" --draft "$D" --device cuda "${TORCH[@]}" \
+        --configs "tandem-plain,tandem-adaptive${llama:+,llama-plain}" "${llama[@]}" --rounds 3 \
+        --json "$M/conversation.json"
+    step one-request python3 -m tandem.cli bench --model "$T" --draft "$D" --device cuda --backend torch \
+        --configs plain,adaptive,draft,fixed1,fixed2,fixed3,fixed4,ngram --repeats 3 --json "$M/one-request.json"
+    step heads python3 lab/gpu_torch_heads.py
+    echo "plan done"
+}
+
+plan() {
+    if [ -f "$M/plan.pid" ] && kill -0 "$(cat "$M/plan.pid")" 2>/dev/null; then echo "the plan runs already"; return; fi
+    setsid nohup bash bench/h100_load_session.sh steps > "$M/plan.log" 2>&1 < /dev/null &
+    echo $! > "$M/plan.pid"; sleep 20; cat "$M/plan.log"
+}
+
+poll() {
+    local limit=${LIMIT:-540}
+    while ! grep -q "^plan done" "$M/plan.log" && kill -0 "$(cat "$M/plan.pid")" 2>/dev/null && ((SECONDS < limit)); do
+        sleep 5
+    done
+    cat "$M/plan.log"; nvidia-smi --query-gpu=memory.used --format=csv,noheader
+    for f in "$M"/*.json "$M"/plan.log; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+    (cd "$M" && tar czf "$OUT/texts.tgz" $(ls -d ./*.txt ./logs ./start.log 2>/dev/null))
+}
+
 carries() {
     local py=${PY:-.venv/bin/python} platforms=() n
     for n in 17 28 31; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
@@ -158,6 +221,9 @@ pair) pair ;;
 load) load ;;
 last) setup && chunk 26 && pair && load ;;
 random) setup && random_pair && load ;;
+plan) setup && chunk 26 && pair && plan ;;
+steps) steps ;;
+poll) poll ;;
 table) serve_load 60 --configs "" | tee "$OUT/table.txt"; cp "$JSON" "$OUT/load.json" ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -8,22 +8,25 @@ between them move every figure more than any difference it looks for. Here each 
 first (serve_load's commands: --slots = the most clients), each answers a warm-up and, with --settle, finishes its
 cost measurement before anything is timed (tandem measures while idle; a load would otherwise meet it); then each
 round runs every load on every server in turn, rotating the order a round. The table gives each configuration's
-median tok/s, the spread of its rounds and its ratio to the first configuration's in the same rounds; greedy, EOS
-ignored as tandem loadtest sends them.
+median tok/s, the spread of its rounds and its ratio to the first configuration's in the same rounds, its TTFT p99
+over p50 (the median of the rounds') and the draft tokens a generated token; greedy, EOS ignored as tandem loadtest
+sends them. --json keeps every round's figures and each server's seconds to ready.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 
 import httpx
-from serve_load import ServerProcess, known, needs_draft, server_command, warm_up
+from serve_load import ServerProcess, commit, hardware, known, needs_draft, server_command, warm_up
 
 from tandem.bench.llamaserver import free_port
 from tandem.bench.load import PROMPTS, run_load
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds each server may take to finish measuring its costs before the rounds [300; 0: none]")
     p.add_argument("--start-timeout", type=float, default=480.0)
     p.add_argument("--logs", default=None)
+    p.add_argument("--json", default=None, help="write every round's figures here")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     clients = [int(c) for c in args.clients.split(",")]
@@ -61,13 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.logs, exist_ok=True)
 
     servers: dict[str, ServerProcess] = {}
+    ready_s: dict[str, float] = {}
+    launched = time.monotonic()
     try:
         for name in names:
             port = free_port()
             servers[name] = ServerProcess(server_command(name, args, port, max(clients)), port,
                                           os.path.join(args.logs, f"{name}.log"))
-        for server in servers.values():
-            server.wait_ready(args.start_timeout)
+        deadline = launched + args.start_timeout
+        while not all(s.ready_at or s.is_ready() for s in servers.values()):  # each one's first 200, all polled
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every server answered 200 within {args.start_timeout:.0f} s")
+            time.sleep(0.5)
+        for name, server in servers.items():
+            ready_s[name] = round(server.ready_at - launched, 1)
             asyncio.run(warm_up(server.url))
         deadline = time.monotonic() + args.settle
         while args.settle and not all(settled(s.url) for s in servers.values()) and time.monotonic() < deadline:
@@ -75,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"servers ready (logs in {args.logs}); costs: "
               + ", ".join(f"{n} {httpx.get(s.url + '/health').json().get('costs', {}).get('source', '-')}"
                           for n, s in servers.items()), flush=True)
-        tps: dict[tuple[str, int], list[float]] = {(n, c): [] for n in names for c in clients}
+        runs: dict[tuple[str, int], list] = {(n, c): [] for n in names for c in clients}
         for r in range(args.rounds):
             turn = names[r % len(names):] + names[: r % len(names)]  # each config goes first in turn
             for c in clients:
@@ -84,22 +95,31 @@ def main(argv: list[str] | None = None) -> int:
                                                   args.max_tokens, list(PROMPTS)))
                     if report.failed:
                         raise RuntimeError(f"{name}: {report.failed} requests failed\n{servers[name].tail()}")
-                    tps[name, c].append(report.output_tokens_per_s)
-            print(f"round {r + 1}: " + "  ".join(f"{n}@{c} {tps[n, c][-1]:.0f}" for c in clients for n in names),
-                  flush=True)
+                    runs[name, c].append(report)
+            print(f"round {r + 1}: " + "  ".join(f"{n}@{c} {runs[n, c][-1].output_tokens_per_s:.0f}"
+                                                 for c in clients for n in names), flush=True)
     finally:
         for server in servers.values():
             server.stop()
-
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hardware": hardware(), "commit": commit(), "args": vars(args), "ready_s": ready_s,
+                       "runs": {f"{n}@{c}": [asdict(r) for r in reports] for (n, c), reports in runs.items()}},
+                      f, indent=1)
+    print("ready after (s, all launched at once): " + ", ".join(f"{n} {s}" for n, s in ready_s.items()))
     base = names[0]
-    print(f"\nmedian tok/s of {args.rounds} interleaved rounds (min-max), and the ratio to {base} round by round "
-          "(median)")
+    print(f"\nmedian tok/s of {args.rounds} interleaved rounds (min-max), the ratio to {base} round by round "
+          "(median), TTFT p99/p50 (median) and draft tokens a generated token")
     for c in clients:
         for name in names:
-            runs = tps[name, c]
-            ratios = [a / b for a, b in zip(runs, tps[base, c], strict=True)]
-            print(f"{c:>3} clients  {name:<18} {statistics.median(runs):9.1f}  ({min(runs):.0f}-{max(runs):.0f})"
-                  f"  x{statistics.median(ratios):.3f}")
+            reports = runs[name, c]
+            tok_s = [r.output_tokens_per_s for r in reports]
+            ratios = [r.output_tokens_per_s / b.output_tokens_per_s for r, b in zip(reports, runs[base, c],
+                                                                                   strict=True)]
+            spread = statistics.median(r.ttft_p99_s / r.ttft_p50_s for r in reports if r.ttft_p50_s > 0)
+            drafted = sum(r.draft_n for r in reports) / max(1.0, sum(r.mean_completion_tokens * r.ok for r in reports))
+            print(f"{c:>3} clients  {name:<18} {statistics.median(tok_s):9.1f}  ({min(tok_s):.0f}-{max(tok_s):.0f})"
+                  f"  x{statistics.median(ratios):.3f}  TTFT p99/p50 {spread:5.2f}  drafted {drafted:.2f}")
     return 0
 
 

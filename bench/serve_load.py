@@ -114,6 +114,7 @@ class ServerProcess:
     def __init__(self, argv: list[str], port: int, log_path: str) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        self.ready_at: float | None = None  # time.monotonic() of the first 200 (is_ready)
         self.log = open(log_path, "w")
         try:
             self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -121,16 +122,23 @@ class ServerProcess:
             self.log.close()
             raise
 
+    def is_ready(self) -> bool:
+        """Whether /health answers 200 (the time it first did: ready_at); an error if the server exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"exited with status {self.proc.returncode}")
+        try:
+            ok = httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+        if ok and self.ready_at is None:
+            self.ready_at = time.monotonic()
+        return ok
+
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with status {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.is_ready():
+                return
             time.sleep(0.5)
         raise RuntimeError(f"/health did not answer 200 within {timeout_s:.0f} s")
 
