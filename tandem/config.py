@@ -123,6 +123,7 @@ class PolicyConfig:
     # Learning the costs. A cost the loop observes is the median of its latest observed_window timings: a one-off
     # (a shape's first use: graph capture, a pipeline built) moves no estimate.
     observed_window: int = 5
+    overrun_memory: int = 256  # plain steps of a batch size after which a drafting overrun not seen since is forgotten
     ewma_weight: float = 0.2  # weight of a new figure in the running estimates of runs and catch-ups
     # Costs paid once a run (a draft's catch-up, a change of shape) are spread over the iterations such runs have
     # lasted (EWMAs within run_limits): catch_up_iterations and switch_iterations before any run is seen.

@@ -11,7 +11,7 @@ import tandem
 from tandem.backends.base import ContextOverflowError
 from tandem.config import POLICY
 from tandem.engine import Engine, Request, calibration, planner
-from tandem.engine.costs import BatchCosts, CostModel
+from tandem.engine.costs import LOOKUP, MODEL, BatchCosts, CostModel
 from tandem.engine.kv_pool import SlotTable
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import AcceptancePrior
@@ -522,7 +522,7 @@ def test_observed_costs_move_on_a_trend_not_on_a_one_off():
     in a row at a new level move it there. The same holds for a step's overrun."""
     table = costs({2: {2: 10.0, 6: 12.0}}, draft_ms=2.0)
     table.observe_draft(2, 3, 3 * 40.0)
-    table.observe_iteration(2, True, 12.0, 120.0)
+    table.observe_iteration(2, MODEL, 12.0, 120.0)
     assert table.draft_ms(2) == 2.0 and table.drafting_overrun(2) == 0.0
     for _ in range(3):
         table.observe_draft(2, 2, 2 * 2.5)
@@ -539,11 +539,11 @@ def test_a_drafting_step_dearer_than_its_costs_turns_drafting_off():
     pair = [planner.Candidate(0.8, 8), planner.Candidate(0.8, 8)]
     assert any(planner.plan(pair, table))
     for _ in range(5):
-        table.observe_iteration(2, False, 10.0, 10.5)  # plain steps: 0.5 ms over their costs
-    table.observe_iteration(2, True, 13.0, 26.0)  # a one-off
+        table.observe_iteration(2, None, 10.0, 10.5)  # plain steps: 0.5 ms over their costs
+    table.observe_iteration(2, MODEL, 13.0, 26.0)  # a one-off
     assert table.drafting_overrun(2) == 0.0 and any(planner.plan(pair, table))
     for _ in range(3):
-        table.observe_iteration(2, True, 13.0, 13.0 + 0.5 + 5.0)
+        table.observe_iteration(2, MODEL, 13.0, 13.0 + 0.5 + 5.0)
     assert table.drafting_overrun(2) == pytest.approx(5.0)
     assert planner.plan(pair, table) == [0, 0]
     assert table.drafting_overrun(1) == 0.0  # per batch size
@@ -565,7 +565,46 @@ def test_a_lone_drafting_step_between_plain_ones_is_observed():
             rows, ks = (9, [1] + [0] * 7) if drafting else (8, [0] * 8)
             policy.observe_shape(rows, drafting)
             policy.observe_step(gens, ks, [], rows, 11.0 + 3.0 if drafting else 10.0, None)
-    assert table.drafting_overrun(8) == pytest.approx(3.0)
+    assert table.drafting_overrun(8, lookup=True) == pytest.approx(3.0)
+
+
+def test_lookup_steps_overrun_does_not_price_the_draft_model():
+    """Each drafting source learns its own overrun: prompt lookup's steps (a dear host side, padded rows) took 5 ms
+    over their costs, the draft model's none. Shared, lookup's figure priced off a draft model that paid 1.25x
+    (H100, one request); apart, the model still drafts and lookup does not."""
+    table = costs({2: {2: 10.0, 4: 14.0, 6: 17.0, 18: 40.0}}, draft_ms=1.5)  # k = 2 pays by 22%
+    model = [planner.Candidate(0.8, 8), planner.Candidate(0.8, 8)]
+    lookup = [planner.Candidate(0.8, 8, lookup=True), planner.Candidate(0.8, 8, lookup=True)]
+    assert any(planner.plan(model, table)) and any(planner.plan(lookup, table))
+    for _ in range(3):
+        table.observe_iteration(2, LOOKUP, 13.0, 13.0 + 50.0)
+    assert table.drafting_overrun(2, lookup=True) == pytest.approx(50.0) and table.drafting_overrun(2) == 0.0
+    assert any(planner.plan(model, table)) and planner.plan(lookup, table) == [0, 0]
+    assert any(planner.plan([model[0], lookup[1]], table))  # a step with the model drafting is the model's
+    for _ in range(3):
+        table.observe_iteration(2, MODEL, 13.0, 13.0 + 50.0)
+    assert planner.plan(model, table) == [0, 0]
+
+
+def test_an_overrun_that_keeps_drafting_off_is_forgotten():
+    """An overrun that turned drafting off is never observed again while it holds: after POLICY.overrun_memory plain
+    steps of that batch size without it, it is forgotten (a few drafting steps then test it again), and not a step
+    sooner; one batch size's plain steps leave another's overrun as it is."""
+    table = costs({2: {2: 10.0, 4: 14.0, 6: 17.0, 18: 40.0}, 4: {4: 10.0, 12: 30.0}}, draft_ms=1.5)
+    pair = [planner.Candidate(0.8, 8), planner.Candidate(0.8, 8)]
+    for batch in (2, 4):
+        for _ in range(3):
+            table.observe_iteration(batch, MODEL, 13.0, 13.0 + 5.0)
+    assert planner.plan(pair, table) == [0, 0]
+    for _ in range(POLICY.overrun_memory):
+        table.observe_iteration(2, None, 10.0, 10.0)
+    assert table.drafting_overrun(2) == pytest.approx(5.0) and planner.plan(pair, table) == [0, 0]
+    table.observe_iteration(2, None, 10.0, 10.0)
+    assert table.drafting_overrun(2) == 0.0 and any(planner.plan(pair, table))
+    assert table.drafting_overrun(4) == pytest.approx(5.0)
+    for _ in range(3):  # learned again as it is met again
+        table.observe_iteration(2, MODEL, 13.0, 13.0 + 5.0)
+    assert table.drafting_overrun(2) == pytest.approx(5.0)
 
 
 def test_plans_are_held_to_what_drafting_yielded_in_a_batch():
@@ -1026,9 +1065,10 @@ def test_a_lone_drafters_plan_in_floats_is_the_array_search():
         if rng.random() < 0.5:
             c.ahead_ms = {batch: rng.uniform(0.0, 2.0) * c.draft_step[batch]}
             c.decide_feeding_ahead()
-        if rng.random() < 0.5:  # three timings move the median of the five the window keeps
-            for _ in range(3):
-                c.observe_iteration(batch, True, 20.0, 20.0 + rng.uniform(0.0, 3.0))
+        for source in (MODEL, LOOKUP):
+            if rng.random() < 0.5:  # three timings move the median of the five the window keeps
+                for _ in range(3):
+                    c.observe_iteration(batch, source, 20.0, 20.0 + rng.uniform(0.0, 3.0))
         if batch > 1 and rng.random() < 0.5:
             c.observe_yield(batch, 40.0, rng.uniform(0.0, 60.0))
         lookup = rng.random() < 0.3

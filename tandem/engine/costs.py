@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.config import POLICY
-from tandem.speculative.policy import expected_tokens
+from tandem.speculative.policy import DRAFT_MODEL_SOURCE, expected_tokens
 
 NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
+MODEL, LOOKUP = DRAFT_MODEL_SOURCE, "lookup"  # what a drafting step drafted by, for its overrun (observe_iteration)
 
 
 def catch_up_cost(base_ms: float, per_token_ms: float, tokens):
@@ -140,7 +141,8 @@ class BatchCosts:
     # pads to 16, 32, 64, ... rows, so one draft beside 64 plain rows costs a 128-row forward, not a 65th row.
     padded: Callable[[int], int] | None = field(default=None, repr=False)
     _recent: dict = field(default_factory=dict, repr=False)  # observed_median's windows
-    _overrun: dict = field(default_factory=dict, repr=False)  # (batch, drafting) -> an iteration's ms - predicted
+    _overrun: dict = field(default_factory=dict, repr=False)  # (batch, source) -> an iteration's ms - predicted
+    _observed: dict = field(default_factory=dict, repr=False)  # batch -> steps observed; (batch, source) -> the last
     _yield: dict = field(default_factory=dict, repr=False)  # batch -> (extra tokens yielded, expected), decayed
 
     def measured(self) -> dict:
@@ -246,19 +248,30 @@ class BatchCosts:
         """What a change of shape costs each iteration of the new shape."""
         return self.switch_ms / self.shape_run
 
-    def observe_iteration(self, batch: int, drafting: bool, predicted_ms: float, ms: float) -> None:
-        """A whole step of `batch` decoding sequences took `ms` where its forwards' costs say `predicted_ms`."""
-        key = ("iteration", batch, drafting)
-        self._overrun[batch, drafting] = observed_median(self._recent, key, 0.0, ms - predicted_ms)
+    def observe_iteration(self, batch: int, source: str | None, predicted_ms: float, ms: float) -> None:
+        """A whole step of `batch` decoding sequences took `ms` where its forwards' costs say `predicted_ms`; source:
+        what it drafted by (LOOKUP, MODEL where the draft model drafted at all; None: a plain step)."""
+        key = ("iteration", batch, source)
+        self._overrun[batch, source] = observed_median(self._recent, key, 0.0, ms - predicted_ms)
+        seen = self._observed[batch] = self._observed.get(batch, 0) + 1
+        if source is not None:
+            self._observed[batch, source] = seen
+            return
+        for kind in (LOOKUP, MODEL):
+            # An overrun that keeps drafting off is never observed again: forgotten after POLICY.overrun_memory
+            # steps without it (a few drafting steps then test it), as an idle estimate fades to its prior.
+            if (batch, kind) in self._overrun and seen - self._observed[batch, kind] > POLICY.overrun_memory:
+                del self._overrun[batch, kind], self._recent["iteration", batch, kind]
 
-    def drafting_overrun(self, batch: int) -> float:
+    def drafting_overrun(self, batch: int, lookup: bool = False) -> float:
         """How many ms longer a drafting step of `batch` sequences takes than its costs say, beyond what a plain one
         does (>= 0): what the calibration's forwards, each timed alone and repeated, do not show (the step's host
         work, the draft's bookkeeping, a worker process's round trips, a forward dearer in the loop). One figure
         for every draft length, learned in a few steps, and added: the excess is a cost a step, alike at every
-        row count."""
-        drafting = self._overrun.get((batch, True))
-        return 0.0 if drafting is None else max(0.0, drafting - self._overrun.get((batch, False), 0.0))
+        row count. Prompt lookup's steps and the draft model's have their own (one host's work is not the other's:
+        lookup's dear steps priced the model off where it paid 1.25x, H100)."""
+        drafting = self._overrun.get((batch, LOOKUP if lookup else MODEL))
+        return 0.0 if drafting is None else max(0.0, drafting - self._overrun.get((batch, None), 0.0))
 
     def observe_yield(self, batch: int, expected: float, yielded: float) -> None:
         """A drafting step of `batch` sequences: the extra tokens (accepted drafts) its plan expected of the adaptive

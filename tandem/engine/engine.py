@@ -351,7 +351,7 @@ class Engine:
         if plain_plan is not None:
             plain_plan.steps = max(0, plain_plan.steps - len(new_tokens) + 1)
         if self.costs is not None:  # a plain step's cost as the loop runs it: cheaper queued than timed alone
-            self.costs.observe_iteration(1, False, self.costs.target_ms(1, 1), step_ms)
+            self.costs.observe_iteration(1, None, self.costs.target_ms(1, 1), step_ms)
         events = []
         self._deliver(gen, new_tokens, events, None)
         return events

@@ -132,7 +132,9 @@ def _plan_arrays(candidates: list[Candidate | None], ks: list[int], adaptive: li
         # starting to draft pays this change and the one back once a run; any other change, once a shape
         price = np.where(drafts & (not drafting), 2 * costs.switch_ms / costs.drafting_run, costs.switch_share_ms())
         time_ms = time_ms + np.where(rows != previous_rows, price, 0.0)
-    time_ms = time_ms + np.where(drafts, costs.drafting_overrun(batch), 0.0)
+    # each source's own overrun; a step where the model drafts at all is the model's (it observes as one)
+    overrun = np.where(n[None, :] > 0, costs.drafting_overrun(batch), costs.drafting_overrun(batch, lookup=True))
+    time_ms = time_ms + np.where(drafts, overrun, 0.0)
     rate = (fixed_tokens + gain) / time_ms
     K_best, m_best, n_best = np.unravel_index(np.argmax(rate), rate.shape)  # the first best: shortest K, fewest
     best = float(rate[K_best, m_best, n_best])
@@ -168,7 +170,7 @@ def _plan_one(candidates: list[Candidate | None], i: int, costs: BatchCosts, ext
         ahead = costs.ahead_steps(1) if steady else 0.0
         gain_factor = 1.0 if c.lookup else costs.yield_factor(batch)
         fixed_ms = (0.0 if c.lookup else costs.catch_up_ms(c.lag) / costs.drafting_run) + \
-            costs.drafting_overrun(batch)
+            costs.drafting_overrun(batch, c.lookup)
         start_ms = costs.switch_share_ms() if drafting else 2 * costs.switch_ms / costs.drafting_run
         verify_ms = costs.target_ms_array(batch, np.arange(plain_rows + 1, plain_rows + c.k_max + 1)).tolist()
         for k, v_ms in enumerate(verify_ms, start=1):

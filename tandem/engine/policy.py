@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tandem.backends.base import BatchedCache
 from tandem.config import POLICY
 from tandem.engine import planner
-from tandem.engine.costs import BatchCosts
+from tandem.engine.costs import LOOKUP, MODEL, BatchCosts
 from tandem.engine.drafter import Drafter
 from tandem.engine.generation import DRAFT_MODEL, Generation
 from tandem.speculative.policy import AcceptancePrior, copied_risk, expected_tokens
@@ -56,10 +56,10 @@ class DraftPolicy:
         self.shape_run = 0  # forwards in a row of that shape
         self.plain_plan: PlainPlan | None = None
         self.planned = False  # whether the last plan ran in full
-        # (batch, drafted) -> [steps, predicted ms, measured ms] summed over the steady steps (observe_step):
+        # (batch, source drafted by or None) -> [steps, predicted ms, measured ms] summed over the steady steps:
         # whether the planner's cost of a step is the step's
-        self.step_times: dict[tuple[int, bool], list] = {}
-        self._after_change: tuple | None = None  # (batch, drafting, ms over its costs) of a shape's first forward
+        self.step_times: dict[tuple[int, str | None], list] = {}
+        self._after_change: tuple | None = None  # (batch, source, ms over its costs) of a shape's first forward
         self._step_count = 0
         self._floors: dict[tuple, tuple[float, int]] = {}  # (costs, batch, lookup) -> (floor, valid until step)
         self._values: dict[tuple, tuple] = {}  # (value, valid until step) by estimate, and _drafts_at's answers
@@ -416,7 +416,8 @@ class DraftPolicy:
         first_of_shape, self._after_change = self._after_change, None
         if self.costs is None:
             return
-        key = (len(decoding), any(ks))
+        model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
+        key = (len(decoding), MODEL if model_drafting else LOOKUP if any(ks) else None)
         if first_of_shape is not None and (self.shape_run != 2 or prefills or self.evidence or
                                            first_of_shape[:2] != key):
             # Else a drafting step never followed by one of its shape went unobserved, and its host work was free
@@ -425,7 +426,6 @@ class DraftPolicy:
                                          first_of_shape[2] - self.costs.switch_ms)
         if prefills or self.evidence:
             return
-        model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
         if model_drafting and drafted is None:
             return
         draft_ms = (self.costs.draft_ms(drafted[0]) * drafted[1] +
