@@ -21,8 +21,9 @@
 #             while calls come back to back); carry .whs .xfer/p026 and .lls (llama.cpp's source, for llama-server)
 #   poll      waits for the plan (LIMIT s at most), prints its log and copies what it measured to $OUT; again until
 #             it prints "plan done". steps: serve_start (cold: a fresh TANDEM_HOME, compiles too; then warm),
-#             load_rounds (every config's server at once, interleaved rounds, 1/4/16/64 clients), the conversation
-#             beside llama-server, tandem bench at one request (every prompt, fixed k and lookup), the torch heads.
+#             load_rounds (every config's server at once, interleaved rounds, 1/4/16/64 clients), engine_load in
+#             process (16/64 clients, a profile), tandem bench at one request (every prompt, fixed k and lookup), the
+#             conversation (beside llama-server with LLAMA=1: built from .lls, sharing the host with the first steps).
 # load's settings: CONFIGS (tandem-plain,tandem-adaptive,tandem-fixed1,tandem-fixed2,tandem-fixed3), CLIENTS
 # (1,4,16,64), MAX_TOKENS (128), REQS (requests a client, 4), CONVERSATION=1 (the 10-turn chat too), RERUN=1
 # (measure CONFIGS again even where measured or failed), LIMIT (560 s a call), PER_CONFIG (220 s: a cold start took
@@ -136,7 +137,7 @@ load() {
     else echo "left for the next call: ${left[*]}"; fi
 }
 
-STEPS_CONFIGS=tandem-plain,tandem-adaptive,tandem-fixed1,tandem-fixed2,tandem-fixed3
+STEPS_CONFIGS=${CONFIGS:-tandem-plain,tandem-adaptive,tandem-draft,tandem-fixed1,tandem-fixed2,tandem-fixed3}
 TORCH=(--tandem-arg=--backend --tandem-arg=torch)
 step() {  # $1: a name; the rest: a command, run with its output in $M/$1.txt and its time in the plan's log
     local name=$1; shift
@@ -156,7 +157,10 @@ llama_server() {  # llama-server's CUDA build from llama-cpp-python's vendored s
 steps() {
     unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR  # tandem keeps its compiles under TANDEM_HOME: cold means fresh
     export TANDEM_HOME=$M/home
-    (llama_server; echo "llama-server build: rc $?") > "$M/lls.done" 2>&1 &
+    # llama-server only with LLAMA=1: its build shares the host with the start and the rounds (the 07i lease: the
+    # costs were kept as measured on a busy machine, and measured again mid-rounds)
+    if [ "${LLAMA:-0}" = 1 ]; then (llama_server; echo "llama-server build: rc $?") > "$M/lls.done" 2>&1 &
+    else echo "no llama-server (LLAMA=1 builds it)" > "$M/lls.done"; fi
     local serve=(--model "$T" --draft "$D" --device cuda --backend torch --slots 64 --ctx 2048)
     step start python3 bench/serve_start.py --home "$TANDEM_HOME" --cases cold,warm --log "$M/start.log" \
         --json "$M/start.json" -- "${serve[@]}"
@@ -164,16 +168,18 @@ steps() {
         --clients 1,4,16,64 --requests-per-client "${REQS:-4}" --max-tokens "${MAX_TOKENS:-128}" \
         --rounds "${ROUNDS:-3}" "${TORCH[@]}" --tandem-arg=--ctx --tandem-arg=2048 --logs "$M/logs/rounds" \
         --json "$M/rounds.json"
+    step engine-load python3 bench/engine_load.py --model "$T" --draft "$D" --device cuda --dtype bfloat16 \
+        --clients 16,64 --configs plain,adaptive,adaptive-draft,fixed1 --rounds 2 --max-tokens 128 \
+        --requests-per-client 2 --profile 40
+    step one-request python3 -m tandem.cli bench --model "$T" --draft "$D" --device cuda --backend torch \
+        --configs plain,adaptive,draft,fixed1,fixed2,fixed3,fixed4,ngram --repeats 3 --json "$M/one-request.json"
     local waited=0
     while [ ! -s "$M/lls.done" ] && ((waited < 240)); do sleep 5; waited=$((waited + 5)); done
-    cat "$M/lls.done"; tail -3 "$M/lls.txt"
+    cat "$M/lls.done"; [ -f "$M/lls.txt" ] && tail -3 "$M/lls.txt"
     local llama=(); [ -x "$M/llama-server" ] && llama=(--llama-server "$M/llama-server" --ngl 99)
     step conversation python3 bench/conversation_rounds.py --model "$T" --draft "$D" --device cuda "${TORCH[@]}" \
         --configs "tandem-plain,tandem-adaptive${llama:+,llama-plain}" "${llama[@]}" --rounds 3 \
         --json "$M/conversation.json"
-    step one-request python3 -m tandem.cli bench --model "$T" --draft "$D" --device cuda --backend torch \
-        --configs plain,adaptive,draft,fixed1,fixed2,fixed3,fixed4,ngram --repeats 3 --json "$M/one-request.json"
-    step heads python3 lab/gpu_torch_heads.py
     echo "plan done"
 }
 

@@ -5,7 +5,8 @@ llama-server plain and with the draft, at each client count; then a 10-turn conv
         --configs tandem-plain,tandem-adaptive,tandem-fixed2,llama-plain,llama-draft \
         --llama-server /path/to/llama-server --ngl 99 --json OUT.json [--with EARLIER.json]
 
-Configurations: tandem-plain (--no-draft), tandem-adaptive (the draft, --draft-policy adaptive), tandem-fixedK for any
+Configurations: tandem-plain (--no-draft), tandem-adaptive (the draft, --draft-policy adaptive), tandem-draft (the same
+with --no-prompt-lookup: the draft model's presence and drafting alone), tandem-fixedK for any
 K >= 1 (the draft, --draft-policy fixed --draft-max K: K draft tokens every iteration, whatever the load),
 llama-plain, llama-draft (-md, draft-simple, --llama-draft-max tokens).
 
@@ -44,7 +45,7 @@ import httpx
 from tandem.bench.llamaserver import free_port
 from tandem.bench.load import PROMPTS, LoadReport, one_request, run_load
 
-CONFIGS = ("tandem-plain", "tandem-adaptive", "llama-plain", "llama-draft")
+CONFIGS = ("tandem-plain", "tandem-adaptive", "tandem-draft", "llama-plain", "llama-draft")
 FIXED = "tandem-fixed"  # tandem-fixedK: the draft at a fixed K tokens an iteration (any K >= 1)
 # A coding chat whose turns build on each other, as a user's would.
 TURNS = (
@@ -95,14 +96,14 @@ def known(name: str) -> bool:
 
 
 def needs_draft(name: str) -> bool:
-    return name in ("tandem-adaptive", "llama-draft") or fixed_k(name) is not None
+    return name in ("tandem-adaptive", "tandem-draft", "llama-draft") or fixed_k(name) is not None
 
 
 def order(names) -> list[str]:
     """Table order: tandem-plain, tandem-adaptive, tandem-fixedK by K, llama-plain, llama-draft, then any others."""
-    rank = {"tandem-plain": 0, "tandem-adaptive": 1, "llama-plain": 3, "llama-draft": 4}
+    rank = {"tandem-plain": 0, "tandem-adaptive": 1, "tandem-draft": 1.5, "llama-plain": 3, "llama-draft": 4}
 
-    def key(name: str) -> tuple[int, int]:
+    def key(name: str) -> tuple[float, int]:
         k = fixed_k(name)
         return (2, k) if k is not None else (rank.get(name, 5), 0)
     return sorted(names, key=key)
@@ -165,7 +166,8 @@ def server_command(name: str, args: argparse.Namespace, port: int, clients: int)
     if name.startswith("tandem"):
         k = fixed_k(name)
         draft = (["--no-draft"] if name == "tandem-plain" else
-                 ["--draft", args.draft, "--draft-policy", "adaptive"] if k is None else
+                 ["--draft", args.draft, "--draft-policy", "adaptive"] if name == "tandem-adaptive" else
+                 ["--draft", args.draft, "--draft-policy", "adaptive", "--no-prompt-lookup"] if k is None else
                  ["--draft", args.draft, "--draft-policy", "fixed", "--draft-max", str(k)])
         return [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, *draft, "--device", args.device,
                 "--slots", str(clients), "--max-queue", str(max(64, clients)), *address, *args.tandem_arg]
