@@ -485,6 +485,67 @@ def test_metrics_count_each_request(spec_server):
         assert line in httpx.get(f"{spec_server.url}/metrics").text.splitlines(), line
 
 
+ENGINE_PARTS = ("admit", "plan", "draft", "forward", "read", "draft_prefill", "bookkeeping")
+
+
+def part(text: str, name: str, which: str, suffix: str) -> float:
+    return metric(text, f'{name}_{suffix}{{part="{which}"}}')
+
+
+def test_step_parts_move_with_each_step(paths, caplog):
+    """Where served steps' time goes: every engine step the worker runs counts once in the step wall time and once in
+    each engine part (the parts lie within it), each step after the first of a busy stretch once between steps, the
+    draft's prompt chunks in their counter; the log sums them up at shutdown."""
+    import logging
+
+    app = create_app(load(paths[0]), load(paths[1]), engine=EngineConfig(draft_max=4, draft_policy="fixed", slots=2),
+                     server=ServerConfig(model_name="tiny"))
+    with caplog.at_level(logging.INFO, logger="tandem.server"), LiveServer(app) as server:
+        before = metrics_of(server)
+        server.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        after = metrics_of(server)
+    moved = {name: metric(after, name) - metric(before, name) for name in (
+        "tandem_engine_step_seconds_count", "tandem_engine_step_seconds_sum", "tandem_draft_prefill_chunks_total")}
+    steps = moved["tandem_engine_step_seconds_count"]
+    assert steps >= 2 and moved["tandem_draft_prefill_chunks_total"] == 1
+    parts = {p: part(after, "tandem_step_part_seconds", p, "sum") - part(before, "tandem_step_part_seconds", p, "sum")
+             for p in ENGINE_PARTS + ("add", "between")}
+    for p in ENGINE_PARTS:
+        assert part(after, "tandem_step_part_seconds", p, "count") - \
+            part(before, "tandem_step_part_seconds", p, "count") == steps, p
+    for p in ("add", "between"):  # the first step followed an idle worker: no gap of a step's
+        assert part(after, "tandem_step_part_seconds", p, "count") - \
+            part(before, "tandem_step_part_seconds", p, "count") == steps - 1, p
+    assert all(s >= 0.0 for s in parts.values()) and parts["forward"] + parts["read"] > 0.0
+    assert parts["draft_prefill"] > 0.0 and parts["between"] > 0.0
+    assert sum(parts[p] for p in ENGINE_PARTS) <= moved["tandem_engine_step_seconds_sum"]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("steps served: ")]
+    assert len(logged) == 1 and "draft prefills: " in logged[0] and "between" in logged[0]
+
+
+def test_step_clock_parts_sum_to_the_step():
+    """StepClock's engine parts partition a step (admission to bookkeeping), also where a lone sequence's drafts were
+    timed on the device, past the host's queuing of the forward."""
+    from tandem.engine.generation import StepTimes
+    from tandem.server.metrics import StepClock
+
+    clock = StepClock()
+    clock.engine_step(StepTimes(1.0, admitting=0.5, planned=2.0, drafted=3.0, forwarded=4.5, finished=6.0,
+                                prefilled=8.0, ended=8.5, draft_prefills=2))
+    clock.engine_step(StepTimes(11.0, admitting=10.0, planned=12.0, drafted=14.0, forwarded=13.0, finished=15.0,
+                                prefilled=15.0, ended=16.0))
+    assert clock.seconds == {"admit": 1.5, "plan": 2.0, "draft": 3.0, "forward": 1.5, "read": 2.5,
+                             "draft_prefill": 2.0, "bookkeeping": 1.5, "add": 0.0, "between": 0.0}
+    assert clock.draft_prefills == 2 and clock.counts["plan"] == 2
+    clock.stepped(0.0, 1.0)
+    clock.added(0.25)
+    clock.stepped(2.0, 3.0)  # 1 s between the steps, a quarter of it adding a job
+    clock.paused()
+    clock.stepped(10.0, 11.0)  # after a pause: no gap of a step's
+    assert (clock.steps, clock.step_seconds) == (3, 3.0)
+    assert (clock.seconds["add"], clock.seconds["between"], clock.counts["between"]) == (0.25, 0.75, 1)
+
+
 def test_kv_usage_is_the_slots_running_sequences_hold(paths):
     """Slots are reserved whole (a context each): KV usage is the fraction of slots running sequences hold, what
     admission waits on, until they finish or are cancelled."""

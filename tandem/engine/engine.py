@@ -209,11 +209,12 @@ class Engine:
         decoding sequence's draft length; propose drafts; one target forward over every sequence's pending token,
         drafts and prompt chunks; verify each sequence on its own rows (one host synchronisation); accept, rewinding
         each slot past what its verifier rejected, and hand out the new tokens; the policy observes the step."""
+        admitting = time.perf_counter()
         self.policy.begin_step()
         self._admit()
         if not self.batch.running:
             return []
-        times = StepTimes(time.perf_counter())
+        times = StepTimes(time.perf_counter(), admitting)
         decoding = self.batch.decoding()
         prefills = self._prompt_chunks(bool(decoding))
         ks = self.policy.plan(decoding, sum(len(rows) for _, rows in prefills))
@@ -268,10 +269,12 @@ class Engine:
     def _draft_prefill(self, prefills: list, times: StepTimes) -> float:
         """The draft's share of the prompt chunks, after the timings (it is no draft step's or verify's cost); returns
         the prompt chunks' time, this share with it."""
-        if self.drafter is None or not any(gen.draft_prefill for gen, _ in prefills):
-            return times.step_ms
-        self.drafter.prefill([(gen, gen.fed + len(rows)) for gen, rows in prefills if gen.draft_prefill])
-        return times.step_ms + 1000.0 * (time.perf_counter() - times.finished)
+        chunks = [(gen, gen.fed + len(rows)) for gen, rows in prefills if gen.draft_prefill] \
+            if self.drafter is not None else []
+        if chunks:
+            self.drafter.prefill(chunks)
+        times.prefilled, times.draft_prefills = time.perf_counter() if chunks else times.finished, len(chunks)
+        return times.step_ms + 1000.0 * (times.prefilled - times.finished)
 
     def _forward(self, decoding: list[Generation], prefills: list, proposals: dict[int, Proposal],
                  from_device: bool, ahead: Alongside | None) -> tuple[list[torch.Tensor], int]:

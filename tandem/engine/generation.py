@@ -25,14 +25,17 @@ class StepTimes:
     """A step's clock readings (perf_counter seconds): the parts each generation's stats are told of."""
 
     started: float
+    admitting: float = 0.0  # before admission (which precedes `started`: no generation's time)
     planned: float = 0.0  # after the plan
     drafted: float = 0.0  # after the drafts (where drawn on the device: when the device had them)
     forwarded: float = 0.0  # after the target's forward was queued
     finished: float = 0.0  # after the verify's outcomes were read
+    prefilled: float = 0.0  # after the draft's share of the prompt chunks (`finished` where it had none)
     ended: float = 0.0  # after the step's bookkeeping
     rows: int = 0  # the target's rows in the forward
     sequences: int = 0  # ... and the sequences they were of
     prompts: bool = False  # ... some of them prompt rows
+    draft_prefills: int = 0  # prompt chunks the draft took in beside the target's
 
     @property
     def draft_ms(self) -> float:  # the plan and the drafts

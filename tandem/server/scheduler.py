@@ -26,6 +26,7 @@ from typing import Any
 
 from tandem.engine import Engine, GenerationChunk, Request
 from tandem.engine.generation import Generation
+from tandem.server.metrics import StepClock
 from tandem.speculative.stats import GenerationStats
 
 log = logging.getLogger("tandem.server")
@@ -98,6 +99,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.clock = StepClock()  # where the steps' wall time goes (exported by ServerMetrics, logged at shutdown)
         if engine is not None:
             self.attach(engine)
 
@@ -105,6 +107,7 @@ class Scheduler:
         """Run jobs on `engine`; its slots (which a KV budget may have made fewer) bound the batch."""
         with self._cond:
             self.engine, self.slots = engine, engine.slots
+            engine.step_hook = self.clock.engine_step
             self._cond.notify()
 
     @property
@@ -187,6 +190,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not self._stopping and not self._has_work():
+                    self.clock.paused()
                     wait = self._idle_wait()
                     if wait == 0.0:
                         break
@@ -199,12 +203,15 @@ class Scheduler:
                     admitted.append(self._waiting.popleft())
                 calls, self._calls = list(self._calls), deque()
             if idle:
+                self.clock.paused()
                 self._run_idle()
                 continue
             for fn, future, loop in calls:
                 self._run_call(fn, future, loop)
+            adding = time.perf_counter()
             for job in admitted:
                 self._admit(job)
+            self.clock.added(time.perf_counter() - adding)
             self._step()
             self._busy_until = time.monotonic()
         self._shutdown()
@@ -299,7 +306,9 @@ class Scheduler:
         try:
             if self.on_step:
                 self.on_step(len(self._active))
+            started = time.perf_counter()
             events = self.engine.step()
+            self.clock.stepped(started, time.perf_counter())
         except Exception as e:  # noqa: BLE001  (a failed step fails the batch's requests, never the worker)
             log.exception("an engine step failed")
             for job, gen in list(self._active.values()):
@@ -325,6 +334,8 @@ class Scheduler:
         self.engine.cancel(gen)
 
     def _shutdown(self) -> None:
+        if self.clock.steps:
+            log.info("steps served: %s", self.clock.summary())
         for job, gen in list(self._active.values()):
             self._retire(gen)
             job.send(Event(error=ShuttingDownError("the server is shutting down")))

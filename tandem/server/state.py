@@ -70,7 +70,7 @@ class Server:
         self.engine: Engine | None = None  # made by attach(): it sizes its KV pool and measures batched costs
         self.scheduler = Scheduler(None, slots=engine.slots, max_queue=config.max_queue)
         self.metrics = ServerMetrics(lambda: self.scheduler.queue_depth, lambda: self.scheduler.active_count,
-                                     kv_usage or self.kv_usage, model_name)
+                                     kv_usage or self.kv_usage, model_name, self.scheduler.clock)
         self.scheduler.on_finish = self.metrics.observe_generation
         self.scheduler.on_cancel = self.metrics.cancelled.inc
         self.scheduler.on_step = self.metrics.batch_size.observe
