@@ -154,8 +154,9 @@ def main() -> None:
             times = getattr(getattr(engines[name], "policy", engines[name]), "step_times", {})
             if times:
                 rows = sorted(times.items(), key=lambda kv: (kv[0][0], kv[0][1] or ''))
+                label = {None: "p", "lookup": "l"}
                 print(f"  {name}: steady steps, predicted/measured ms a step (batch, p plain / l lookup / m the "
-                      "draft model: steps):  " + "  ".join(f"{b}{(d or 'p')[0]}:{n} {p / n:.2f}/{m / n:.2f}"
+                      "draft model: steps):  " + "  ".join(f"{b}{label.get(d, 'm')}:{n} {p / n:.2f}/{m / n:.2f}"
                                                           for (b, d), (n, p, m) in rows if n >= 3))
         if args.profile:
             profiler = cProfile.Profile()
