@@ -10,7 +10,9 @@ cost measurement before anything is timed (tandem measures while idle; a load wo
 round runs every load on every server in turn, rotating the order a round. The table gives each configuration's
 median tok/s, the spread of its rounds and its ratio to the first configuration's in the same rounds, its TTFT p99
 over p50 (the median of the rounds') and the draft tokens a generated token; greedy, EOS ignored as tandem loadtest
-sends them. --json keeps every round's figures and each server's seconds to ready.
+sends them. A second table says where each server's steps went over its loads (its /metrics before and after each:
+tandem_step_part_seconds), the mean ms a step of each engine part and of the worker's time between steps. --json
+keeps every round's figures, those sums and each server's seconds to ready.
 """
 
 from __future__ import annotations
@@ -26,16 +28,48 @@ import time
 from dataclasses import asdict
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from serve_load import ServerProcess, commit, hardware, known, needs_draft, server_command, warm_up
 
 from tandem.bench.llamaserver import free_port
 from tandem.bench.load import PROMPTS, run_load
+from tandem.server.metrics import ENGINE_PARTS, WORKER_PARTS
+
+STEP_SAMPLES = ("tandem_engine_step_seconds_count", "tandem_engine_step_seconds_sum", "tandem_batch_size_sum",
+                "tandem_draft_prefill_chunks_total")
 
 
 def settled(url: str) -> bool:
     """Whether the server plans from costs it measured (or has none to measure): no timing left to meet a load."""
     costs = httpx.get(url + "/health", timeout=5).json().get("costs")
     return costs is None or ("measuring" not in costs and not str(costs.get("source", "")).startswith("estimate"))
+
+
+def step_sums(url: str) -> dict[str, float]:
+    """A server's step clock now: each part's seconds and count (`part_sum`, `part_count`), its steps' count and wall
+    time, the sequences they ran and the draft's prompt chunks (cumulative: a load's are the difference)."""
+    sums = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name.startswith("tandem_step_part_seconds_"):
+                sums[f"{sample.labels['part']}_{sample.name.rsplit('_', 1)[1]}"] = sample.value
+            elif sample.name in STEP_SAMPLES:
+                sums[sample.name] = sample.value
+    return sums
+
+
+def step_line(sums: dict[str, float]) -> str:
+    """The mean ms a step of each part (between steps: a gap), from the sums over some loads."""
+    def ms(part: str) -> float:
+        return 1000.0 * sums.get(f"{part}_sum", 0.0) / max(1.0, sums.get(f"{part}_count", 0.0))
+
+    steps = sums.get("tandem_engine_step_seconds_count", 0.0)
+    step = 1000.0 * sums.get("tandem_engine_step_seconds_sum", 0.0) / max(1.0, steps)
+    batch = sums.get("tandem_batch_size_sum", 0.0) / max(1.0, steps)
+    engine = " ".join(f"{ms(p):8.3f}" for p in ENGINE_PARTS)
+    worker = " ".join(f"{ms(p):8.3f}" for p in WORKER_PARTS)
+    return (f"{steps:6.0f} {batch:5.1f} {step:7.3f} | {engine} | {worker} | "
+            f"{sums.get('tandem_draft_prefill_chunks_total', 0.0):5.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,12 +121,16 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{n} {httpx.get(s.url + '/health').json().get('costs', {}).get('source', '-')}"
                           for n, s in servers.items()), flush=True)
         runs: dict[tuple[str, int], list] = {(n, c): [] for n in names for c in clients}
+        steps: dict[tuple[str, int], dict[str, float]] = {(n, c): {} for n in names for c in clients}
         for r in range(args.rounds):
             turn = names[r % len(names):] + names[: r % len(names)]  # each config goes first in turn
             for c in clients:
                 for name in turn:
+                    before = step_sums(servers[name].url)
                     report = asyncio.run(run_load(servers[name].url, c, c * args.requests_per_client,
                                                   args.max_tokens, list(PROMPTS)))
+                    for key, value in step_sums(servers[name].url).items():
+                        steps[name, c][key] = steps[name, c].get(key, 0.0) + value - before.get(key, 0.0)
                     if report.failed:
                         raise RuntimeError(f"{name}: {report.failed} requests failed\n{servers[name].tail()}")
                     runs[name, c].append(report)
@@ -104,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hardware": hardware(), "commit": commit(), "args": vars(args), "ready_s": ready_s,
-                       "runs": {f"{n}@{c}": [asdict(r) for r in reports] for (n, c), reports in runs.items()}},
+                       "runs": {f"{n}@{c}": [asdict(r) for r in reports] for (n, c), reports in runs.items()},
+                       "steps": {f"{n}@{c}": sums for (n, c), sums in steps.items()}},
                       f, indent=1)
     print("ready after (s, all launched at once): " + ", ".join(f"{n} {s}" for n, s in ready_s.items()))
     base = names[0]
@@ -120,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             drafted = sum(r.draft_n for r in reports) / max(1.0, sum(r.mean_completion_tokens * r.ok for r in reports))
             print(f"{c:>3} clients  {name:<18} {statistics.median(tok_s):9.1f}  ({min(tok_s):.0f}-{max(tok_s):.0f})"
                   f"  x{statistics.median(ratios):.3f}  TTFT p99/p50 {spread:5.2f}  drafted {drafted:.2f}")
+    print("\nwhere the steps went, all rounds: steps, sequences a step, mean ms a step (engine.step's wall) | of its "
+          "parts | between steps (a gap's) | the draft's prompt chunks")
+    print(f"{'':>30} {'steps':>6} {'batch':>5} {'step':>7} | " + " ".join(f"{p[:8]:>8}" for p in ENGINE_PARTS)
+          + " | " + " ".join(f"{p[:8]:>8}" for p in WORKER_PARTS) + " | prefl")
+    for c in clients:
+        for name in names:
+            print(f"{c:>3} clients  {name:<18} {step_line(steps[name, c])}")
     return 0
 
 
