@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import tandem.loading.gguf as gguf_module
 from tandem.loading.gguf import GGUFError, open_gguf
 from tandem.loading.weights import expected_tensors, load_weights
 from tandem.synthetic.tiny_gguf import SUPPORTED_QTYPES
@@ -74,8 +75,8 @@ def test_load_every_qtype(tiny_model_path, qtype):
 def test_dequantize_round_trip(tmp_path, qtype):
     """Data quantised by gguf-py, written, read back through GGUFFile: error within the format's step.
 
-    tandem dequantises with gguf-py too, so this checks our writer and reader, not gguf-py's decoding: the hand
-    decodings below (Q8_0, Q6_K) are the independent references."""
+    gguf-py's decoding is the reference llama.cpp's C one is checked against (test_ggml_dequantise_is_gguf_py's),
+    so this checks our writer and reader: the hand decodings below (Q8_0, Q6_K) are the independent references."""
     from tandem.synthetic.tiny_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "rt.gguf", qtype=qtype, seed=3)
@@ -305,3 +306,45 @@ def test_both_backends_refuse_with_one_line_and_exit_2(malformed, kind, backend,
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"tandem: error: {malformed[kind]}: "), err
     assert re.search(MALFORMED[kind], lines[0]), lines[0]
+
+
+def _every_tensor(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gf = open_gguf(path)
+    return {name: gf.tensor(name, dtype=dtype) for name in gf.tensor_names}
+
+
+def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and a[n].shape == b[n].shape
+                                        and torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+needs_ggml = pytest.mark.skipif(gguf_module.ggml_dequantizer("Q4_K") is None,
+                                reason="llama-cpp-python's libggml-base is not installed")
+
+
+@needs_ggml
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES)
+def test_ggml_dequantise_is_gguf_py(tiny_model_path, monkeypatch, qtype, dtype):
+    """llama.cpp's C routines give every tensor the bits gguf-py's numpy gives it, in slabs of rows as small as
+    one row (the slab loop's edges) and whole."""
+    path = tiny_model_path("qwen2", qtype)
+    assert qtype in gguf_module.FLOAT_TYPES or gguf_module.ggml_dequantizer(qtype) is not None  # C, not numpy twice
+    fast = _every_tensor(path, dtype)
+    monkeypatch.setattr(gguf_module, "DEQUANT_CHUNK_VALUES", 1)  # one row a slab
+    sliced = _every_tensor(path, dtype)
+    monkeypatch.setattr(gguf_module, "ggml_dequantizer", lambda name: None)  # gguf-py's numpy
+    reference = _every_tensor(path, dtype)
+    assert _same_bits(fast, reference) and _same_bits(sliced, reference)
+
+
+@needs_ggml
+def test_ggml_dequantise_check_catches_a_wrong_routine(tiny_model_path, monkeypatch):
+    """The control: IQ4_NL's routine decoding Q4_0's rows (the same 18-byte blocks, a non-linear code) breaks the
+    bits."""
+    path = tiny_model_path("qwen2", "Q4_0")
+    reference = _every_tensor(path, torch.float32)
+    wrong = gguf_module.ggml_dequantizer("IQ4_NL")
+    assert wrong is not None
+    monkeypatch.setattr(gguf_module, "ggml_dequantizer", lambda name: wrong if name == "Q4_0" else None)
+    assert not _same_bits(_every_tensor(path, torch.float32), reference)

@@ -1,7 +1,9 @@
 """Reading GGUF files: metadata, a `ModelConfig`, and tensors dequantised to torch.
 
 The header is parsed with `struct` (gguf_header.py, which says why not `gguf.GGUFReader`); tensor data is
-memory-mapped and dequantised by gguf-py's `gguf.quants.dequantize`, the reference maintained next to llama.cpp.
+memory-mapped and dequantised by llama.cpp's own C routines (`dequantize_row_<type>` in the libggml-base that
+llama-cpp-python installs, through ctypes) where they are installed, else by gguf-py's numpy port of them
+(`gguf.quants.dequantize`): the same float32 bits either way, the C ones ~19x faster (docs/decisions/0002).
 Every problem with a file surfaces as `GGUFError` naming the file and what is wrong with it, never as a numpy
 traceback from inside the reader. Opening a file checks its data section against the header (gguf_header)
 before any tensor is read, and both backends open files this way, so a miscounted or overlapping file is refused
@@ -13,14 +15,19 @@ Tensor shapes are reported in torch order (GGUF stores them fastest-dimension fi
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import importlib.util
 import math
 import os
 import struct
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 
 from tandem.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tandem.loading.gguf_header import GGUFError, TensorInfo, check_header, parse_header
@@ -31,8 +38,11 @@ DEFAULT_ROPE_BASE = {"llama": 10000.0, "qwen2": 1_000_000.0, "gemma3": 1_000_000
 DEFAULT_RMS_EPS = 1e-6
 GEMMA3_ROPE_BASE_LOCAL = 10000.0  # gemma3's sliding-window layers (not stored in GGUF; llama.cpp hard-codes it)
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # 5 local layers, then one global
-DEQUANT_CHUNK_ROWS = 8192  # rows per gguf-py dequantize call for large matrices
+DEQUANT_CHUNK_VALUES = 1 << 22  # values a dequantised slab holds (16 MB of float32) before its cast to `dtype`
+GGML_BASE_LIBS = ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll")
 
+
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # stored as floats: numpy reads them (no C routine needed)
 
 # Tokens that end a turn in chat models (ChatML, Gemma); their ids join eos_token_ids when the vocabulary has them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<turn|>")
@@ -102,34 +112,25 @@ class GGUFFile:
     def tensor(self, name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
         """Tensor `name` dequantised to float32, then cast to `dtype` and moved to `device`.
 
-        Dequantising to float32 first keeps peak memory at one float32 copy of this tensor.
+        Matrices go in slabs of rows, each dequantised to float32 and cast into the output: peak memory is the
+        output plus one slab, and every value is the float32 one cast once, as if the whole tensor were.
         """
-        from gguf.quants import dequantize
-
         info = self.tensor_info(name)
         raw = self.raw(name)  # [*shape[:-1], row_bytes] uint8 view into the memmap
+        rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
+        out = torch.empty(info.shape, dtype=dtype)
+        flat = out.view(len(rows), -1)
+        step = max(1, DEQUANT_CHUNK_VALUES // flat.shape[1])
         try:
-            if len(info.shape) == 2 and info.shape[0] > DEQUANT_CHUNK_ROWS:
-                # Big matrices (the embedding) in row chunks: gguf-py's temporaries are several times the output,
-                # so chunking bounds peak memory to one float32 copy plus a small slab.
-                array = np.empty(info.shape, dtype=np.float32)
-                for start in range(0, info.shape[0], DEQUANT_CHUNK_ROWS):
-                    stop = start + DEQUANT_CHUNK_ROWS
-                    array[start:stop] = dequantize(raw[start:stop], info.qtype).reshape(-1, info.shape[1])
-            else:
-                array = dequantize(raw, info.qtype)
+            for start in range(0, len(rows), step):
+                slab = torch.from_numpy(dequantize_rows(rows[start : start + step], info.qtype))
+                flat[start : start + step] = slab.view(-1, flat.shape[1])
         except NotImplementedError:
             raise GGUFError(
                 f"{self.path}: tensor {name!r} has quant type {info.qtype.name}, which gguf-py cannot dequantise"
             ) from None
         except Exception as exc:
             raise GGUFError(f"{self.path}: cannot dequantise tensor {name!r} ({info.qtype.name}): {exc}") from exc
-        array = np.ascontiguousarray(np.asarray(array, dtype=np.float32).reshape(info.shape))
-        if not array.flags.writeable:  # F32 comes back as a view of the read-only memmap: copy it out
-            array = array.copy()
-        out = torch.from_numpy(array)
-        if dtype != torch.float32:
-            out = out.to(dtype)
         return out if torch.device(device).type == "cpu" else out.to(device)
 
     # --- config -----------------------------------------------------------------------------------------------
@@ -140,6 +141,51 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return f"GGUFFile({self.path!r}, arch={self.get('general.architecture')!r}, tensors={len(self._tensors)})"
+
+
+@functools.cache
+def ggml_dequantizer(qtype_name: str) -> Callable[[int, int, int], None] | None:
+    """llama.cpp's `dequantize_row_<type>(blocks, floats, count)` for a GGML type, or None where llama-cpp-python is
+    not installed or has none for it. Only its libggml-base is loaded: CPU code with no GPU backend (a CUDA build's
+    libllama must not share a process with CUDA torch: llamacpp_worker), and ctypes calls release the GIL, so the
+    loader's threads dequantise in parallel."""
+    lib = _libggml_base()
+    symbol = "dequantize_row_" + qtype_name.lower().replace("_k", "_K")  # ggml's names: q4_0, q4_K, iq2_xxs
+    function = getattr(lib, symbol, None) if lib is not None else None
+    if function is None:
+        return None
+    function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    return function
+
+
+@functools.cache
+def _libggml_base() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec("llama_cpp")  # found, not imported: importing it loads libllama
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        for name in GGML_BASE_LIBS:
+            path = os.path.join(root, "lib", name)
+            if os.path.exists(path):
+                try:
+                    return ctypes.CDLL(path)
+                except OSError:
+                    return None
+    return None
+
+
+def dequantize_rows(rows: np.ndarray, qtype: Any) -> np.ndarray:
+    """[n, row_bytes] uint8 rows of GGML type `qtype` as a C-contiguous float32 array of n rows (flattened per row);
+    by llama.cpp's C routine where it is installed, else gguf-py's."""
+    function = ggml_dequantizer(qtype.name) if qtype.name not in FLOAT_TYPES else None
+    if function is None:
+        from gguf.quants import dequantize
+
+        values = np.ascontiguousarray(dequantize(rows, qtype), dtype=np.float32)
+        return values if values.flags.writeable else values.copy()  # F32 comes back as a view of the memmap
+    blocks = np.ascontiguousarray(rows)
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    out = np.empty((len(blocks), blocks.shape[-1] // block_bytes * block_values), dtype=np.float32)
+    function(blocks.ctypes.data, out.ctypes.data, out.size)
+    return out
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
