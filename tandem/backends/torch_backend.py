@@ -16,6 +16,7 @@ from tandem.backends.torch_sequence import GRAPH_CHUNKS_MAX, SLOT_ALIGN, TorchSe
 from tandem.cache import KVCache
 from tandem.config import ModelConfig
 from tandem.loading.gguf import open_gguf
+from tandem.loading.progress import name_of, report
 from tandem.loading.tokenizer import Tokenizer
 from tandem.loading.weights import load_weights
 from tandem.models.transformer import Transformer
@@ -88,9 +89,12 @@ class TorchModel(Model):
                   progress: bool = True, graphs: bool | None = None) -> TorchModel:
         started = time.perf_counter()
         torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
+        name = name_of(path)
+        report(f"reading {name}'s header and vocabulary")
         gguf = open_gguf(path)
         tokenizer = Tokenizer.from_gguf(gguf)
         weights = load_weights(gguf, torch_dtype, torch_device, progress=progress)
+        report(f"building {name}'s layers")
         model = cls(gguf.config, weights, tokenizer, path=path, n_ctx=n_ctx, graphs=graphs)
         model.load_seconds = time.perf_counter() - started
         return model
@@ -132,6 +136,7 @@ class TorchModel(Model):
         if self.compiled_caches is None or kind in self.compiled_caches or cache.k[0].shape[2] < n:
             return
         self.compiled_caches.add(kind)
+        report(f"compiling {name_of(self.path)}'s prompt step")
         with torch.inference_mode():
             self.step(torch.zeros(n, dtype=torch.long, device=self.torch_device),
                       torch.arange(n, device=self.torch_device), cache.k, cache.v, kv_len=n, last_only=True)

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from tandem.cache import KVCache
+from tandem.loading.progress import name_of, report
 from tandem.models import fused_projections
 from tandem.models.transformer import Transformer
 
@@ -26,6 +27,7 @@ PACKED_ROUNDS = 8  # replays one batched forward takes at most (a 64-token promp
 class GraphedModel(Protocol):
     """What the graphs use of a TorchModel."""
 
+    path: str
     torch_device: torch.device
     transformer: Transformer
     use_graphs: bool
@@ -119,9 +121,11 @@ class StepGraph:
         """Capture the graph of every span now: a first capture mid-generation stalls that request for a
         compilation (seen on an H200: +3 ms a token over a 128-token reply that crossed into a new span). The
         forwards write slots 0..rows-1 of a cache that holds nothing yet."""
-        for span in kv_spans(self.slots):
-            if span not in self.graphs:
-                self.graphs[span] = self._capture(span)
+        spans = [span for span in kv_spans(self.slots) if span not in self.graphs]
+        for i, span in enumerate(spans):
+            if self.model.torch_device.type == "cuda":  # elsewhere nothing is captured
+                report(f"capturing {name_of(self.model.path)}'s step graphs", i, len(spans))
+            self.graphs[span] = self._capture(span)
 
     def kv_span(self, start: int) -> int:
         return kv_bucket(start + self.rows, self.slots)
@@ -223,8 +227,10 @@ class PackedGraphs:
         self.meta.zero_()
         self.meta[2 * self.max_rows : 3 * self.max_rows] = -1
         stream = torch.cuda.Stream(self.model.torch_device)
+        what, total = f"capturing {name_of(self.model.path)}'s batch graphs", len(self.buckets) * len(self.spans)
         for rows in self.buckets:
             for span in self.spans:
+                report(what, len(self.graphs), total)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):  # warm-up outside the graph: Triton's compilation
                     self._forward(rows, span)

@@ -158,6 +158,11 @@ def ggml_dequantizer(qtype_name: str) -> Callable[[int, int, int], None] | None:
     return function
 
 
+def dequantiser() -> str:
+    """Which routines dequantise quantised tensors here, for the log."""
+    return "llama.cpp's C routines" if _libggml_base() is not None else "gguf-py's numpy, ~19x llama-cpp-python's CPU"
+
+
 @functools.cache
 def _libggml_base() -> ctypes.CDLL | None:
     spec = importlib.util.find_spec("llama_cpp")  # found, not imported: importing it loads libllama

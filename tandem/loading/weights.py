@@ -13,7 +13,8 @@ import sys
 import torch
 
 from tandem.config import LLAMACPP_ONLY_ARCHITECTURES, ModelConfig
-from tandem.loading.gguf import GGUFError, GGUFFile
+from tandem.loading.gguf import GGUFError, GGUFFile, dequantiser
+from tandem.loading.progress import name_of, report
 
 
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -87,16 +88,22 @@ def load_weights(
     expected = check_tensors(gguf_file)
     bar = tqdm(total=len(expected), desc="loading weights", unit="tensor",
                disable=not progress or not sys.stderr.isatty())
+    where = "" if torch.device(device).type == "cpu" else f" onto {device}"
+    what = f"dequantising {name_of(gguf_file.path)}{where} by {dequantiser()}"
+    report(what, 0, len(expected))
 
     def load_one(name: str) -> torch.Tensor:
         tensor = gguf_file.tensor(name, dtype=dtype, device=device)
         bar.update(1)
         return tensor
 
-    # gguf-py's dequantisers are numpy kernels that release the GIL: a few threads divide the load time, and a
-    # small pool keeps peak memory at a few float32 temporaries.
+    # The dequantisers (llama.cpp's C through ctypes, or gguf-py's numpy) release the GIL: a few threads divide the
+    # load time, and a small pool keeps peak memory at a few slabs. Reports go from this thread (see progress).
     workers = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
+    weights = {}
     with ThreadPoolExecutor(workers) as pool:
-        weights = dict(zip(expected, pool.map(load_one, expected), strict=True))
+        for name, tensor in zip(expected, pool.map(load_one, expected), strict=True):
+            weights[name] = tensor
+            report(what, len(weights), len(expected))
     bar.close()
     return weights

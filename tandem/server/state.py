@@ -20,6 +20,7 @@ from tandem.engine import Engine
 from tandem.engine import Request as EngineRequest
 from tandem.engine.cost_store import Calibrator, machine_busy, model_threads
 from tandem.engine.generation import check_prompt
+from tandem.loading import progress
 from tandem.logits.grammar import ll_tokenizer
 from tandem.sampling import SamplingParams
 from tandem.server import protocol
@@ -61,8 +62,9 @@ class Server:
         self.model_names = {model_name, *config.aliases}
         self.created = int(time.time())
         self.status = "loading"
-        self.stage = "loading the models"  # what it is doing now, for /health and the log
-        self.started = time.monotonic()
+        self.stage = self.phase = "loading the models"  # what it is doing now (/health, the log), and in which phase
+        self.started = self.stage_started = time.monotonic()
+        self.step_name: str | None = None  # the step `stage` shows, without its count
         self.idle_work: list[IdleWork] = []  # handed to the scheduler once ready (warm_up may add some)
         self.calibrator: Calibrator | None = None  # the adaptive policy's costs (attach)
         self.load_error: BaseException | None = None
@@ -85,6 +87,7 @@ class Server:
         self.target, self.draft = target, draft
         # The costs come from the Calibrator, not the engine's own start-up measurement: kept or estimated now,
         # measured in full once the server is ready and idle.
+        self.set_stage("making the engine")  # its KV pool; on a GPU, compiling and capturing the forwards' graphs
         self.engine = Engine(target, draft, self.engine_config, measure_costs=False)
         threads = model_threads(target)
         if str(target.device).startswith("cpu") and threads and machine_busy(threads):
@@ -106,8 +109,21 @@ class Server:
         self.scheduler.attach(self.engine)
 
     def set_stage(self, stage: str) -> None:
-        self.stage = stage
-        log.info("%s (%.1f s since start)", stage, time.monotonic() - self.started)
+        """A new phase of the start (loading, making the engine, timing, warming up)."""
+        self.phase = stage
+        self.set_step(stage)
+
+    def set_step(self, what: str, done: int | None = None, total: int | None = None) -> None:
+        """A step of the phase (tandem.loading.progress's reports: "dequantising x.gguf", 3 of 339 tensors):
+        /health shows it with its count; the log gets a line when it begins, with what the one before took, so a
+        start's log is its profile."""
+        shown = what if what == self.phase else f"{self.phase}: {what}"
+        if shown != self.step_name:
+            now = time.monotonic()
+            log.info("%s (%.1f s since start; the step before took %.1f s)", shown, now - self.started,
+                     now - self.stage_started)
+            self.step_name, self.stage_started = shown, now
+        self.stage = f"{shown} {done}/{total}" if total else shown
 
     def costs_summary(self) -> str:
         costs = self.engine.costs if self.engine is not None else None
@@ -119,6 +135,7 @@ class Server:
     def ready(self) -> None:
         """Take generations; the work that can wait runs while the server is idle (Scheduler.when_idle)."""
         self.status, self.stage = "ready", "serving"
+        self.step_name, self.stage_started = self.stage, time.monotonic()
         for task in self.idle_work:
             self.scheduler.when_idle(task)
         self.idle_work = []
@@ -126,7 +143,8 @@ class Server:
     def health(self) -> dict:
         body = {"status": "ok" if self.status == "ready" else self.status, "queue_depth": self.scheduler.queue_depth,
                 "active": self.scheduler.active_count, "stage": self.stage,
-                "elapsed_s": round(time.monotonic() - self.started, 1)}
+                "elapsed_s": round(time.monotonic() - self.started, 1),
+                "stage_s": round(time.monotonic() - self.stage_started, 1)}
         if self.calibrator is not None:
             body["costs"] = self.calibrator.progress()
         return body
@@ -135,13 +153,14 @@ class Server:
         """Load the models (when none are attached), warm them up, then take requests. Runs on its own thread;
         no generation runs meanwhile, since none is admitted before "ready"."""
         try:
-            if self.target is None:
-                self.set_stage("loading the models")
-                self.attach(*load())
-            self.status = "warming"
-            if warm_up is not None:
-                self.set_stage("warming up")
-                warm_up(self.engine)
+            with progress.listening(self.set_step):
+                if self.target is None:
+                    self.set_stage("loading the models")
+                    self.attach(*load())
+                self.status = "warming"
+                if warm_up is not None:
+                    self.set_stage("warming up")
+                    warm_up(self.engine)
         except BaseException as e:  # noqa: BLE001  (reported through load_error; serve() exits with it)
             self.status, self.load_error = "failed", e
             if not isinstance(e, ValueError | FileNotFoundError):
@@ -150,9 +169,10 @@ class Server:
                 self.on_load_error(e)
             return
         if self.status == "warming":  # not draining meanwhile
-            self.ready()
-            log.info("ready after %.1f s: serving %s (draft: %s)", time.monotonic() - self.started, self.model_name,
+            log.info("ready after %.1f s (the last step took %.1f s): serving %s (draft: %s)",
+                     time.monotonic() - self.started, time.monotonic() - self.stage_started, self.model_name,
                      _draft_name(self.draft))
+            self.ready()
 
     def drain(self) -> None:
         """Stop admitting: /health and new requests get 503; what is queued or streaming carries on."""
