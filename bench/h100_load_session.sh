@@ -30,7 +30,8 @@
 # ~140 s), SERVE_ARGS (more bench/serve_load.py arguments, e.g. --tandem-arg=--flag).
 # Phase carries runs here, on the CPU machine, after the README's install (.venv): it makes the git-ignored folders
 # the calls carry (/.whs/ and /.xfer/ in .git/info/exclude):
-#   .whs   the wheels the box lacks, for its Python 3.12 (~6.3 MiB): WHEELS below, the versions tested together here
+#   .whs   the wheels the box lacks, for its Python 3.12 (~6.3 MiB): WHEELS below, the versions tested together here;
+#          and llama-cpp-python's libggml-base.so (0.8 MiB: llama.cpp's dequantisers for the load, TANDEM_GGML_BASE)
 #   .xfer  pNNN: the registry's qwen2.5-coder-1.5b-instruct.gguf and -0.5b-instruct.gguf, cat | split -b 58M
 set -u
 phase=${1:?phase: chunk N, last, load, plan, poll, setup, pair, table, carries}
@@ -205,6 +206,8 @@ carries() {
     for d in /.whs/ /.xfer/; do grep -qxF $d .git/info/exclude 2>/dev/null || echo $d >> .git/info/exclude; done
     rm -rf .whs && $py -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux2014_x86_64 "${platforms[@]}" --no-deps -d .whs $WHEELS || exit 1
+    # llama.cpp's dequantisers for the torch backend's load (the box has no llama-cpp-python): TANDEM_GGML_BASE
+    cp -L "$($py -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec('llama_cpp').submodule_search_locations[0], 'lib', 'libggml-base.so'))")" .whs/ || exit 1
     local models; models=$($py -c "from tandem.loading import registry
 for name in ('qwen2.5-coder-1.5b-instruct', 'qwen2.5-coder-0.5b-instruct'): print(registry.pull(name, progress=False))")
     [ -n "$models" ] || exit 1
@@ -216,6 +219,7 @@ for name in ('qwen2.5-coder-1.5b-instruct', 'qwen2.5-coder-0.5b-instruct'): prin
 
 [ "$phase" = carries ] && { carries; exit; }
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+[ -f "$WHS/libggml-base.so" ] && export TANDEM_GGML_BASE=$PWD/$WHS/libggml-base.so  # the load's fast dequantisers
 # Compiles and the adaptive policy's measured costs kept for the next server start in this lease
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/root/inductor} TANDEM_HOME=${TANDEM_HOME:-/root/th} \
     TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/root/triton}

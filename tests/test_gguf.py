@@ -348,3 +348,25 @@ def test_ggml_dequantise_check_catches_a_wrong_routine(tiny_model_path, monkeypa
     assert wrong is not None
     monkeypatch.setattr(gguf_module, "ggml_dequantizer", lambda name: wrong if name == "Q4_0" else None)
     assert not _same_bits(_every_tensor(path, torch.float32), reference)
+
+
+@needs_ggml
+def test_a_named_libggml_base_is_used_and_a_bad_one_falls_back(monkeypatch, tmp_path):
+    """TANDEM_GGML_BASE names the library where llama-cpp-python is not installed (a GPU box given the file alone):
+    that library's routines are used; a path that does not load falls back to gguf-py's, never an error."""
+    import shutil
+
+    found = gguf_module._libggml_base()
+    copy = tmp_path / "libggml-base.so"
+    shutil.copy(found._name, copy)
+    for name, loads in ((str(copy), True), (str(tmp_path / "missing.so"), False)):
+        monkeypatch.setenv("TANDEM_GGML_BASE", name)
+        gguf_module._libggml_base.cache_clear()
+        gguf_module.ggml_dequantizer.cache_clear()
+        try:
+            lib = gguf_module._libggml_base()
+            assert (lib is not None and lib._name == name) == loads
+            assert (gguf_module.ggml_dequantizer("Q4_0") is not None) == loads
+        finally:
+            gguf_module._libggml_base.cache_clear()
+            gguf_module.ggml_dequantizer.cache_clear()

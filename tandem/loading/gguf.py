@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import logging
 import math
 import os
 import struct
@@ -36,6 +37,7 @@ from tandem.loading.gguf_header import GGUFError, TensorInfo, check_header, pars
 DEFAULT_ROPE_BASE = {"llama": 10000.0, "qwen2": 1_000_000.0, "gemma3": 1_000_000.0, "gemma4": 1_000_000.0,
                      "gemma4-assistant": 1_000_000.0, "eagle3": 10000.0}
 DEFAULT_RMS_EPS = 1e-6
+log = logging.getLogger("tandem.loading")
 GEMMA3_ROPE_BASE_LOCAL = 10000.0  # gemma3's sliding-window layers (not stored in GGUF; llama.cpp hard-codes it)
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # 5 local layers, then one global
 DEQUANT_CHUNK_VALUES = 1 << 22  # values a dequantised slab holds (16 MB of float32) before its cast to `dtype`
@@ -165,6 +167,15 @@ def dequantiser() -> str:
 
 @functools.cache
 def _libggml_base() -> ctypes.CDLL | None:
+    """llama-cpp-python's libggml-base, or the one TANDEM_GGML_BASE names (a llama.cpp build's, where llama-cpp-python
+    is not installed: a GPU box given the library alone)."""
+    named = os.environ.get("TANDEM_GGML_BASE")
+    if named:
+        try:
+            return ctypes.CDLL(named)
+        except OSError as error:
+            log.warning("TANDEM_GGML_BASE=%s: %s; dequantising with gguf-py", named, error)
+            return None
     spec = importlib.util.find_spec("llama_cpp")  # found, not imported: importing it loads libllama
     for root in (spec.submodule_search_locations or []) if spec is not None else []:
         for name in GGML_BASE_LIBS:
