@@ -35,8 +35,8 @@ from tandem.bench.llamaserver import free_port
 from tandem.bench.load import PROMPTS, run_load
 from tandem.server.metrics import ENGINE_PARTS, WORKER_PARTS
 
-STEP_SAMPLES = ("tandem_engine_step_seconds_count", "tandem_engine_step_seconds_sum", "tandem_batch_size_sum",
-                "tandem_draft_prefill_chunks_total")
+STEP_SAMPLES = ("tandem_engine_step_seconds_count", "tandem_engine_step_seconds_sum",
+                "tandem_engine_step_cpu_seconds_sum", "tandem_batch_size_sum", "tandem_draft_prefill_chunks_total")
 
 
 def settled(url: str) -> bool:
@@ -64,11 +64,11 @@ def step_line(sums: dict[str, float]) -> str:
         return 1000.0 * sums.get(f"{part}_sum", 0.0) / max(1.0, sums.get(f"{part}_count", 0.0))
 
     steps = sums.get("tandem_engine_step_seconds_count", 0.0)
-    step = 1000.0 * sums.get("tandem_engine_step_seconds_sum", 0.0) / max(1.0, steps)
+    step, cpu = (1000.0 * sums.get(f"tandem_engine_step{s}_seconds_sum", 0.0) / max(1.0, steps) for s in ("", "_cpu"))
     batch = sums.get("tandem_batch_size_sum", 0.0) / max(1.0, steps)
     engine = " ".join(f"{ms(p):8.3f}" for p in ENGINE_PARTS)
     worker = " ".join(f"{ms(p):8.3f}" for p in WORKER_PARTS)
-    return (f"{steps:6.0f} {batch:5.1f} {step:7.3f} | {engine} | {worker} | "
+    return (f"{steps:6.0f} {batch:5.1f} {step:7.3f} {cpu:7.3f} | {engine} | {worker} | "
             f"{sums.get('tandem_draft_prefill_chunks_total', 0.0):5.0f}")
 
 
@@ -159,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             drafted = sum(r.draft_n for r in reports) / max(1.0, sum(r.mean_completion_tokens * r.ok for r in reports))
             print(f"{c:>3} clients  {name:<18} {statistics.median(tok_s):9.1f}  ({min(tok_s):.0f}-{max(tok_s):.0f})"
                   f"  x{statistics.median(ratios):.3f}  TTFT p99/p50 {spread:5.2f}  drafted {drafted:.2f}")
-    print("\nwhere the steps went, all rounds: steps, sequences a step, mean ms a step (engine.step's wall) | of its "
-          "parts | between steps (a gap's) | the draft's prompt chunks")
-    print(f"{'':>30} {'steps':>6} {'batch':>5} {'step':>7} | " + " ".join(f"{p[:8]:>8}" for p in ENGINE_PARTS)
-          + " | " + " ".join(f"{p[:8]:>8}" for p in WORKER_PARTS) + " | prefl")
+    print("\nwhere the steps went, all rounds: steps, sequences a step, mean ms a step (engine.step's wall, the "
+          "worker's CPU in it) | of its parts | between steps (a gap's) | the draft's prompt chunks")
+    print(f"{'':>30} {'steps':>6} {'batch':>5} {'step':>7} {'cpu':>7} | "
+          + " ".join(f"{p[:8]:>8}" for p in ENGINE_PARTS) + " | "
+          + " ".join(f"{p[:8]:>8}" for p in WORKER_PARTS) + " | prefl")
     for c in clients:
         for name in names:
             print(f"{c:>3} clients  {name:<18} {step_line(steps[name, c])}")

@@ -509,15 +509,17 @@ def test_step_parts_move_with_each_step(paths, caplog):
     steps = moved["tandem_engine_step_seconds_count"]
     assert steps >= 2 and moved["tandem_draft_prefill_chunks_total"] == 1
     parts = {p: part(after, "tandem_step_part_seconds", p, "sum") - part(before, "tandem_step_part_seconds", p, "sum")
-             for p in ENGINE_PARTS + ("add", "between")}
+             for p in ENGINE_PARTS + ("add", "between", "wait")}
     for p in ENGINE_PARTS:
         assert part(after, "tandem_step_part_seconds", p, "count") - \
             part(before, "tandem_step_part_seconds", p, "count") == steps, p
-    for p in ("add", "between"):  # the first step followed an idle worker: no gap of a step's
+    for p in ("add", "between", "wait"):  # the first step followed an idle worker: no gap of a step's
         assert part(after, "tandem_step_part_seconds", p, "count") - \
             part(before, "tandem_step_part_seconds", p, "count") == steps - 1, p
     assert all(s >= 0.0 for s in parts.values()) and parts["forward"] + parts["read"] > 0.0
     assert parts["draft_prefill"] > 0.0 and parts["between"] > 0.0
+    cpu = "tandem_engine_step_cpu_seconds_count"
+    assert metric(after, cpu) - metric(before, cpu) == steps
     assert sum(parts[p] for p in ENGINE_PARTS) <= moved["tandem_engine_step_seconds_sum"]
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("steps served: ")]
     assert len(logged) == 1 and "draft prefills: " in logged[0] and "between" in logged[0]
@@ -535,15 +537,17 @@ def test_step_clock_parts_sum_to_the_step():
     clock.engine_step(StepTimes(11.0, admitting=10.0, planned=12.0, drafted=14.0, forwarded=13.0, finished=15.0,
                                 prefilled=15.0, ended=16.0))
     assert clock.seconds == {"admit": 1.5, "plan": 2.0, "draft": 3.0, "forward": 1.5, "read": 2.5,
-                             "draft_prefill": 2.0, "bookkeeping": 1.5, "add": 0.0, "between": 0.0}
+                             "draft_prefill": 2.0, "bookkeeping": 1.5, "add": 0.0, "between": 0.0,
+                             "wait": 0.0}
     assert clock.draft_prefills == 2 and clock.counts["plan"] == 2
-    clock.stepped(0.0, 1.0)
+    clock.stepped((0.0, 0.0), (1.0, 0.5))
     clock.added(0.25)
-    clock.stepped(2.0, 3.0)  # 1 s between the steps, a quarter of it adding a job
+    clock.stepped((2.0, 1.0), (3.0, 1.5))  # 1 s between the steps: a quarter adding a job, a quarter else at work
     clock.paused()
-    clock.stepped(10.0, 11.0)  # after a pause: no gap of a step's
-    assert (clock.steps, clock.step_seconds) == (3, 3.0)
-    assert (clock.seconds["add"], clock.seconds["between"], clock.counts["between"]) == (0.25, 0.75, 1)
+    clock.stepped((10.0, 2.0), (11.0, 3.0))  # after a pause: no gap of a step's
+    assert (clock.steps, clock.step_seconds, clock.step_cpu_seconds) == (3, 3.0, 2.0)
+    assert [clock.seconds[p] for p in ("add", "between", "wait")] == [0.25, 0.25, 0.5]
+    assert clock.counts["between"] == clock.counts["wait"] == 1
 
 
 def test_kv_usage_is_the_slots_running_sequences_hold(paths):

@@ -39,8 +39,9 @@ MS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 6
 # chunks, and accepting and handing out the tokens.
 ENGINE_PARTS = ("admit", "plan", "draft", "forward", "read", "draft_prefill", "bookkeeping")
 # The worker's time from one step's end to the next one's start while it has work: Engine.add for the jobs it
-# admits ("add"), and the rest ("between": handing out chunks, metrics, the queue's lock, waiting for the GIL).
-WORKER_PARTS = ("add", "between")
+# admits ("add"), the rest of its own work ("between": handing out chunks, metrics, the queue's lock; the thread's CPU
+# time) and the time it did not run ("wait": for the GIL, which the HTTP side holds, or for a core).
+WORKER_PARTS = ("add", "between", "wait")
 
 
 class StepClock:
@@ -53,8 +54,10 @@ class StepClock:
         self.seconds = dict.fromkeys(ENGINE_PARTS + WORKER_PARTS, 0.0)
         self.counts = dict.fromkeys(ENGINE_PARTS + WORKER_PARTS, 0)
         self.steps, self.step_seconds = 0, 0.0  # engine.step() calls the worker ran with a batch, their wall time
+        self.step_cpu_seconds = 0.0  # ... and the worker thread's CPU time in them
         self.draft_prefills = 0  # prompt chunks the draft took in beside the target's
-        self._last_end: float | None = None  # perf_counter at the end of the worker's last step, None after a pause
+        self._last_end: tuple[float, float] | None = None  # (perf_counter, thread_time) at the end of the worker's
+        # last step, None after a pause
         self._added = 0.0  # Engine.add's seconds since then
 
     def engine_step(self, t: StepTimes) -> None:
@@ -69,14 +72,16 @@ class StepClock:
     def added(self, seconds: float) -> None:
         self._added += seconds
 
-    def stepped(self, started: float, ended: float) -> None:
-        """The worker ran engine.step() from `started` to `ended` (perf_counter)."""
+    def stepped(self, started: tuple[float, float], ended: tuple[float, float]) -> None:
+        """The worker ran engine.step() from `started` to `ended`: (time.perf_counter(), time.thread_time()) each."""
         self.steps += 1
-        self.step_seconds += ended - started
+        self.step_seconds += ended[0] - started[0]
+        self.step_cpu_seconds += ended[1] - started[1]
         if self._last_end is not None:
-            gap = started - self._last_end
+            gap, cpu = started[0] - self._last_end[0], started[1] - self._last_end[1]
             added = min(self._added, gap)
-            for part, s in (("add", added), ("between", gap - added)):
+            between = min(max(0.0, cpu - added), gap - added)
+            for part, s in (("add", added), ("between", between), ("wait", gap - added - between)):
                 self.seconds[part] += s
                 self.counts[part] += 1
         self._last_end, self._added = ended, 0.0
@@ -90,9 +95,9 @@ class StepClock:
 
     def summary(self) -> str:
         """One line for the log."""
-        step = 1000.0 * self.step_seconds / self.steps if self.steps else 0.0
+        step, cpu = (1000.0 * s / self.steps if self.steps else 0.0 for s in (self.step_seconds, self.step_cpu_seconds))
         parts = " ".join(f"{part} {ms:.3f}" for part, ms in self.mean_ms().items())
-        return (f"{self.steps} steps, {step:.3f} ms a step; mean ms: {parts}; "
+        return (f"{self.steps} steps, {step:.3f} ms a step ({cpu:.3f} ms the worker's CPU); mean ms: {parts}; "
                 f"draft prefills: {self.draft_prefills} chunks, {1000.0 * self.seconds['draft_prefill']:.0f} ms")
 
     def collect(self) -> Iterator[Metric]:
@@ -105,6 +110,9 @@ class StepClock:
         yield parts
         yield SummaryMetricFamily("tandem_engine_step_seconds", "wall time of each engine step the server ran",
                                   count_value=self.steps, sum_value=self.step_seconds)
+        yield SummaryMetricFamily("tandem_engine_step_cpu_seconds", "the worker thread's CPU time in each engine step "
+                                  "(the wall time less it: the worker waited, for the device, the GIL or a core)",
+                                  count_value=self.steps, sum_value=self.step_cpu_seconds)
         yield CounterMetricFamily("tandem_draft_prefill_chunks", "prompt chunks the draft took in beside the target's",
                                   value=self.draft_prefills)
 

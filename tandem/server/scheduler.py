@@ -306,9 +306,9 @@ class Scheduler:
         try:
             if self.on_step:
                 self.on_step(len(self._active))
-            started = time.perf_counter()
+            started = time.perf_counter(), time.thread_time()
             events = self.engine.step()
-            self.clock.stepped(started, time.perf_counter())
+            self.clock.stepped(started, (time.perf_counter(), time.thread_time()))
         except Exception as e:  # noqa: BLE001  (a failed step fails the batch's requests, never the worker)
             log.exception("an engine step failed")
             for job, gen in list(self._active.values()):
