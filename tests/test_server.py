@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -291,6 +293,55 @@ def test_16_concurrent_streams_equal_serial(spec_server):
     health = httpx.get(f"{spec_server.url}/health").json()
     assert health | {"elapsed_s": 0, "stage_s": 0} == {"status": "ok", "queue_depth": 0, "active": 0,
                                                        "stage": "serving", "elapsed_s": 0, "stage_s": 0}
+
+
+def sse_events(body: str) -> list:
+    """A stream's events, what differs between runs (ids, times, timings, the prefix cache) masked, the rest as
+    sent, byte for byte."""
+    assert body.endswith("data: [DONE]\n\n")
+    events = []
+    for raw in body.split("\n\n")[:-1]:
+        raw = re.sub(r'"(id|created|cached_tokens)":("[^"]*"|\d+)', r'"\1":0', raw)
+        events.append({k: v for k, v in json.loads(raw[len("data: "):]).items() if k != "timings"}
+                      if '"timings"' in raw else raw)
+    return events
+
+
+@pytest.mark.parametrize("path,body", [
+    ("chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}),
+    ("completions", {"prompt": PROMPTS[0], "n": 2})])
+def test_a_lagging_stream_catches_up_in_one_write_with_the_same_bytes(spec_server, monkeypatch, path, body):
+    # The events queued behind a stream's next one go out in one write; the client reads exactly what a write per
+    # event sends. The test holds each read back until several events wait, so batches really form.
+    from tandem.server.completion import Responder
+
+    real, sizes = Responder.waiting_events, []
+
+    async def one_at_a_time(jobs):  # the reference: a write per event
+        return [await jobs[0].events.get()]
+
+    async def lagging(jobs):
+        for _ in range(200):
+            if jobs[0].events.qsize() >= 3 or all(j.cancelled.is_set() for j in jobs):
+                break
+            await asyncio.sleep(0.01)
+        batch = await real(jobs)
+        sizes.append(len(batch))
+        return batch
+
+    def streamed() -> str:
+        request = {"model": "tiny", "max_tokens": 24, "temperature": 0, "stream": True, **body}
+        r = httpx.post(f"{spec_server.url}/v1/{path}", json=request, timeout=60)
+        assert r.status_code == 200
+        return r.text
+
+    monkeypatch.setattr(Responder, "waiting_events", staticmethod(one_at_a_time))
+    reference = streamed()
+    monkeypatch.setattr(Responder, "waiting_events", staticmethod(lagging))
+    coalesced = streamed()
+    assert max(sizes) > 1
+    assert sse_events(coalesced) == sse_events(reference)
+    assert len(sse_events(reference)) > 4
 
 
 @pytest.mark.parametrize("stream", [True, False])

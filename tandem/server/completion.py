@@ -66,6 +66,16 @@ class Responder:
         finally:
             getter.cancel()
 
+    @staticmethod
+    async def waiting_events(jobs: list[Job]) -> list[Event]:
+        """The request's next event and every one already queued behind it (a stream's client that fell behind
+        catches up in one write)."""
+        events = jobs[0].events
+        batch = [await events.get()]
+        while not events.empty():
+            batch.append(events.get_nowait())
+        return batch
+
     async def run(self, request: Request, kind: responses.Kind, req: protocol._GenerationRequest, ids: list[int],
                   tool_format: str | None = None) -> Response:
         """Generate req.n choices for `ids`: one JSON response, or an SSE stream. tool_format: parse tool calls
@@ -163,23 +173,30 @@ class Responder:
                     choice.close("length", GenerationStats(prompt_tokens=prompt_tokens))
                     yield sse(chunk_obj(choice.index, None if kind == "chat" else "", "length"))
                 continue
-            event = await self.next_event(jobs, None)
-            if event.error is not None:
-                yield sse(as_api_error(event.error).body())
-                failed = True
+            out = []  # the events already waiting go out in one write: one per event costs a slow client more
+            for event in await self.waiting_events(jobs):
+                if all(c.finished for c in choices):
+                    break
+                if event.error is not None:
+                    out.append(sse(as_api_error(event.error).body()))
+                    failed = True
+                    break
+                choice = choices[event.index]
+                if choice.finished:  # ended early; chunks its generation sent before it was cancelled
+                    continue
+                text, calls, logprobs = self.take(jobs, choice, event.chunk)
+                if text or logprobs or calls:
+                    out.append(sse(chunk_obj(choice.index, text, logprobs=logprobs, tool_calls=calls)))
+                if choice.finished:
+                    timings = responses.timings(choice.stats, jobs[choice.index].queue_ms)
+                    timings_by_choice[choice.index] = timings
+                    last = chunk_obj(choice.index, None if kind == "chat" else "", choice.finish_reason)
+                    last["timings"] = timings
+                    out.append(sse(last))
+            if out:
+                yield "".join(out)
+            if failed:
                 break
-            choice = choices[event.index]
-            if choice.finished:  # ended early; chunks its generation sent before it was cancelled
-                continue
-            text, calls, logprobs = self.take(jobs, choice, event.chunk)
-            if text or logprobs or calls:
-                yield sse(chunk_obj(choice.index, text, logprobs=logprobs, tool_calls=calls))
-            if choice.finished:
-                timings = responses.timings(choice.stats, jobs[choice.index].queue_ms)
-                timings_by_choice[choice.index] = timings
-                last = chunk_obj(choice.index, None if kind == "chat" else "", choice.finish_reason)
-                last["timings"] = timings
-                yield sse(last)
         if not failed:
             if req.include_usage_in_stream:  # OpenAI's shape: one more chunk, no choices, the usage
                 final = {**chunk_obj(0, None), "choices": [], "usage": self.usage(prompt_tokens, choices)}

@@ -6,8 +6,8 @@ the same batched forward, new requests join at step boundaries, finished and can
 slot keeps its KV for a later prompt with the same prefix). Admission is first come, first served; `max_queue`
 jobs may wait for a slot, one more is refused (the server answers 503).
 
-Chunks go back to the event loop with `loop.call_soon_threadsafe` into the job's asyncio.Queue; a client that goes
-away marks its job cancelled, and the worker drops it from the batch at its next step.
+Chunks go back to the event loop with `loop.call_soon_threadsafe` into the job's asyncio.Queue, a step's chunks in
+one call; a client that goes away marks its job cancelled, and the worker drops it from the batch at its next step.
 
 Work that can wait (`when_idle`: measuring the engine's costs in full, building the grammar library's view of the
 vocabulary) runs a piece at a time while no job waits or runs, so a server answers before it is done.
@@ -70,10 +70,21 @@ class Job:
 
     def send(self, event: Event) -> None:
         """Hand an event to the job's event loop (callable from any thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, replace(event, index=self.index))
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.cancelled.set()
+        send_all(self.loop, [(self, event)])
+
+
+def send_all(loop: asyncio.AbstractEventLoop, batch: list[tuple[Job, Event]]) -> None:
+    """Hand a step's events to their jobs on `loop` in one wake-up, in order: a wake-up per event (a syscall and a
+    GIL hand-off each) cost the worker and the event loop more than the event itself at high concurrency."""
+    def deliver() -> None:
+        for job, event in batch:
+            job.events.put_nowait(replace(event, index=job.index))
+
+    try:
+        loop.call_soon_threadsafe(deliver)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        for job, _ in batch:
+            job.cancelled.set()
 
 
 class Scheduler:
@@ -315,11 +326,12 @@ class Scheduler:
                 self._retire(gen)
                 job.send(Event(error=e))
             return
+        sends: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
         for gen, chunk in events:
             job, _ = self._active.get(gen.id, (None, None))
             if job is None:
                 continue
-            job.send(Event(chunk=chunk))
+            sends.setdefault(job.loop, []).append((job, Event(chunk=chunk)))
             if chunk.finish_reason is not None:
                 del self._active[gen.id]
                 if self.on_finish and chunk.stats is not None:
@@ -327,6 +339,8 @@ class Scheduler:
                         self.on_finish(chunk.stats, job.queue_ms)
                     except Exception:  # noqa: BLE001  (metrics must never take the worker down)
                         log.exception("recording metrics failed")
+        for loop, batch in sends.items():
+            send_all(loop, batch)
 
     def _retire(self, gen: Generation) -> None:
         """Drop the generation from the batch (its slot frees at the engine's next step)."""
