@@ -11,7 +11,8 @@ import tandem
 from tandem.backends.base import ContextOverflowError
 from tandem.config import POLICY
 from tandem.engine import Engine, Request, calibration, planner
-from tandem.engine.costs import LOOKUP, MODEL, BatchCosts, CostModel
+from tandem.engine.costs import LOOKUP, BatchCosts, CostModel
+from tandem.engine.generation import DRAFT_MODEL
 from tandem.engine.kv_pool import SlotTable
 from tandem.sampling import SamplingParams
 from tandem.speculative.policy import AcceptancePrior
@@ -522,7 +523,7 @@ def test_observed_costs_move_on_a_trend_not_on_a_one_off():
     in a row at a new level move it there. The same holds for a step's overrun."""
     table = costs({2: {2: 10.0, 6: 12.0}}, draft_ms=2.0)
     table.observe_draft(2, 3, 3 * 40.0)
-    table.observe_iteration(2, MODEL, 12.0, 120.0)
+    table.observe_iteration(2, DRAFT_MODEL, 12.0, 120.0)
     assert table.draft_ms(2) == 2.0 and table.drafting_overrun(2) == 0.0
     for _ in range(3):
         table.observe_draft(2, 2, 2 * 2.5)
@@ -540,10 +541,10 @@ def test_a_drafting_step_dearer_than_its_costs_turns_drafting_off():
     assert any(planner.plan(pair, table))
     for _ in range(5):
         table.observe_iteration(2, None, 10.0, 10.5)  # plain steps: 0.5 ms over their costs
-    table.observe_iteration(2, MODEL, 13.0, 26.0)  # a one-off
+    table.observe_iteration(2, DRAFT_MODEL, 13.0, 26.0)  # a one-off
     assert table.drafting_overrun(2) == 0.0 and any(planner.plan(pair, table))
     for _ in range(3):
-        table.observe_iteration(2, MODEL, 13.0, 13.0 + 0.5 + 5.0)
+        table.observe_iteration(2, DRAFT_MODEL, 13.0, 13.0 + 0.5 + 5.0)
     assert table.drafting_overrun(2) == pytest.approx(5.0)
     assert planner.plan(pair, table) == [0, 0]
     assert table.drafting_overrun(1) == 0.0  # per batch size
@@ -582,7 +583,7 @@ def test_lookup_steps_overrun_does_not_price_the_draft_model():
     assert any(planner.plan(model, table)) and planner.plan(lookup, table) == [0, 0]
     assert any(planner.plan([model[0], lookup[1]], table))  # a step with the model drafting is the model's
     for _ in range(3):
-        table.observe_iteration(2, MODEL, 13.0, 13.0 + 50.0)
+        table.observe_iteration(2, DRAFT_MODEL, 13.0, 13.0 + 50.0)
     assert planner.plan(model, table) == [0, 0]
 
 
@@ -594,7 +595,7 @@ def test_an_overrun_that_keeps_drafting_off_is_forgotten():
     pair = [planner.Candidate(0.8, 8), planner.Candidate(0.8, 8)]
     for batch in (2, 4):
         for _ in range(3):
-            table.observe_iteration(batch, MODEL, 13.0, 13.0 + 5.0)
+            table.observe_iteration(batch, DRAFT_MODEL, 13.0, 13.0 + 5.0)
     assert planner.plan(pair, table) == [0, 0]
     for _ in range(POLICY.overrun_memory):
         table.observe_iteration(2, None, 10.0, 10.0)
@@ -603,7 +604,7 @@ def test_an_overrun_that_keeps_drafting_off_is_forgotten():
     assert table.drafting_overrun(2) == 0.0 and any(planner.plan(pair, table))
     assert table.drafting_overrun(4) == pytest.approx(5.0)
     for _ in range(3):  # learned again as it is met again
-        table.observe_iteration(2, MODEL, 13.0, 13.0 + 5.0)
+        table.observe_iteration(2, DRAFT_MODEL, 13.0, 13.0 + 5.0)
     assert table.drafting_overrun(2) == pytest.approx(5.0)
 
 
@@ -667,7 +668,6 @@ def test_a_draft_the_plan_keeps_off_rereads_where_the_rest_of_the_reply_repays_i
     1.5B at acceptance 0.8: two rejections first, then 125 plain steps). It re-reads where what a read may switch on,
     over the rest of the reply and the spread of its faded estimate, is worth POLICY.probe_value_margin times the
     catch-up (the first read's test); near the reply's end it does not."""
-    from tandem.engine.generation import DRAFT_MODEL
     from tandem.speculative.policy import AcceptancePrior
 
     target, draft = pair64
@@ -710,8 +710,6 @@ def test_a_prior_learned_low_is_read_again_within_the_exploration_budget(pair64)
     drafted; Vulkan costs, emulated). Their plain time is counted, and once a read's catch-up is within
     POLICY.explore_budget of it a request reads anyway; what it reads is recorded and the count starts again. Where even
     the acceptance a fresh process expects cannot pay, nothing is explored. The output is the target's either way."""
-    from tandem.engine.generation import DRAFT_MODEL
-
 
     target, draft = pair64
     engine = Engine(target, draft, slots=1, draft_max=4, measure_costs=False, prompt_lookup=False)
@@ -750,8 +748,6 @@ def test_a_change_of_shape_is_not_learned_as_overrun(pair64):
     shapes and a one-off beside it read as a 5 ms overrun and turned drafting off for good (H100, 2 requests).
     Observed as one pair it reads as none; a steady overrun is still learned where the shape changes every two steps."""
     from types import SimpleNamespace
-
-    from tandem.engine.generation import DRAFT_MODEL
 
     target, draft = pair64
     engine = Engine(target, draft, slots=2, draft_max=4, measure_costs=False, prompt_lookup=False)
@@ -1065,7 +1061,7 @@ def test_a_lone_drafters_plan_in_floats_is_the_array_search():
         if rng.random() < 0.5:
             c.ahead_ms = {batch: rng.uniform(0.0, 2.0) * c.draft_step[batch]}
             c.decide_feeding_ahead()
-        for source in (MODEL, LOOKUP):
+        for source in (DRAFT_MODEL, LOOKUP):
             if rng.random() < 0.5:  # three timings move the median of the five the window keeps
                 for _ in range(3):
                     c.observe_iteration(batch, source, 20.0, 20.0 + rng.uniform(0.0, 3.0))

@@ -22,7 +22,7 @@ from tandem.config import POLICY
 from tandem.speculative.policy import DRAFT_MODEL_SOURCE, expected_tokens
 
 NGRAM_STEP_MS = 0.01  # prompt lookup: a dictionary lookup
-MODEL, LOOKUP = DRAFT_MODEL_SOURCE, "lookup"  # what a drafting step drafted by, for its overrun (observe_iteration)
+LOOKUP = "lookup"  # a drafting step's source where prompt lookup alone drafted (observe_iteration)
 
 
 def catch_up_cost(base_ms: float, per_token_ms: float, tokens):
@@ -250,14 +250,14 @@ class BatchCosts:
 
     def observe_iteration(self, batch: int, source: str | None, predicted_ms: float, ms: float) -> None:
         """A whole step of `batch` decoding sequences took `ms` where its forwards' costs say `predicted_ms`; source:
-        what it drafted by (LOOKUP, MODEL where the draft model drafted at all; None: a plain step)."""
+        what it drafted by (LOOKUP; DRAFT_MODEL_SOURCE where the draft model drafted at all; None: a plain step)."""
         key = ("iteration", batch, source)
         self._overrun[batch, source] = observed_median(self._recent, key, 0.0, ms - predicted_ms)
         seen = self._observed[batch] = self._observed.get(batch, 0) + 1
         if source is not None:
             self._observed[batch, source] = seen
             return
-        for kind in (LOOKUP, MODEL):
+        for kind in (LOOKUP, DRAFT_MODEL_SOURCE):
             # An overrun that keeps drafting off is never observed again: forgotten after POLICY.overrun_memory
             # steps without it (a few drafting steps then test it), as an idle estimate fades to its prior.
             if (batch, kind) in self._overrun and seen - self._observed[batch, kind] > POLICY.overrun_memory:
@@ -268,9 +268,9 @@ class BatchCosts:
         does (>= 0): what the calibration's forwards, each timed alone and repeated, do not show (the step's host
         work, the draft's bookkeeping, a worker process's round trips, a forward dearer in the loop). One figure
         for every draft length, learned in a few steps, and added: the excess is a cost a step, alike at every
-        row count. Prompt lookup's steps and the draft model's have their own (one host's work is not the other's:
-        lookup's dear steps priced the model off where it paid 1.25x, H100)."""
-        drafting = self._overrun.get((batch, LOOKUP if lookup else MODEL))
+        row count. Prompt lookup's steps and the draft model's each have their own: their host work differs
+        (docs/decisions/0001)."""
+        drafting = self._overrun.get((batch, LOOKUP if lookup else DRAFT_MODEL_SOURCE))
         return 0.0 if drafting is None else max(0.0, drafting - self._overrun.get((batch, None), 0.0))
 
     def observe_yield(self, batch: int, expected: float, yielded: float) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tandem.backends.base import BatchedCache
 from tandem.config import POLICY
 from tandem.engine import planner
-from tandem.engine.costs import LOOKUP, MODEL, BatchCosts
+from tandem.engine.costs import LOOKUP, BatchCosts
 from tandem.engine.drafter import Drafter
 from tandem.engine.generation import DRAFT_MODEL, Generation
 from tandem.speculative.policy import AcceptancePrior, copied_risk, expected_tokens
@@ -417,7 +417,7 @@ class DraftPolicy:
         if self.costs is None:
             return
         model_drafting = any(k and g.draft_source == DRAFT_MODEL for g, k in zip(decoding, ks, strict=True))
-        key = (len(decoding), MODEL if model_drafting else LOOKUP if any(ks) else None)
+        key = (len(decoding), DRAFT_MODEL if model_drafting else LOOKUP if any(ks) else None)
         if first_of_shape is not None and (self.shape_run != 2 or prefills or self.evidence or
                                            first_of_shape[:2] != key):
             # Else a drafting step never followed by one of its shape went unobserved, and its host work was free
