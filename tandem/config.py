@@ -119,11 +119,13 @@ class PolicyConfig:
     floor_top: float = 0.99
     floor_steps: int = 256
     values_kept: int = 4096  # values of drafting kept at most before the stale ones are dropped
-    value_counts: float = 0.25  # pseudo-counts an estimate's value of drafting is kept to (rounded estimates)
     # Learning the costs. A cost the loop observes is the median of its latest observed_window timings: a one-off
     # (a shape's first use: graph capture, a pipeline built) moves no estimate.
     observed_window: int = 5
     overrun_memory: int = 256  # plain steps of a batch size after which a drafting overrun not seen since is forgotten
+    # A step's time runs to the next step's start while sequences keep running (a server's streams are served in the
+    # gap); a longer gap is a pause (a collection, a debugger), not the loop's work, and is left out.
+    step_gap_max_ms: float = 50.0
     ewma_weight: float = 0.2  # weight of a new figure in the running estimates of runs and catch-ups
     # Costs paid once a run (a draft's catch-up, a change of shape) are spread over the iterations such runs have
     # lasted (EWMAs within run_limits): catch_up_iterations and switch_iterations before any run is seen.

@@ -187,7 +187,13 @@ class BatchCosts:
 
     def plain_share_ms(self, batch: int) -> float:
         """One sequence's share of a plain step of `batch` sequences: what the probe and exploration budgets count."""
-        return self.target_ms(batch, batch) / batch
+        return (self.target_ms(batch, batch) + self.step_overhead_ms(batch)) / batch
+
+    def step_overhead_ms(self, batch: int) -> float:
+        """What every step of `batch` sequences costs beyond its forwards, drafting or not (>= 0): the loop's own
+        work, a server's between its steps (the streams, the GIL). Tokens per step amortise it, so the planner adds
+        it to every plan: a served step's host time can make drafting pay where the forwards alone say it does not."""
+        return max(0.0, self._overrun.get((batch, None), 0.0))
 
     def target_ms_array(self, batch: int, rows: np.ndarray) -> np.ndarray:
         """target_ms over an array of row counts at once, for the planner's [K, n] grid."""
@@ -265,11 +271,10 @@ class BatchCosts:
 
     def drafting_overrun(self, batch: int, lookup: bool = False) -> float:
         """How many ms longer a drafting step of `batch` sequences takes than its costs say, beyond what a plain one
-        does (>= 0): what the calibration's forwards, each timed alone and repeated, do not show (the step's host
-        work, the draft's bookkeeping, a worker process's round trips, a forward dearer in the loop). One figure
-        for every draft length, learned in a few steps, and added: the excess is a cost a step, alike at every
-        row count. Prompt lookup's steps and the draft model's each have their own: their host work differs
-        (docs/decisions/0001)."""
+        does (step_overhead_ms; >= 0): what the calibration's forwards, each timed alone, do not show (the draft's
+        bookkeeping, a worker's round trips, a forward dearer in the loop). One figure for every draft length, added
+        to every drafting plan. Prompt lookup's steps and the draft model's each have their own: their host work
+        differs (docs/decisions/0001)."""
         drafting = self._overrun.get((batch, LOOKUP if lookup else DRAFT_MODEL_SOURCE))
         return 0.0 if drafting is None else max(0.0, drafting - self._overrun.get((batch, None), 0.0))
 

@@ -210,7 +210,7 @@ class Engine:
         drafts and prompt chunks; verify each sequence on its own rows (one host synchronisation); accept, rewinding
         each slot past what its verifier rejected, and hand out the new tokens; the policy observes the step."""
         admitting = time.perf_counter()
-        self.policy.begin_step()
+        self.policy.begin_step(admitting)
         self._admit()
         if not self.batch.running:
             return []
@@ -247,8 +247,8 @@ class Engine:
         events += self._accept_prompts(prefills, outcomes, scored, prefill_ms)
         self.policy.observe_yield(decoding, ks, outcomes)
         times.ended = time.perf_counter()
-        self.policy.observe_step(decoding, ks, prefills, target_rows, 1000.0 * (times.ended - times.started),
-                                 drafted)
+        self.policy.step_ended(decoding, ks, prefills, target_rows, 1000.0 * (times.ended - times.started), drafted,
+                               times.ended, bool(self.batch.running))
         if self.step_hook is not None:
             self.step_hook(times)
         return events

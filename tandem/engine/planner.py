@@ -8,8 +8,9 @@ each K the best S of a given size is the sequences of highest acceptance, so the
 such prefix and keeps the most tokens per ms; K = 0 (everyone plain) is always a candidate, so by the measured costs
 the batch is never slower than plain decoding. As the batch grows V(B, R) turns compute-bound, extra rows stop being
 free, and drafting turns itself off; it turns back on as the batch drains. Costs are measured per batch size at
-start-up (`calibration.measure`, into `costs.BatchCosts`); the loop refines the draft's step, prices drafting up
-by what its steps take beyond their costs (BatchCosts.drafting_overrun), and counts the draft's gain as far as its
+start-up (`calibration.measure`, into `costs.BatchCosts`); the loop refines the draft's step, adds to every plan
+what each step takes beyond its forwards (BatchCosts.step_overhead_ms), prices drafting up by what its steps take
+beyond that (BatchCosts.drafting_overrun), and counts the draft's gain as far as its
 drafts lately yielded what their plans expected (BatchCosts.yield_factor).
 """
 
@@ -74,13 +75,14 @@ def _plan_arrays(candidates: list[Candidate | None], ks: list[int], adaptive: li
     steps_fixed = max(fixed_stepping, default=0)
 
     target_ms: dict[int, float] = {}  # rows -> V(batch, rows), each interpolated once a plan
+    overhead = costs.step_overhead_ms(batch)  # every plan's, plain too
 
     def ms(steps: int, drafters: int, lag: int, rows: int, switch: bool = True) -> float:
         if rows not in target_ms:
             target_ms[rows] = costs.target_ms(batch, rows)
         catch_up = costs.catch_up_ms(lag) / costs.drafting_run
         switched = costs.switch_share_ms() if switch and previous_rows is not None and rows != previous_rows else 0.0
-        return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows] + switched
+        return steps * costs.draft_ms(drafters) + catch_up + target_ms[rows] + switched + overhead
 
     # fixed draft-model drafters: log P(none of them has all its drafts accepted), for the steady draft's extra forward
     fixed_none = sum(np.log1p(-min(candidates[i].acceptance ** k, ALL_ACCEPTED_MAX)) for i, k in enumerate(ks)
@@ -126,7 +128,7 @@ def _plan_arrays(candidates: list[Candidate | None], ks: list[int], adaptive: li
         ahead = np.array([costs.ahead_steps(int(s)) if s else 0.0 for s in stepping])  # [n], nan: not fed
         steps = steps + np.where(stepping > 0, np.where(np.isnan(ahead), all_passed, ahead), 0.0)
     time_ms = (steps * draft_cost)[:, None, :] + costs.catch_up_ms(lags) / costs.drafting_run \
-        + costs.target_ms_array(batch, rows)
+        + costs.target_ms_array(batch, rows) + overhead
     drafts = (m[:, None] > 0) | (n[None, :] > 0)  # [m, n]: every plan but all-plain drafts
     if previous_rows is not None and costs.switch_ms:
         # starting to draft pays this change and the one back once a run; any other change, once a shape
@@ -156,13 +158,14 @@ def _plan_one(candidates: list[Candidate | None], i: int, costs: BatchCosts, ext
     ks = [0] * batch
     plain_rows = batch + extra_rows
     switched = previous_rows is not None and bool(costs.switch_ms)
-    plain_ms = costs.target_ms(batch, plain_rows) + (costs.switch_share_ms() if switched and
-                                                        plain_rows != previous_rows else 0.0)
+    overhead = costs.step_overhead_ms(batch)
+    plain_ms = costs.target_ms(batch, plain_rows) + overhead + (costs.switch_share_ms() if switched and
+                                                                 plain_rows != previous_rows else 0.0)
     plain_rate = batch / plain_ms
     a = c.acceptance
     most = c.k_max if a >= 1.0 else min(c.k_max, a / (1.0 - a))  # plan()'s quick bound
-    cheapest = costs.target_ms(batch, plain_rows + 1) if c.lookup else \
-        costs.target_ms(batch, plain_rows) + costs.draft_ms(1)
+    cheapest = overhead + (costs.target_ms(batch, plain_rows + 1) if c.lookup else
+                           costs.target_ms(batch, plain_rows) + costs.draft_ms(1))
     best, best_k = plain_rate, 0
     if (batch + most) / cheapest > plain_rate:
         steady = costs.steady_draft and not c.lookup
@@ -170,7 +173,7 @@ def _plan_one(candidates: list[Candidate | None], i: int, costs: BatchCosts, ext
         ahead = costs.ahead_steps(1) if steady else 0.0
         gain_factor = 1.0 if c.lookup else costs.yield_factor(batch)
         fixed_ms = (0.0 if c.lookup else costs.catch_up_ms(c.lag) / costs.drafting_run) + \
-            costs.drafting_overrun(batch, c.lookup)
+            costs.drafting_overrun(batch, c.lookup) + overhead
         start_ms = costs.switch_share_ms() if drafting else 2 * costs.switch_ms / costs.drafting_run
         verify_ms = costs.target_ms_array(batch, np.arange(plain_rows + 1, plain_rows + c.k_max + 1)).tolist()
         for k, v_ms in enumerate(verify_ms, start=1):
@@ -206,21 +209,34 @@ def paying_bracket(costs: BatchCosts, k_max: int, batch: int = 1, lookup: bool =
     return low, high
 
 
+def savings(costs: BatchCosts, k_max: int, batch: int) -> list[float]:
+    """Per point of value_of_drafting's acceptance grid: the ms a token of one sequence saves where `batch` such
+    sequences at that acceptance draft as planned (0 or less: they step plain). The grid is fixed, so these are
+    kept per batch size and only a Beta's weights change from one estimate to the next."""
+    saved = []
+    for a, _ in beta_grid(1.0, 2.0, POLICY.value_grid):
+        rates: dict[str, float] = {}
+        plan([Candidate(a, k_max)] * batch, costs, rates=rates)
+        saved.append(1.0 / rates["plain"] - 1.0 / rates["planned"])
+    return saved
+
+
 def value_of_drafting(accepted: float, drafted: float, k_max: int, batch: int, costs: BatchCosts,
-                      least_strength: float = POLICY.value_min_strength) -> tuple[float, float]:
+                      least_strength: float = POLICY.value_min_strength, saved: list[float] | None = None
+                      ) -> tuple[float, float]:
     """(expected ms a token of one sequence that drafting saves, the probability it saves nothing) in a batch of
     `batch` such sequences, none with anything to catch up, over the uncertainty in their acceptance: a Beta of the
     pseudo-counts, held as at least `least_strength` positions (AcceptancePrior.spread_strength). Where acceptance
     turns out too low to pay, the plan stays plain and saves 0. A sequence's share of its batch's time is a token's
-    worth of the batch's ms a token, so the figure falls as the batch grows and extra rows stop being free."""
+    worth of the batch's ms a token, so the figure falls as the batch grows and extra rows stop being free.
+    saved: `savings(costs, k_max, batch)`, where kept."""
     strength = max(drafted, least_strength)
+    saved = savings(costs, k_max, batch) if saved is None else saved
     value = p_no_gain = 0.0
-    for a, weight in beta_grid(accepted / drafted * strength, strength, POLICY.value_grid):
-        rates: dict[str, float] = {}
-        plan([Candidate(a, k_max)] * batch, costs, rates=rates)
-        saved = 1.0 / rates["plain"] - 1.0 / rates["planned"]
-        value += weight * saved
-        p_no_gain += weight if saved <= 0 else 0.0
+    for (_, weight), gain in zip(beta_grid(accepted / drafted * strength, strength, POLICY.value_grid), saved,
+                                 strict=True):
+        value += weight * gain
+        p_no_gain += weight if gain <= 0 else 0.0
     return float(value), float(p_no_gain)
 
 

@@ -56,22 +56,32 @@ class DraftPolicy:
         self.shape_run = 0  # forwards in a row of that shape
         self.plain_plan: PlainPlan | None = None
         self.planned = False  # whether the last plan ran in full
-        # (batch, source drafted by or None) -> [steps, predicted ms, measured ms] summed over the steady steps:
-        # whether the planner's cost of a step is the step's
+        # (batch, source drafted by or None) -> [steps, the planner's ms, measured ms] summed over the steady steps
+        # (each to the next one's start): whether the planner's cost of a step is the step's
         self.step_times: dict[tuple[int, str | None], list] = {}
         self._after_change: tuple | None = None  # (batch, source, ms over its costs) of a shape's first forward
+        self._ended: tuple | None = None  # the last step's observe_step arguments and end, until the next starts
         self._step_count = 0
         self._floors: dict[tuple, tuple[float, int]] = {}  # (costs, batch, lookup) -> (floor, valid until step)
-        self._values: dict[tuple, tuple] = {}  # (value, valid until step) by estimate, and _drafts_at's answers
+        self._values: dict[tuple, tuple] = {}  # (answer, valid until step): savings by batch size, _drafts_at
         self._rates = None
 
     def set_costs(self, costs: BatchCosts | None) -> None:
         """Plan from these costs (again, after changing them by hand): the answers kept from the old go."""
         self.costs, self._floors, self._values = costs, {}, {}
 
-    def begin_step(self) -> None:
+    def begin_step(self, now: float) -> None:
+        """A step starts at `now` (perf_counter s): the step before is observed, its time running to now where it
+        left sequences running (the gap is the loop's, a server's streams, every step's cost) unless that is a pause
+        (POLICY.step_gap_max_ms)."""
+        if self._ended is not None:
+            args, ended, busy = self._ended
+            self._ended = None
+            gap_ms = 1000.0 * (now - ended)
+            self.observe_step(*args[:-2], args[-2] + (gap_ms if busy and gap_ms <= POLICY.step_gap_max_ms else 0.0),
+                              args[-1])
         self._step_count += 1
-        if len(self._values) > POLICY.values_kept:  # entries past their steps, from estimates no sequence holds now
+        if len(self._values) > POLICY.values_kept:  # entries past their steps
             self._values = {k: v for k, v in self._values.items() if v[1] > self._step_count}
 
     def admit(self, gens: list[Generation], batch: int) -> None:
@@ -250,19 +260,16 @@ class DraftPolicy:
         return self.costs.read_ms(self.drafter.lag(gen)) <= budget
 
     def _value_of_drafting(self, gen: Generation, batch: int) -> tuple[float, float]:
-        """planner.value_of_drafting for this sequence: sixteen plans, so kept POLICY.floor_steps steps per estimate,
-        its counts rounded to POLICY.value_counts: each sequence's estimate fades a little every step, and valued afresh
-        each time it was most of a small batch's plan (docs/decisions/0001)."""
-        accepted, drafted = gen.estimates[DRAFT_MODEL].counts(gen.plain_iterations)
-        unit = POLICY.value_counts
-        key = (id(self.costs), round(accepted / unit), round(drafted / unit), gen.draft_max, batch,
-               round(self.prior.spread_strength(DRAFT_MODEL) / unit))
+        """planner.value_of_drafting for this sequence, from the savings per acceptance kept POLICY.floor_steps steps
+        per batch size (sixteen plans; each sequence's estimate weighs them afresh)."""
+        key = ("savings", id(self.costs), gen.draft_max, batch)
         kept = self._values.get(key)
         if kept is None or kept[1] <= self._step_count:
-            value = planner.value_of_drafting(accepted, drafted, gen.draft_max, batch, self.costs,
-                                              self.prior.spread_strength(DRAFT_MODEL))
-            kept = self._values[key] = (value, self._step_count + POLICY.floor_steps)
-        return kept[0]
+            kept = self._values[key] = (planner.savings(self.costs, gen.draft_max, batch),
+                                        self._step_count + POLICY.floor_steps)
+        accepted, drafted = gen.estimates[DRAFT_MODEL].counts(gen.plain_iterations)
+        return planner.value_of_drafting(accepted, drafted, gen.draft_max, batch, self.costs,
+                                         self.prior.spread_strength(DRAFT_MODEL), kept[0])
 
     def _candidate(self, gen: Generation) -> planner.Candidate | None:
         """What the planner may have this sequence draft: prompt lookup where its text repeats and lookup promises
@@ -405,6 +412,12 @@ class DraftPolicy:
             self.previous_rows, self.shape_run = rows, 0
         self.shape_run += 1
 
+    def step_ended(self, decoding: list[Generation], ks: list[int], prefills: list, target_rows: int, ms: float,
+                   drafted: tuple[int, int] | None, ended: float, busy: bool) -> None:
+        """A step took `ms` and ended at `ended` (perf_counter s), leaving sequences running where `busy`: observed
+        when the next begins (begin_step), with the gap before it."""
+        self._ended = ((decoding, ks, prefills, target_rows, ms, drafted), ended, busy)
+
     def observe_step(self, decoding: list[Generation], ks: list[int], prefills: list, target_rows: int, ms: float,
                      drafted: tuple[int, int] | None) -> None:
         """A whole step's time against what its costs predict (BatchCosts.drafting_overrun): its forwards' costs,
@@ -431,8 +444,10 @@ class DraftPolicy:
         draft_ms = (self.costs.draft_ms(drafted[0]) * drafted[1] +
                     self.costs.feed_ahead_ms(drafted[0])) if model_drafting else 0.0
         predicted = draft_ms + self.costs.target_ms(len(decoding), target_rows)
+        planned = predicted + self.costs.step_overhead_ms(key[0]) + \
+            (self.costs.drafting_overrun(key[0], key[1] == LOOKUP) if key[1] else 0.0)  # the planner's price
         seen = self.step_times.setdefault(key, [0, 0.0, 0.0])
-        seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + predicted, seen[2] + ms
+        seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + planned, seen[2] + ms
         if self.planned and not any(ks):
             # Planned in full and plain all the same: its plan's time is neither a plain step's (which a standing
             # plan skips) nor drafting's; counted as plain, it hid what drafting costs (docs/decisions/0001).
