@@ -161,8 +161,8 @@ def main() -> None:
             if times:
                 rows = sorted(times.items(), key=lambda kv: (kv[0][0], kv[0][1] or ''))
                 label = {None: "p", "lookup": "l"}
-                print(f"  {name}: steady steps, the planner.s/measured ms a step (to the next step.s start) (batch, p plain / l lookup / m the "
-                      "draft model: steps):  " + "  ".join(f"{b}{label.get(d, 'm')}:{n} {p / n:.2f}/{m / n:.2f}"
+                print(f"  {name}: steady steps, the planner's / measured ms a step, each to the next's start (batch, "
+                      "p plain / l lookup / m the draft model: steps):  " + "  ".join(f"{b}{label.get(d, 'm')}:{n} {p / n:.2f}/{m / n:.2f}"
                                                           for (b, d), (n, p, m) in rows if n >= 3))
         if args.profile:
             profiler = cProfile.Profile()
