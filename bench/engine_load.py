@@ -161,9 +161,10 @@ def main() -> None:
             if times:
                 rows = sorted(times.items(), key=lambda kv: (kv[0][0], kv[0][1] or ''))
                 label = {None: "p", "lookup": "l"}
+                figures = "  ".join(f"{b}{label.get(d, 'm')}:{n} {p / n:.2f}/{m / n:.2f}"
+                                    for (b, d), (n, p, m) in rows if n >= 3)
                 print(f"  {name}: steady steps, the planner's / measured ms a step, each to the next's start (batch, "
-                      "p plain / l lookup / m the draft model: steps):  " + "  ".join(f"{b}{label.get(d, 'm')}:{n} {p / n:.2f}/{m / n:.2f}"
-                                                          for (b, d), (n, p, m) in rows if n >= 3))
+                      f"p plain / l lookup / m the draft model: steps):  {figures}")
         if args.profile:
             profiler = cProfile.Profile()
             profiler.enable()
