@@ -3,6 +3,8 @@ interleaved rounds, tokens/s and each config's ratio to plain decoding without a
 
     python bench/engine_load.py --clients 8,32 --configs plain,adaptive,fixed1,fixed2,fixed3 --rounds 3
     python bench/engine_load.py --clients 16 --configs plain,adaptive --profile 30   # and where adaptive's time goes
+    python bench/engine_load.py --clients 16 --configs plain,adaptive-draft,fixed1,fixed2,fixed3 --gap-ms 3 \
+        --synthetic-shape "tiny:n_layers=6,d_model=256,d_ffn=768,n_heads=4;tiny-draft" --synthetic-acceptance 0.7
 
 Each config is an engine as `tandem serve` builds one (slots = the most clients): `plain` has no draft loaded,
 `adaptive` the draft with the default policy (prompt lookup mixed in), `fixedK` the draft at draft length K. Clients
@@ -95,7 +97,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--draft-max", type=int, default=8)
     ap.add_argument("--draft-seed", type=int, default=0, help="tiny draft's weights: 0 = the target's (agrees)")
-    ap.add_argument("--synthetic-shape", help="TARGET,DRAFT: random weights of these shapes (tandem.synthetic.shapes)")
+    ap.add_argument("--synthetic-shape", help="TARGET,DRAFT: random weights of these shapes (tandem.synthetic.shapes); "
+                    "TARGET;DRAFT where a shape has overrides (tiny:n_layers=6,d_model=256;tiny-draft)")
     ap.add_argument("--synthetic-acceptance", type=float, default=None)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
     ap.add_argument("--gap-ms", type=float, default=0.0,
@@ -105,11 +108,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.synthetic_shape:
-        from tandem.synthetic.shapes import random_model
+        from tandem.synthetic.shapes import parse_shape, random_model
 
-        shapes = args.synthetic_shape.split(",")
-        target = random_model(shapes[0], device=args.device, dtype=args.dtype, seed=0)
-        draft = random_model(shapes[1], device=args.device, dtype=args.dtype, seed=1)
+        shapes = args.synthetic_shape.split(";" if ";" in args.synthetic_shape else ",")
+        target = random_model(parse_shape(shapes[0]), device=args.device, dtype=args.dtype, seed=0)
+        draft = random_model(parse_shape(shapes[1]), device=args.device, dtype=args.dtype, seed=1)
         print(f"models: {', '.join(shapes)} with random weights (synthetic)")
     elif args.model is None:
         from tandem.synthetic.tiny_gguf import write_tiny_gguf

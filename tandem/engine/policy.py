@@ -312,7 +312,8 @@ class DraftPolicy:
         if self.costs is None or lookup_a >= draft_a:
             return lookup_a >= draft_a
         if self._rates is None:  # ms of a lookup draft of k tokens and of a draft-model one, k = 0..draft_max
-            verify = [self.costs.target_ms(1, k + 1) for k in range(self.draft_max + 1)]
+            overhead = self.costs.step_overhead_ms(1)  # a step's, either source
+            verify = [self.costs.target_ms(1, k + 1) + overhead for k in range(self.draft_max + 1)]
             self._rates = (verify, [v + k * self.costs.draft_ms(1) for k, v in enumerate(verify)])
         lookup_ms, draft_ms = self._rates
         catch_up_ms = self.costs.catch_up_ms(max(0, lag - POLICY.steady_catch_up)) / self.costs.drafting_run
