@@ -1,6 +1,8 @@
 """The batched engine on tiny random models: batched == alone, the exact distribution with batch mates, chunked
 prefill beside decoding, cancellation, prefix reuse, the planner, start-up errors."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -1140,10 +1142,11 @@ REPEATING = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a +
              "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", PROMPTS[1]]
 
 
-def test_an_engine_without_costs_drafts_its_draft_max_and_reads_nothing(pair64):
+def test_an_engine_without_costs_drafts_its_draft_max_and_reads_nothing(pair64, monkeypatch):
     """measure_costs=False and no costs set: every drafting sequence drafts draft_max (as draft_policy "fixed"),
     its acceptance decides nothing, so the draft reads no evidence; the output is the target's alone. (It crashed in
-    the first read's valuation, which needs costs.)"""
+    the first read's valuation, which needs costs.) No confidence stops: the tiny random draft is never sure."""
+    monkeypatch.setattr("tandem.engine.drafter.POLICY", replace(POLICY, draft_confidence=0.0))
     target, draft = pair64
     engine = Engine(target, draft, slots=2, draft_max=3, measure_costs=False, prompt_lookup=False)
     assert engine.costs is None

@@ -3,12 +3,14 @@ disk."""
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 from conftest import assert_speculated, cheap_drafting, exact_distribution
 from test_lossless import N_SAMPLES, TARGET_SAMPLING, chi_square_pvalue, skewed_draft_probs
 
 import tandem
+from tandem.config import POLICY
 from tandem.engine import Engine, Request, calibration, cost_store
 from tandem.engine import drafter as drafter_module
 from tandem.engine import engine as engine_module
@@ -38,9 +40,11 @@ def test_mixed_greedy_equals_plain(pair64, policy, monkeypatch, tmp_path):
     assert_speculated(*stats, rejected=True)
 
 
-def test_mixed_uses_both_sources(pair64):
+def test_mixed_uses_both_sources(pair64, monkeypatch):
     """An adaptive request beside prompt lookup, drafting whatever the costs (none measured): lookup where the text
-    repeats and its estimate leads, the draft model elsewhere; the output is plain decoding's."""
+    repeats and its estimate leads, the draft model elsewhere; the output is plain decoding's. No confidence stops:
+    the tiny random draft is never sure, and its one-token drafts would always lead."""
+    monkeypatch.setattr("tandem.engine.drafter.POLICY", replace(POLICY, draft_confidence=0.0))
     target, draft = pair64
     ids = target.tokenizer.encode(PROMPTS[0])
     engine = Engine(target, draft, slots=1, draft_max=3, measure_costs=False)

@@ -160,11 +160,12 @@ class BatchedCache(ABC):
     drafts_greedy: bool = False
 
     def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
-                      steady: bool) -> tuple[list[list[int]], int]:
+                      steady: bool, floors: Seq[float] | None = None) -> tuple[list[list[int]], int]:
         """The forwards of `feeds` (each a batch; each entry's last row read), then for each entry of feeds[-1] its
-        argmax over the first vocab_limit ids fed back one row a forward, until it has counts[i] drafts (steady:
-        slots done go on drafting, unread, while each has room). Returns the drafts per entry and the forwards run:
-        what Drafter.draft's loop does for greedy sequences. Only where drafts_greedy."""
+        argmax over the first vocab_limit ids fed back one row a forward, until it has counts[i] drafts or its
+        latest's softmax probability is below floors[i] (steady: slots done go on drafting, unread, while each has
+        room). Returns the drafts per entry and the forwards run: what Drafter.draft's loop does for greedy
+        sequences. Only where drafts_greedy."""
         raise NotImplementedError(f"{type(self).__name__} drafts through forward")
 
     def attach_head(self, head: Model) -> BatchedCache:

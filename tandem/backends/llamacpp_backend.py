@@ -165,9 +165,9 @@ class LlamaCppBatchedCache(BatchedCache):
         self._rows.synchronize()
 
     def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
-                      steady: bool) -> tuple[list[list[int]], int]:
+                      steady: bool, floors: Seq[float] | None = None) -> tuple[list[list[int]], int]:
         self._check_feeds(feeds)
-        return self._rows.greedy_drafts(feeds, counts, vocab_limit, steady)
+        return self._rows.greedy_drafts(feeds, counts, vocab_limit, steady, floors)
 
     def rewind(self, slot: int, length: int) -> None:
         self._rows.rewind(slot, length)

@@ -21,6 +21,7 @@ from tandem.backends.llamacpp_core import (
     ReusedRows,
     argmax_rows,
     new_rows,
+    top_probability,
 )
 from tandem.backends.llamacpp_runtime import output_hidden, read_hidden
 
@@ -164,12 +165,13 @@ class BatchedForward:
         self.context.synchronize()
 
     def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
-                      steady: bool) -> tuple[list[list[int]], int]:
+                      steady: bool, floors: Seq[float] | None = None) -> tuple[list[list[int]], int]:
         """A draft step's greedy drafts in one call, next to the model (Drafter.draft's loop, no logits leaving
         it): the forwards of `feeds` (a catch-up; each entry's last row read), then each slot of feeds[-1] fed its
-        argmax over the first vocab_limit ids, a row a forward, until it has counts[i] drafts. steady: slots done
-        go on drafting, unread, while each has room, so every forward has one row per slot. Returns the drafts per
-        entry of feeds[-1] and the forwards run; the caller checked the room."""
+        argmax over the first vocab_limit ids, a row a forward, until it has counts[i] drafts or the softmax gave
+        its latest less than floors[i]. steady: slots done go on drafting, unread, while each has room, so every
+        forward has one row per slot. Returns the drafts per entry of feeds[-1] and the forwards run; the caller
+        checked the room."""
         reused = ReusedRows()  # each forward's rows are read before the next
         for feed in feeds[:-1]:
             self.forward(feed, [True] * len(feed), reused)
@@ -177,10 +179,14 @@ class BatchedForward:
         logits = self.forward(feeds[-1], [True] * len(slots), reused)
         drawn: list[list[int]] = [[] for _ in slots]
         active, forwards = list(range(len(slots))), len(feeds)
+        unsure: set[int] = set()
         while True:
             for i, rows in zip(active, logits, strict=False):  # fed = active + done: its first rows are active's
-                drawn[i].append(int(argmax_rows(rows[-1, :vocab_limit])))
-            active = [i for i in active if len(drawn[i]) < counts[i]]
+                row = rows[-1, :vocab_limit]
+                drawn[i].append(int(argmax_rows(row)))
+                if floors and floors[i] > 0 and top_probability(row) < floors[i]:
+                    unsure.add(i)
+            active = [i for i in active if len(drawn[i]) < counts[i] and i not in unsure]
             if not active:
                 return drawn, forwards
             done = [i for i in range(len(slots)) if i not in active]

@@ -71,6 +71,11 @@ def argmax_rows(rows: np.ndarray) -> np.ndarray:
     return np.asarray(rows.argmax(axis=-1), dtype=np.int64)
 
 
+def top_probability(row: np.ndarray) -> float:
+    """The largest softmax probability of one logits row [V]: a greedy draft's confidence in its token."""
+    return float(1.0 / np.exp(row - row.max(), dtype=np.float64).sum())
+
+
 def physical_cores() -> int:
     """Physical cores this process may run on (hyperthread siblings counted once)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))

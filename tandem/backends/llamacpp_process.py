@@ -220,8 +220,8 @@ class _Worker:
             drafts.step(entries, self.allocate)
             return None
         if op == "batch_greedy_drafts":
-            feeds, counts, vocab_limit, steady = args
-            drawn, forwards = cache.greedy_drafts(feeds, counts, vocab_limit, steady)
+            feeds, counts, vocab_limit, steady, floors = args
+            drawn, forwards = cache.greedy_drafts(feeds, counts, vocab_limit, steady, floors)
             return drawn, forwards, {slot: cache.lengths[slot] for feed in feeds for slot, _ in feed}
         if op == "batch_feed":
             return cache.feed(*args)

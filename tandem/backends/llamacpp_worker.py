@@ -206,12 +206,13 @@ class WorkerBatchedCache(_Held, BatchedCache):
         return out
 
     def greedy_drafts(self, feeds: Seq[Seq[tuple[int, Seq[int]]]], counts: Seq[int], vocab_limit: int,
-                      steady: bool) -> tuple[list[list[int]], int]:
+                      steady: bool, floors: Seq[float] | None = None) -> tuple[list[list[int]], int]:
         """One round trip a draft step, where a forward a draft token cost one each and a logits copy
         (llamacpp_core.BatchedForward.greedy_drafts)."""
         self._check_feeds(feeds)
         feeds = [[(slot, list(tokens)) for slot, tokens in feed] for feed in feeds]
-        drawn, forwards, lengths = self._call("batch_greedy_drafts", feeds, list(counts), vocab_limit, steady)
+        drawn, forwards, lengths = self._call("batch_greedy_drafts", feeds, list(counts), vocab_limit, steady,
+                                              None if floors is None else list(floors))
         for slot, length in lengths.items():
             self._lengths[slot] = length
         return drawn, forwards

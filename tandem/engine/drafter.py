@@ -7,6 +7,11 @@ graphs), every draft forward of a step takes one row per drafting sequence: a ca
 forwards, and a sequence done drafting goes on drafting what nobody reads until the longest draft is done. The
 draft's positions past a sequence's accepted tokens are rewound after the verify (`settle`).
 
+Confidence. An adaptive sequence's draft ends after a token the draft itself was unsure of (its probability of
+that token's position's likeliest token below POLICY.draft_confidence): the planned k is a cap. The rule reads the
+distribution a token is drawn from, never the draw, so a sampled draft keeps its exact distribution; the unsure
+token is kept (its forward is paid, a verify row is cheap) and at least one token is drafted.
+
 Greedy sequences, where the backend drafts next to the model (BatchedCache.drafts_greedy: llama.cpp), run the same
 loop there in one call (`greedy_drafts`): in llama.cpp's worker process, one request a step, no logits copied back.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from tandem.backends.base import Alongside, BatchedCache, Model
@@ -26,6 +32,11 @@ from tandem.speculative.compat import draft_ids
 # Draft tokens (a list, or a tensor [k] left on the device: Drafter.draft's keep_on_device), and (sampling) the
 # distributions they came from.
 Proposal = tuple[list[int] | torch.Tensor, torch.Tensor | None]
+
+
+def confidence_floor(gen: Generation) -> float:
+    """The draft's confidence under which a sequence's draft ends (0: it drafts its k: a fixed draft length)."""
+    return 0.0 if gen.request.draft_policy == "fixed" else POLICY.draft_confidence
 
 
 class Drafter:
@@ -77,6 +88,7 @@ class Drafter:
         drawn: dict[int, list] = {i: [] for i in drafting}
         dists: dict[int, list] = {i: [] for i in drafting}
         gens = [gen for gen, _ in drafting.values()]
+        floors = {i: confidence_floor(gen) for i, (gen, _) in drafting.items()}
         batch = [(gen.slot, self._unseen(gen)) for gen in gens]
         active = list(drafting)
         catching_up = max(len(rows) for _, rows in batch) > POLICY.steady_catch_up
@@ -85,16 +97,17 @@ class Drafter:
         if self.kv.drafts_greedy and all(g.sampling.greedy and g.processor is None for g in gens):
             # the loop below, next to the model: no round trip nor logits row copied a draft forward
             drafts, forwards = self.kv.greedy_drafts(feeds, [k for _, k in drafting.values()], self.target_vocab,
-                                                     steady)
+                                                     steady, list(floors.values()))
             return {i: (d, None) for i, d in zip(drafting, drafts, strict=True)}, None if catching_up else forwards
         for feed in feeds[:-1]:
             self.kv.forward(feed, [True] * len(feed))
         logits, forwards = self.kv.forward(feeds[-1], [True] * len(feeds[-1])), len(feeds)
         if len(gens) == 1 and gens[0].processor is None and self.kv.steps_on_device and not steady:
             (i, (gen, k)), = drafting.items()
-            drawn_i, dists_i = self._draft_on_device(gen, k, logits[0])
+            drawn_i, dists_i = self._draft_on_device(gen, k, logits[0], floors[i])
             drafts = drawn_i if keep_on_device else drawn_i.tolist()
-            return {i: (drafts, self._distributions(dists_i))}, None if catching_up else forwards + k - 1
+            return {i: (drafts, self._distributions(dists_i))}, None if catching_up else forwards + len(drawn_i) - 1
+        unsure: set[int] = set()
         while True:
             tokens = []
             for i, rows in zip(active, logits, strict=False):  # fed = active + done: its first rows are active's
@@ -103,10 +116,12 @@ class Drafter:
                 if gen.processor is not None:  # the draft proposes under the request's bias, penalties, grammar
                     rows = gen.processor.rows(rows, drawn[i], len(drawn[i]))
                 tokens.append(self._draw(gen, rows, dists[i]))
+                if floors[i] and self._confidence(gen, rows, dists[i]) < floors[i]:
+                    unsure.add(i)
             for i, token in zip(active, torch.cat(tokens).tolist(), strict=True):
                 drawn[i].append(token)
-            ended = {i for i in active if drafting[i][0].processor is not None and
-                     drafting[i][0].processor.cut_draft(drawn[i], dists[i])}
+            ended = unsure | {i for i in active if drafting[i][0].processor is not None and
+                              drafting[i][0].processor.cut_draft(drawn[i], dists[i])}
             active = [i for i in active if len(drawn[i]) < drafting[i][1] and i not in ended]
             if not active:
                 break
@@ -119,15 +134,18 @@ class Drafter:
             forwards += 1
         return {i: (drawn[i], self._distributions(dists[i])) for i in drafting}, None if catching_up else forwards
 
-    def _draft_on_device(self, gen: Generation, k: int, logits: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def _draft_on_device(self, gen: Generation, k: int, logits: torch.Tensor, floor: float = 0.0
+                         ) -> tuple[torch.Tensor, list]:
         """A lone sequence's k drafts [k], each step's token fed to the next from the device (step_on_device), none
-        read back (a host synchronisation a draft step costs a GPU's draft a tenth of its step). The same draws as
-        the loop's, in the same order."""
+        read back (a host synchronisation a draft step costs a GPU's draft a tenth of its step) but, where a floor
+        may end the draft, its confidence. The same draws as the loop's, in the same order."""
         tokens, dists = [], []
         rows = logits[-1:, : self.target_vocab]
         for step in range(k):
             token = self._draw(gen, rows, dists)
             tokens.append(token)
+            if floor and self._confidence(gen, rows, dists) < floor:
+                break
             if step + 1 < k:
                 rows = self.kv.step_on_device(gen.slot, token.view(1))[-1:, : self.target_vocab]
         return torch.cat(tokens), dists
@@ -140,6 +158,17 @@ class Drafter:
         probs = probs_from_logits(rows, gen.sampling)
         dists.append(probs)
         return sample(probs, gen.draft_generator)
+
+    @staticmethod
+    def _confidence(gen: Generation, rows: torch.Tensor, dists: list[torch.Tensor]) -> float:
+        """The draft's probability of the likeliest token of the row [1, V] its latest token came from: of its
+        sampling distribution (the draw's, dists[-1]), or of the softmax (greedy). Never the drawn token's own."""
+        if not gen.sampling.greedy:
+            return float(dists[-1].max())
+        if rows.device.type == "cpu":  # numpy: torch's thread pool waits for busy cores (tandem.sampling.argmax)
+            row = rows[0].float().numpy()
+            return float(1.0 / np.exp(row - row.max(), dtype=np.float64).sum())
+        return float(torch.softmax(rows[0].float(), dim=-1).max())
 
     def _distributions(self, dists: list[torch.Tensor]) -> torch.Tensor | None:
         if not dists:
