@@ -107,21 +107,23 @@ class Drafter:
             drawn_i, dists_i = self._draft_on_device(gen, k, logits[0], floors[i])
             drafts = drawn_i if keep_on_device else drawn_i.tolist()
             return {i: (drafts, self._distributions(dists_i))}, None if catching_up else forwards + len(drawn_i) - 1
-        unsure: set[int] = set()
         while True:
-            tokens = []
+            tokens, confidences = [], {}
             for i, rows in zip(active, logits, strict=False):  # fed = active + done: its first rows are active's
                 gen = drafting[i][0]
                 rows = rows[-1:, : self.target_vocab]  # a wider draft vocabulary must not propose unknown ids
                 if gen.processor is not None:  # the draft proposes under the request's bias, penalties, grammar
                     rows = gen.processor.rows(rows, drawn[i], len(drawn[i]))
                 tokens.append(self._draw(gen, rows, dists[i]))
-                if floors[i] and self._confidence(gen, rows, dists[i]) < floors[i]:
-                    unsure.add(i)
+                if floors[i]:
+                    confidences[i] = self._confidence(gen, rows, dists[i])
             for i, token in zip(active, torch.cat(tokens).tolist(), strict=True):
                 drawn[i].append(token)
-            ended = unsure | {i for i in active if drafting[i][0].processor is not None and
-                              drafting[i][0].processor.cut_draft(drawn[i], dists[i])}
+            # read with the tokens' read, not one host synchronisation a sequence
+            read = torch.stack(list(confidences.values())).tolist() if confidences else []
+            ended = {i for i, c in zip(confidences, read, strict=True) if c < floors[i]}
+            ended |= {i for i in active if drafting[i][0].processor is not None and
+                      drafting[i][0].processor.cut_draft(drawn[i], dists[i])}
             active = [i for i in active if len(drawn[i]) < drafting[i][1] and i not in ended]
             if not active:
                 break
@@ -144,7 +146,7 @@ class Drafter:
         for step in range(k):
             token = self._draw(gen, rows, dists)
             tokens.append(token)
-            if floor and self._confidence(gen, rows, dists) < floor:
+            if floor and float(self._confidence(gen, rows, dists)) < floor:
                 break
             if step + 1 < k:
                 rows = self.kv.step_on_device(gen.slot, token.view(1))[-1:, : self.target_vocab]
@@ -160,15 +162,16 @@ class Drafter:
         return sample(probs, gen.draft_generator)
 
     @staticmethod
-    def _confidence(gen: Generation, rows: torch.Tensor, dists: list[torch.Tensor]) -> float:
-        """The draft's probability of the likeliest token of the row [1, V] its latest token came from: of its
-        sampling distribution (the draw's, dists[-1]), or of the softmax (greedy). Never the drawn token's own."""
+    def _confidence(gen: Generation, rows: torch.Tensor, dists: list[torch.Tensor]) -> torch.Tensor:
+        """The draft's probability (a 0-d tensor, not read back) of the likeliest token of the row [1, V] its latest
+        token came from: of its sampling distribution (the draw's, dists[-1]), or of the softmax (greedy). Never the
+        drawn token's own."""
         if not gen.sampling.greedy:
-            return float(dists[-1].max())
+            return dists[-1].max().float()
         if rows.device.type == "cpu":  # numpy: torch's thread pool waits for busy cores (tandem.sampling.argmax)
             row = rows[0].float().numpy()
-            return float(1.0 / np.exp(row - row.max(), dtype=np.float64).sum())
-        return float(torch.softmax(rows[0].float(), dim=-1).max())
+            return torch.tensor(1.0 / np.exp(row - row.max(), dtype=np.float64).sum(), dtype=torch.float32)
+        return torch.softmax(rows[0].float(), dim=-1).max()
 
     def _distributions(self, dists: list[torch.Tensor]) -> torch.Tensor | None:
         if not dists:
