@@ -113,8 +113,9 @@ class PolicyConfig:
     learning_iterations: int = 4  # drafting iterations a policy without that evidence spends learning a draft is poor
     steady_catch_up: int = 2  # a draft that catches up on at most this many tokens is drafting steadily
     # An adaptive draft ends after a token the draft gave less than this probability (greedy: its top token's;
-    # sampled: its distribution's largest): its next ones are unlikely to pass (llama.cpp's p_min). 0: drafts run to k.
-    draft_confidence: float = 0.5
+    # sampled: its distribution's largest): its next ones are unlikely to pass (llama.cpp's p_min, 0.75; 0.5 stopped
+    # too late on every prompt of docs/decisions/0009). 0: drafts run to the planned k.
+    draft_confidence: float = 0.75
     replan_plain: int = 8  # steps a plain plan stands while no sequence becomes hopeful (DraftPolicy.plan)
     # The drafting floors (DraftPolicy._floor): bisected to this precision, from an acceptance of floor_top down,
     # and kept floor_steps steps before they are bisected again from the costs as learned by then.
