@@ -1,15 +1,5 @@
 """`tandem bench`: plain and speculative decoding side by side, same process, same prompts, same models.
-
-Each configuration (plain, adaptive, fixedN, ngram) gets a short warm-up generation on every prompt before any
-timing, so calibration, allocations, graph capture and kernel compilation stay out of the numbers; then each prompt
-runs every configuration in turn (interleaved, so drift of a shared machine hits them alike), `--repeats` times,
-keeping the median run. Speed is tokens per second of prefill + decode as GenerationStats reports it, with the wall
-clock beside it. Greedy decoding throughout, so every speculative output must equal plain's token for token (the
-`lossless` flag).
-
-With `--synthetic-shape` the models are random weights of real shapes and `--synthetic-acceptance` accepts each
-draft position with a fixed probability: systems numbers only, labelled synthetic everywhere.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
 """`tandem doctor`: measure what speculation costs on this device for this pair, and say whether it can pay.
-
-Measured, each the median over repeats, every figure in milliseconds and per call:
-- the draft's step, a token's share of a drafting step of k tokens timed whole as the engine drafts, with only
-  the draft loaded (`draft_step_ms_standalone`), then with the target loaded and its verifies interleaved as the
-  real loop does (`draft_step_ms_paired`: k drafts, one target forward of k + 1 tokens, repeat; only the drafting
-  is timed; k = the length the cost model picks at 90% acceptance, at least 1 and at most --draft-max:
-  `draft_len_paired`). In the report we start from, the draft slowed down
-  ~1000x next to the target; a ratio far above 1 is that failure. Between the two, the same steps with the target
-  loaded but idle (`draft_step_ms_target_idle`, timed in turns with the paired ones) tell sharing memory (a slower
-  idle step) from sharing the queue (only the interleaved one slower);
-- the target's forward over n = 1..16 tokens (`verify_ms`; n = 1 is a plain decoding step, `target_step_ms`).
-Each model first runs a second of one-token steps (idle clocks; Vulkan drivers build pipelines on first use). The
-target's forwards are timed in two passes, each figure the faster pass's, with a flag where the passes disagree: a
-number the device was not steady for is not reported as its cost. The draft's three figures are each one pass of
-many drafting steps after a second of untimed ones, timed alike so that their ratios compare like with like.
-From those the cost model (tandem.speculative.policy) predicts the best draft length and the speed-up at a few
-acceptance rates: E(k) / (k c_d + V(k+1)) tokens per ms against 1 / V(1) for plain decoding.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -87,14 +70,11 @@ class DoctorReport:
 
 def time_draft_steps(draft: Model, target: Model | None, k: int, repeats: int, context: int = CONTEXT_TOKENS,
                      warmup_s: float = 0.0, verifying: Seq[bool] = (True,)) -> list[float]:
-    """Median ms a draft token of drafting steps of k tokens, each step timed whole as the batched engine drafts a
-    lone greedy sequence (tandem.engine.drafter): one greedy_drafts call where the draft's cache drafts next to the
-    model (llama.cpp: one worker request a step), else k one-row forwards, each read before the next is fed. One
-    figure per entry of `verifying`: with a target, a True entry's steps are each followed by the target's verify of
-    k + 1 rows, read as their argmax, as the loop interleaves them; a False entry's are not (the target idle). The
-    entries take turns in blocks of STEPS_PER_REPEAT steps, `repeats` blocks each, so that a device drifting over
-    the call moves them alike. Each call opens fresh caches, whose first steps capture graphs and allocate: the
-    first WARMUP_STEPS steps and `warmup_s` of steps are not timed."""
+    """Median ms a draft token of k-token drafting steps, timed whole as the engine drafts (tandem.engine.drafter).
+
+    One figure per entry of `verifying`: True interleaves the target's verify of k + 1 rows, False leaves it idle.
+    Entries take turns in blocks of STEPS_PER_REPEAT so device drift moves them alike; warm-up steps are untimed.
+    """
     token = draft.tokenizer.bos_token_id or 0
     vocab = draft.vocab_size if target is None else min(draft.vocab_size, target.vocab_size)
     capacity = context + k + 2

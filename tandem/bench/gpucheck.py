@@ -1,11 +1,5 @@
 """A quick correctness and speed check of the CUDA path (graphs vs eager, speculative vs plain), for a GPU box.
-
-    python -m tandem.bench.gpucheck --model T.gguf --draft D.gguf [--device cuda] [--dtype bfloat16]
-
-Prints, per prompt: whether greedy speculative output equals plain output token for token (in bf16 a batched
-verify may round differently from a one-token step, so ties can flip; the count of the first differing position
-is printed), plain and speculative tokens/s, acceptance; and the max difference between graphed and eager logits.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

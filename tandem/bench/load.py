@@ -1,10 +1,5 @@
 """`tandem loadtest`: N concurrent streaming clients against a running OpenAI-compatible server.
-
-Each client sends chat completions (stream=True, usage in the last chunk) from a pool of prompts of four kinds, the
-kinds of the report we start from (code, freeform, JSON, summary). Reported: requests/s and output tokens/s over the
-whole run's wall time, per-request latency and time to first token (p50/p99), and draft acceptance summed over the
-server's per-request `timings` (tandem and llama-server both send them).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

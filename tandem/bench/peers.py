@@ -1,13 +1,5 @@
 """Peers run in the same bench process on the same GGUF pair: Hugging Face transformers, plain and assisted.
-
-transformers dequantises a GGUF into its own modules (`from_pretrained(dir, gguf_file=name)`); assisted generation
-(`generate(..., assistant_model=draft)`) is its speculative decoding. Greedy, same prompt ids as tandem, one
-warm-up call per mode before timing, so the comparison is of decoding, not of loading or first-call overheads.
-
-`hf-static` is transformers' fastest plain decoding: a static KV cache, which `generate` compiles on CUDA
-(torch.compile of the forward, CUDA graphs). Its compiled graphs are sized by prompt + max_new_tokens, so it is
-warmed up on every prompt at the full length before the timed call.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

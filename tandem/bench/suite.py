@@ -1,10 +1,5 @@
 """The bench's prompt suite: the four kinds of the report we start from, plus an edit that copies its input.
-
-The report (see CONTEXT.md) measured code, freeform, JSON and summary prompts through the chat API; `code-edit`
-asks for a 40-line function back with one variable renamed, so most of the answer is a copy of the prompt, where
-prompt lookup (`draft="ngram"`) and any draft model should shine. A suite file is JSON: a list of
-{"name": ..., "kind": ..., "prompt": "..."} (sent as one user message) or {"name": ..., "messages": [...]}.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
 """Reading GGUF files: metadata, a `ModelConfig`, and tensors dequantised to torch.
-
-The header is parsed with `struct` (gguf_header.py, which says why not `gguf.GGUFReader`); tensor data is
-memory-mapped and dequantised by llama.cpp's own C routines (`dequantize_row_<type>` in the libggml-base that
-llama-cpp-python installs, through ctypes) where they are installed, else by gguf-py's numpy port of them
-(`gguf.quants.dequantize`): the same float32 bits either way, the C ones ~19x faster (docs/decisions/0002).
-Every problem with a file surfaces as `GGUFError` naming the file and what is wrong with it, never as a numpy
-traceback from inside the reader. Opening a file checks its data section against the header (gguf_header)
-before any tensor is read, and both backends open files this way, so a miscounted or overlapping file is refused
-before llama.cpp is handed its path.
-
-Tensor shapes are reported in torch order (GGUF stores them fastest-dimension first, i.e. reversed), so
-`token_embd.weight` is [vocab, d_model] and `blk.0.attn_q.weight` is [n_heads * head_dim, d_model].
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -231,7 +219,7 @@ def _widest(value: Any) -> int:
 
 
 def config_from_gguf(gf: GGUFFile) -> ModelConfig:
-    """A ModelConfig from a file's metadata and tensor shapes (see module docstring for the name scheme)."""
+    """A ModelConfig from a file's metadata and tensor shapes (the name scheme: docs/internals.md)."""
     arch = gf.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(

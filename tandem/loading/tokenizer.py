@@ -1,14 +1,5 @@
 """The tokenizer a GGUF file describes, built with maintained libraries (no hand-written BPE).
-
-A GGUF has no tokenizer.json: it stores tokens, merges, token types and special ids under llama.cpp's
-`tokenizer.ggml.*` keys. transformers ships the converter from those keys to a `tokenizers.Tokenizer`
-(`transformers.integrations.gguf`: byte-level BPE for `gpt2` vocabularies such as Qwen's, SentencePiece-style for
-`llama`/Gemma); we use it. If that internal API is missing (it moved between transformers releases) or predates the
-vocabulary's type, `gpt2` vocabularies fall back to `tokenizers`' own BPE model with a ByteLevel pre-tokenizer, and
-`gemma4` ones to a BPE over `▁`-spaced text with byte fallback, built as transformers' `GemmaTokenizer` builds it.
-
-Chat templates are rendered with jinja2's sandboxed environment, as transformers does.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """The tensors a config needs, by GGUF name and torch shape, and a strict loader for them.
-
-Names are llama.cpp's (`blk.{i}.attn_q.weight`, ...); shapes are torch order ([out_features, in_features]).
-Loading checks every expected tensor exists with exactly that shape before a model ever sees it (nanoGPT's habit of
-asserting every shape when importing foreign weights).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
 """Grammars for structured output (OpenAI's response_format, llama-server's GBNF `grammar`), through llguidance.
-
-llguidance rather than xgrammar: faster masks and schema compiles on Qwen's 152k vocabulary, and a wheel with no
-dependencies (docs/decisions/0007).
-
-A `Matcher` is one sequence's grammar state. Speculation needs the state after each prefix of the drafts, so it
-holds the committed tokens' state plus drafts advanced tentatively on top (`extend`), the mask after each of those
-prefixes, and rolls the drafts back when the verifier keeps fewer of them (`commit`).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """One request's logits processing: what it asked for (`LogitsSettings`) and the state that follows its tokens
 (`LogitsProcessor`: penalty counts, the recent window, the grammar's matcher).
-
-Exactness under speculation rests on one rule: the row a verifier reads for offset r (the pending token's row is
-r = 0, draft i's row is r = i) is adjusted as plain decoding would adjust it had drafts[:r] been accepted: penalty
-counts and the repeat window include drafts[:r], the grammar mask is the state after drafts[:r]. Accepted drafts
-are the target's own choices, so greedy speculative output equals plain output token for token, and rejection
-sampling against these rows reproduces the adjusted (masked, penalized) distribution exactly. The draft proposes
-under the same processing, so its tokens stay inside the grammar and are likely to be accepted.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
 """Decode attention in two Triton kernels (flash-decoding, Dao et al. 2023): few query rows over a long cache.
-
-A decode or verify step has at most 64 query rows per KV head (the G query heads that share it x T tokens) and
-up to the whole context of keys. Matmul, softmax, matmul costs three launches, a round trip of the scores through
-memory and cuBLAS tiles sized for other shapes (11 us a layer at 512 slots on an H200, measured); a fused kernel
-that splits work by query rows (FlashAttention) runs a handful of thread blocks. Here keys are split into chunks
-of CHUNK cache slots, one program per (KV head, chunk) writing a partial softmax (row max, row sum, weighted
-values), and a second kernel folds the chunks in slot order.
-
-Chunks sit at fixed slots whatever span a forward attends over, and a chunk past every key a row may see adds
-exactly zero, so a row's output does not depend on the span or on how many rows share the forward: greedy
-speculation stays bit-exact on the GPU (see StepGraph in tandem.backends.torch_graphs).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

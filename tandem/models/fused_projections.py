@@ -1,25 +1,5 @@
 """A decode step's projections as Triton kernels (GPU, tiles of 16 rows), with the elementwise work around them fused.
-
-A graphed decode step of a small model is bound by its kernels' fixed costs, not by bytes (the profile:
-docs/decisions/0007), so here a layer is four kernels (and attention), not eleven:
- - `qkv_rope`: rms_norm(x) @ W_qkv^T + b, rope on q and k, k and v written into the cache at their positions;
- - `gate_up_act`: act(rms_norm(x) @ W_gate^T) * (rms_norm(x) @ W_up^T), the [T, 2F] intermediate never stored;
-   both take the norm's scale folded into W (Transformer's fuse_projections) and x as it is: each output row is
-   scaled by 1/rms(x) after the dot, so the loop over K streams x and W as a plain projection does (x normalised
-   inside the loop no longer goes straight to the dot: slower than separate norm kernels);
- - `add_linear_split_k`: x + h @ W^T for the output and down projections, with each row's sum of squares, which
-   the next kernel's norm needs. Their outputs are narrow (d_model features) and their K wide (8960 for down):
-   split by features alone, a 1.5B model's down projection fills a third of an H200's SMs. So K is split too, each
-   program writing a float32 partial; the last program to finish a tile of features adds the tile's partials in
-   slice order (deterministic, whichever program that is), adds the residual and writes the tile's sums of squares.
-The norm needs each row's sum of squares, which no single program of the kernel before has: it writes one per tile
-of features and every input program adds those (48 floats a row).
-Each program reads a slab of whole weight rows and one tile of BLOCK_ROWS input rows, so an output element is one
-dot in a fixed order whatever the other rows hold: padding rows never change a real row's bits (see StepGraph), nor
-do a batch's other sequences (Transformer.forward_packed, which also takes `embed_rows` and `norm_logits` below).
-A tile's programs re-read the weights (from L2); larger tiles re-read less but cost more at one sequence. The
-measurements behind the tile and launch choices: docs/decisions/0007-kernels-and-backends.md.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

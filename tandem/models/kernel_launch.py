@@ -1,19 +1,5 @@
 """How tandem's Triton kernels launch: programmatic dependent launch (PDL) where the GPU has it.
-
-A graphed decode step of a small model is a chain of ~170 short kernels, each waiting for the one before to finish
-and drain before its first block starts: ~1 us a boundary on an H200 (profile: 1.46 ms of kernels in a 1.64 ms
-step). With PDL (Hopper and later) a kernel is launched while the one before still runs; its blocks wait at
-`griddepcontrol.wait` until that kernel has finished and its writes are visible, so launch and block start-up
-overlap the tail. Every kernel of ours calls the wait before touching anything another kernel wrote, and before it
-finishes, so a kernel two back has always finished too. Kernels that are not ours (the compiler's, cuBLAS) launch
-without it and wait as usual. TANDEM_PDL=0 turns it off.
-
-A kernel lets the next one launch after its main loop: at its start instead, the next kernel's blocks sat waiting
-in SM slots this kernel's blocks still needed.
-
-Not done: asking L2 for a kernel's weights before its wait (cp.async.bulk.prefetch.L2), so its stream from memory
-would start under the tail of the kernel before: on an H200 it made every kernel slower (docs/decisions/0007).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
 """One configurable decoder-only transformer: Llama, Qwen2 and Gemma 3 as GGUF stores them.
-
-    x = embed(tokens) * embed_scale
-    for each layer:
-        h = x + [post_attn_norm] attention(rope(q), rope(k), v over the KV cache)   # GQA, causal, maybe windowed
-        x = h + [post_ffw_norm] down(act(gate(norm(h))) * up(norm(h)))              # SwiGLU or GeGLU
-    logits = output(norm(x))
-
-References: Touvron et al. 2023 (Llama), Qwen2 technical report 2024 (q/k/v biases), Gemma 3 report 2025 (q/k
-norms, sandwich norms, 5:1 local/global attention). Weight names are GGUF's (`blk.{i}.attn_q.weight`); llama.cpp's
-converter has already folded Gemma's (1 + w) into its norm weights and permuted Llama's Q/K for interleaved rope;
-loading stacks q/k/v and gate/up and folds the norm before each stack into it (`fuse_projections`).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -399,12 +388,8 @@ class RaggedAttention:
 def fuse_projections(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy of `weights` with q/k/v stacked into `attn_qkv` and gate/up into `ffn_gate_up`, and the RMS norms
     before them folded in: rms_norm(x) * g @ W^T = rms_norm(x) @ (W diag(g))^T.
-
-    A decode step of a small model costs its kernel launches more than its bytes: one matmul where there were
-    three (and one for two) cuts a quarter of them. With the norm's scale in the weights, what is left of a norm is
-    a scalar a row, which the GPU kernels apply after the dot (tandem.models.fused_projections). Each part is
-    replaced as it is stacked, so the peak memory is one layer's projections over the weights themselves (the
-    caller's dict keeps the originals only if it lives).
+    Fewer matmuls mean fewer launches, which a small model's decode step costs more than bytes. Parts are replaced
+    as they are stacked: peak memory is one layer's projections over the weights.
     """
     fused = dict(weights)
     for i in range(config.n_layers):

@@ -1,22 +1,7 @@
 """Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), as Claude Code and the anthropic
 client's `messages.create` / `messages.stream` speak it: a thin translation onto the chat surface (turns.py), so the
 same template, tools, forced calls and engine answer it.
-
-Request -> chat: `system` (a string or text blocks) is the first message; a user's `tool_result` blocks become tool
-messages (before the rest of its text), an assistant's `tool_use` blocks its tool_calls; `tools` ({name,
-input_schema}) are function tools; `tool_choice` auto / any / tool / none is auto / required / the named function /
-none, and `disable_parallel_tool_use` is parallel_tool_calls false; `stop_sequences` are stop strings;
-`output_config.format` (a JSON schema) is structured output. What this server cannot honour (server tools, extended
-thinking, images and documents, MCP servers, effort) is a 400 naming it.
-Errors on these routes are Anthropic's {"type": "error", "error": {"type", "message"}} (errors.shaped_error);
-the key is taken from `x-api-key` as well as `Authorization: Bearer`.
-
-Answer: a `message` with text and tool_use blocks, stop_reason end_turn / max_tokens / stop_sequence / tool_use, and
-usage (input_tokens: those computed, cache_read_input_tokens: those whose KV was reused). Streamed, named events:
-message_start, ping, per block content_block_start, content_block_delta (text_delta, or one input_json_delta with
-a call's whole arguments), content_block_stop; then message_delta (stop_reason, usage) and message_stop.
-Reference: https://docs.anthropic.com/en/api/messages and the anthropic package's types.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
 """The HTTP layer: OpenAI's chat and completions endpoints over one `Scheduler` (`serve.py` runs it for `tandem
 serve`), and OpenAI's Responses and Anthropic's Messages APIs translated onto the same path (`openai_responses.py`,
 `anthropic_messages.py`, through `turns.py`).
-
-Request path: the ASGI guard (body size limit, access log, request counter) -> the browser guard (Host and
-Content-Type, `safety.py`) -> CORS when origins are allowed -> readiness -> API-key check -> strict parsing
-(`protocol.parse_request`) -> tokenizing (chat: the template gets the tools) and the context check, before anything
-is queued -> the request's n choices queued together and answered by `completion.Responder` (chunks back from the
-worker thread, each choice assembled by `choices.Choice`; one JSON response or an SSE stream). Every
-error leaves as OpenAI's error object (Anthropic's on its routes) with a 4xx status; anything unexpected is a
-generic 500, logged here with its traceback, never sent. /openapi.json describes it all (openapi.py).
-
-Context policy: a prompt that leaves no room for one generated token is a 400 saying by how many tokens it is too
-long; otherwise max_tokens is clamped to the room left (as llama-server does), and an absent max_tokens means "until
-the context is full" (as OpenAI does). `usage` and `finish_reason: "length"` show what happened.
-
-Lifecycle: `tandem serve` listens before it loads, so /health answers 503 with {"status": "loading"}, then
-"warming", then 200 {"status": "ok"}; generation endpoints answer 503 (Retry-After) until then. The body says what it
-is doing ("stage") and for how long ("elapsed_s"), and, with the adaptive policy, what the costs it plans from are
-("costs": kept from an earlier start, a few seconds' estimate, or measured in full while the server is idle: the
-server answers on the first two and refines them, engine.cost_store.Calibrator). On SIGTERM it drains:
-the listener closes, /health and new requests get 503 "shutting_down", and the streams in flight finish within
---shutdown-timeout before the process exits 0. Behind a gateway (docs/deployment.md) this is what lets the gateway
-retry elsewhere instead of losing requests.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -189,7 +168,7 @@ def create_app(target: Model | None = None, draft: Draft = None, *, load: Loader
     async def health() -> JSONResponse:
         """200 {"status": "ok"} when generations are taken; 503 with the status (loading, warming, draining,
         failed) otherwise, which is what gateways and orchestrators probe. "stage" and "elapsed_s" say what it
-        is doing and since when; "costs", what the adaptive policy plans from (see the module docstring)."""
+        is doing and since when; "costs", what the adaptive policy plans from (docs/internals.md)."""
         return JSONResponse(server.health(), status_code=200 if server.status == "ready" else 503)
 
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics",

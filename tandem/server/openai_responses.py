@@ -1,22 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), as Codex CLI and the openai client's
 `responses.create` / `responses.stream` speak it: a thin translation onto the chat surface (turns.py), so the same
 template, tools, forced calls, structured output and engine answer it.
-
-Request -> chat: `instructions` is the first (system) message; `input` is a string (one user message) or items:
-messages (text parts), `function_call` (an assistant's call) and `function_call_output` (a tool message); `tools`
-are function tools; `text.format` is response_format; `max_output_tokens` is max_tokens. `previous_response_id`
-puts the stored conversation (its input and output, not its instructions, as OpenAI does) before the new input, so
-the prompt begins with the earlier one and its KV is reused. Responses are stored unless `store: false`, in memory,
-at most STORE_SIZE of them for STORE_TTL_S each. What this server cannot honour (built-in tools, reasoning,
-`include`, images, background runs) is a 400 naming it, in OpenAI's error shape.
-
-Answer: a `response` object whose `output` holds a `message` (output_text) and/or `function_call` items; streamed,
-the documented events: response.created, response.in_progress, then per item response.output_item.added,
-response.content_part.added, response.output_text.delta ... .done, response.content_part.done (a message) or
-response.function_call_arguments.delta / .done (a call), response.output_item.done; then response.completed (or
-response.incomplete when max_output_tokens cut it), each with a sequence_number.
-Reference: https://platform.openai.com/docs/api-reference/responses and the openai package's types.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """What /openapi.json says about the API: the request bodies (the models that also validate them: protocol.py's,
 openai_responses.py's, anthropic_messages.py's) and the responses (models here that only describe; the handlers
 build the JSON themselves).
-
-Handlers read the raw body and validate it with `protocol.parse_request` (strict types, OpenAI's error shape, the
-body-size limit and auth checked before any parsing), so the request schemas are attached to the operations by hand
-(`request_body`) and added to the document's components (`install`), not declared as handler parameters.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

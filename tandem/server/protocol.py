@@ -1,13 +1,6 @@
 """OpenAI's request shapes for /v1/chat/completions and /v1/completions, and their validation (responses.py builds
 the answers).
-
-Requests are parsed from the raw body with pydantic in strict JSON mode, so a known field of the wrong type is a 400
-naming the field (OpenAI does the same); integer fields take whole-number floats (8.0), as JSON Schema's `integer`
-does. Unknown fields are ignored, but the OpenAI parameters tandem cannot honour are typed here and refused with a
-400 naming them (`_UNSUPPORTED`), so no client gets a silently different answer. The same models describe the bodies
-in /openapi.json (openapi.py). Every error leaves the server as errors.py writes it.
-Reference: https://platform.openai.com/docs/api-reference/chat and llama.cpp's tools/server README (`timings`).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

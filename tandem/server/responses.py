@@ -20,18 +20,7 @@ def new_id(prefix: str) -> str:
 
 
 def timings(stats: GenerationStats, queue_ms: float = 0.0) -> dict[str, Any]:
-    """llama-server's `timings` object for one request, plus tandem's own fields.
-
-    Every figure covers this request only (never a server-lifetime total); durations are milliseconds.
-    prompt_*: the prefill (target and draft prompt processing, up to the first token) of the prompt tokens not
-    reused; cache_n: prompt tokens whose KV an earlier request left in the slot (prefix reuse). predicted_*: tokens
-    returned and the decode time after the first token (as llama-server counts them). draft_n / draft_n_accepted:
-    draft tokens proposed to the verifier / accepted by it. draft_ms / verify_ms: total time drafting / in the
-    target's verify (or plain) forwards; iterations: target forwards after the prefill; queue_ms: time waiting
-    for a slot before the prefill began. policy_acceptance / policy_predicted_speedup: what the adaptive policy
-    believed at the end (acceptance per draft source; the mean speed-up over plain it predicted for its plans), so
-    a user can see why it drafted or did not; sources: per source, iterations, drafted and accepted tokens.
-    """
+    """llama-server's `timings` object for this request only, plus tandem's own fields (docs/api.md lists them)."""
     def per_second(n: int, ms: float) -> float:
         return 1000.0 * n / ms if ms > 0 else 0.0
 

@@ -1,17 +1,5 @@
 """Browser-safe defaults: what a web page must not be able to make a local server do.
-
-A page the user visits can send requests to `http://127.0.0.1:PORT` (its answers are hidden by CORS, but the
-generation still runs), and with DNS rebinding it can even read them: its own host name starts resolving to
-127.0.0.1, so the browser treats the server as same-origin. Two checks close both doors:
-
-- **Host**: on a loopback bind, a request whose `Host` header is not a loopback name or address is refused (403),
-  which is what defeats DNS rebinding (the browser sends the attacker's name). `--allowed-hosts` widens the set.
-- **Content-Type**: the JSON endpoints take `application/json` only (415 otherwise). Browsers send `text/plain`,
-  form encodings or no type at all cross-site without a CORS preflight; `application/json` needs one, and CORS is
-  off unless `--cors-origin` allows an origin, so the preflight fails and the request is never sent.
-
-`exposure_warning` is the third part: binding beyond loopback without an API key is allowed, but said loudly.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

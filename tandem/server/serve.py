@@ -1,5 +1,5 @@
 """`tandem serve`: bind at once, load and warm the pair up on a thread while /health answers 503, serve until SIGTERM
-or SIGINT, then drain (the lifecycle in app.py's docstring)."""
+or SIGINT, then drain (the lifecycle: docs/internals.md, app.py)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def server_config(args) -> ServerConfig:
 
 def serve(args) -> int:
     """`tandem serve`: listen at once, load and warm up the pair meanwhile (/health: 503), serve until SIGTERM or
-    SIGINT, then drain (see the module docstring)."""
+    SIGINT, then drain (docs/internals.md, app.py)."""
     import sys
 
     from tandem.api import load_pair

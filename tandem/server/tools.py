@@ -1,21 +1,6 @@
 """Tool calls: which text format a model writes them in, parsing that text into OpenAI `tool_calls`, incrementally
 for streams, and the JSON Schema that "a call to one of these tools" must match (for constrained decoding).
-
-The formats, as the models' own chat templates teach them:
-- hermes (Qwen2.5, Qwen3, Hermes): `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, any number,
-  after optional text; or a reply that is only such JSON (bare or in a ```json fence) naming an offered tool.
-- llama3 (Llama 3.1-3.3): the whole reply is `{"name": "f", "parameters": {...}}` (the JSON-based tool calling of
-  Meta's template), optionally after `<|python_tag|>`; several calls are separated by `;`.
-- gemma4 (Gemma 4): `<|tool_call>call:f{key:value,...}<tool_call|>`, strings quoted as `<|"|>...<|"|>`, keys bare.
-  (Gemma 3's template has no tools: a request with tools gets a 400 there, see `template_supports_tools`.)
-
-A format is chosen from the chat template's text (what it writes for an assistant's tool call), then from the
-architecture. Parsing is the same for a stream and a whole reply: `ToolCallParser.push` returns text that is
-certainly not part of a call (held back while it may still begin one) and each call as soon as it is complete;
-`finish` flushes, and an unfinished or malformed call is returned as text, never dropped.
-References: OpenAI's chat API (tool_calls, streamed deltas); vLLM's hermes, llama3_json and gemma4 tool parsers;
-llama.cpp's common/chat.cpp.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,21 +1,5 @@
 """The gemma4 part of tiny random GGUFs: metadata, tensor list and a Gemma-4-style vocabulary.
-
-Read from gguf-py 0.19 (`MODEL_TENSORS[MODEL_ARCH.GEMMA4]`, the `gemma4` keys) and from llama.cpp's loader
-(`llama_model_gemma4::load_arch_hparams` / `load_arch_tensors` in src/models/gemma4.cpp, vendored in
-llama-cpp-python 0.3.36). Two layouts, both text-only and dense (no MoE):
-
-- "dense" (the 31B shape): sliding-window layers with head width `head_dim`, every `period`-th layer full attention
-  with twice that width and fewer KV heads (`head_count_kv` per layer); full layers have no `attn_v` (their values
-  are the keys, `attention_k_eq_v`) and share one `rope_freqs` tensor (proportional rope: only the first quarter
-  of the frequencies rotate); a `layer_output_scale` per layer; final logit soft-capping.
-- "e2b" (E2B/E4B): the same, plus per-layer token embeddings (`per_layer_token_embd`, `per_layer_model_proj`,
-  `per_layer_proj_norm`, and `inp_gate`/`proj`/`post_norm` in every layer), values of their own on every layer,
-  and the last `shared_kv_layers` layers without K/V tensors (they reuse an earlier layer's cache) and with a
-  double-wide FFN (`feed_forward_length` per layer).
-
-The vocabulary is what llama.cpp's `gemma4` tokenizer model reads: BPE over raw UTF-8 with `▁` for spaces,
-`<0xXX>` byte-fallback tokens, merges, and Gemma 4's control tokens (`<bos>`, `<eos>`, `<|turn>`, `<turn|>`).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

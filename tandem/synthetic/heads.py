@@ -1,15 +1,5 @@
 """Random-weight head drafts: a `gemma4-assistant` GGUF (the Gemma 4 "assistant" MTP drafter) for a gemma4 target.
-
-Read from llama.cpp's loader (`llama_model_gemma4_assistant` in src/models/gemma4-assistant.cpp, vendored in
-llama-cpp-python 0.3.36) and its converter (`Gemma4AssistantModel` in conversion/gemma.py): the gemma4 keys under
-the `gemma4-assistant` prefix, plus `embedding_length_out` (the target's hidden size) and `nextn_predict_layers`
-(every block). Its blocks have queries but no keys or values: each attends over the target's KV cache (its sliding
-layers over the target's last sliding layer, its full layers over the target's last layer), so its head widths and
-KV head counts are the target's. Tensors: `token_embd` (its own width, tied as the full-vocabulary output),
-`nextn.pre_projection` [d, 2 * d_target] (the target's scaled token embedding beside the target's hidden state, in),
-`nextn.post_projection` [d_target, d] (the next hidden state, out), and per block the gemma4 block without
-attn_k / attn_v / attn_k_norm.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """Random but valid quantised blocks of ggml types, with values of a chosen spread: weights written without a float
 quantisation pass, so a 32B model's 18 GB of GGUF take as long as the random bytes and the disk do.
-
-A block of these types stores its values as `d * A - dmin * B` (or `d * A` without a min scale): A and B come from
-the quant bits and sub-block scales, left random, and only the fp16 super-scales `d` (and `dmin`) are set. Their
-values are measured once per type on a sample of random blocks (gguf-py's dequantiser): `dmin` centres the values,
-`d` gives them a unit spread, and a tensor's std scales both. With `signs`, each block's scales take a random
-sign (from the random bits already there), so types without a min scale (Q4_0's nibbles are -8..7, mean -0.5) are
-zero-mean too.
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -3,20 +3,7 @@ model's tokenizer: llama.cpp benchmarks of a big target beside a small draft wit
 
     python -m tandem.synthetic.random_gguf OUT.gguf --shape qwen2.5-32b --mix Q4_0 --tokenizer-from REAL.gguf
     python -m tandem.synthetic.random_gguf TOKENIZER.gguf --extract-tokenizer REAL.gguf   # metadata only, ~7 MB
-
-The quantised blocks are drawn directly (`tandem.synthetic.random_blocks`: random bits, scales set for values of
-spread min(0.1, 1/sqrt(row length)), random signs: activations stay finite through 64 layers), never quantised from
-floats, and written by parallel processes straight to their offsets in the file: memory holds one chunk per process,
-and a 32B Q4_0 file (~18 GB) takes about as long as the disk needs to take it. The tokenizer and chat template are
-copied from a real GGUF (`tokenizer.*` keys), so the vocabulary and the vocabulary check are the real model's; a
-shape with more embedding rows than tokens pads the vocabulary with `[PADn]` tokens, as llama.cpp's converter does
-for Qwen2.5-32B's 152,064 rows.
-
-Mixes follow llama-quantize (src/llama-quant.cpp of llama-cpp-python 0.3.36's llama.cpp): `Q4_0`, `Q8_0`, `Q4_K`
-and `Q6_K` store every matrix in that type but the output matrix (token_embd where tied) in Q6_K; `Q4_K_M` is Q4_K
-with attn_v and ffn_down in Q6_K on the layers llama-quantize gives more bits (the first and last eighth, every
-third between). Rows that are no whole number of a type's blocks take llama-quantize's fallback (Q4_K -> Q5_0,
-Q6_K -> Q8_0: e.g. the 0.5B's 896-wide rows).
+More (block values, mixes): docs/internals.md.
 """
 
 from __future__ import annotations
@@ -259,7 +246,7 @@ def write_random_gguf(path: str | os.PathLike[str], shape: ModelConfig | str, mi
     """Write a random-weight GGUF of `shape` (a name or spec for tandem.synthetic.shapes.parse_shape, or a config).
 
     Args:
-        mix: MIXES; which type each matrix gets follows llama-quantize (module docstring).
+        mix: MIXES; which type each matrix gets follows llama-quantize (docs/internals.md).
         tokenizer_from: a GGUF whose `tokenizer.*` keys to copy (a real model, or extract_tokenizer's output);
             None: the tiny test tokenizer (tandem.synthetic.tiny_gguf), padded to the shape's vocabulary.
         seed: the same seed writes the same bytes, whatever the number of workers.

@@ -1,12 +1,5 @@
 """Random-weight models of named real shapes, built directly on the device: systems benchmarks without the files.
-
-A random model has the exact tensor shapes (hence bytes, FLOPs and kernel launches) of the real one, so its step
-times are the real model's; its tokens are meaningless, so benchmarks pair it with synthetic acceptance
-(`tandem.speculative.verify.verify_synthetic`). Every tensor is drawn on the device itself, one at a time, so a 32B
-model in bfloat16 (~65 GB) needs no host memory.
-
-Shapes from the models' Hugging Face `config.json` files (Qwen2.5 technical report, 2024).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 

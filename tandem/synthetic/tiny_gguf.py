@@ -1,18 +1,5 @@
 """Tiny GGUF files with random weights, for tests (and random models of real shapes).
-
-Files follow llama.cpp's naming for metadata keys and tensors, so llama.cpp can load them too. The 2-D matrices
-are stored in the requested `qtype`; norms and biases stay F32, as llama.cpp's quantiser leaves them.
-
-gguf-py (0.19) can quantise F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 but none of the K-quants. For those we
-write random blocks directly: random quant bits and sub-block scales, with the per-block fp16 super-scales
-(`d`, `dmin`) chosen so the dequantised values have roughly zero mean and the target std. K-quant rows must be a
-multiple of 256 values, so use d_model / d_ffn / n_heads*head_dim that are multiples of 256 with them
-(e.g. d_model=256, d_ffn=512, n_heads=4, head_dim=64).
-
-The embedded tokenizer is a gpt2-style byte-level BPE: the 256 byte symbols, a few dozen fixed merges of common
-English pairs, and the ChatML special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (CONTROL). gemma4 files
-carry a Gemma-4-style vocabulary and template instead, and their own tensors (`synthetic_gemma4.py`).
-"""
+More: docs/internals.md."""
 
 from __future__ import annotations
 
