@@ -153,13 +153,8 @@ def _read_tensor_info(p: _HeaderParser, index: int, n_tensors: int) -> tuple[str
 
 def _check_data_section(path: str, p: _HeaderParser, tensors: list[TensorInfo], n_tensors: int, data_start: int,
                         alignment: int, file_size: int) -> None:
-    """Every byte of the data section belongs to exactly one tensor, up to alignment padding.
-
-    llama.cpp (gguf_init_from_file) only checks that each offset follows the previous tensor; a header whose tensor
-    count is one short still passes there, and every tensor is then read from the wrong bytes. So: each tensor is
-    aligned and inside the file, no two overlap, nothing lies between them, and what follows the last one is
-    padding shorter than the alignment.
-    """
+    """Every byte of the data section belongs to exactly one tensor, up to alignment padding: llama.cpp only
+    checks that each offset follows the previous one, so a header one tensor short reads every tensor wrong."""
     counted = f"the header counts {n_tensors} tensors"
     for info in tensors:
         relative = info.offset - data_start

@@ -213,12 +213,8 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Incremental detokenizer: feed ids one at a time, get back only newly completed text.
-
-    Decodes a short window of recent ids and emits the part past what was already emitted, holding text back while
-    it ends in a replacement character (an unfinished multi-byte UTF-8 sequence). Decoding a window rather than
-    single tokens also keeps SentencePiece's leading-space handling right (as HF text-generation-inference does).
-    """
+    """Incremental detokenizer: feed ids one at a time, get back only newly completed text. It decodes a window
+    of recent ids (keeping SentencePiece's leading spaces right) and holds back an unfinished UTF-8 character."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer

@@ -90,12 +90,9 @@ class Transformer(torch.nn.Module):
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
                positions: torch.Tensor, window: int) -> torch.Tensor:
-        """Grouped-query attention without expanding K/V: the G query heads of each KV head become G*T query rows.
-
-        Repeating K/V to H heads would copy the whole cache every step (300 MB a token for a 1.5B model at 4k).
-        bias is None where `fused_decode` holds (the kernel masks by positions and window itself).
-        Returns [1, T, H*D]: each token's heads side by side, the output projection's input.
-        """
+        """Grouped-query attention with the G query heads of each KV head as G*T query rows: repeating K/V to H
+        heads would copy the whole cache every step. bias is None under `fused_decode` (the kernel masks itself).
+        Returns [1, T, H*D], the output projection's input."""
         c = self.config
         group, T = c.n_heads // c.n_kv_heads, q.shape[2]
         q = q.reshape(1, c.n_kv_heads, group * T, c.head_dim)  # [B, H_kv, G*T, D]; head h reads KV head h // G
@@ -320,14 +317,9 @@ class Transformer(torch.nn.Module):
 
 
 class RaggedAttention:
-    """Attention of a ragged batch (Transformer.forward_ragged), its masks built once for every layer.
-
-    Sequences of few rows (decode, verify: G x rows <= decode_attention.MAX_ROWS) are padded to the longest of them
-    and attend together, four kernels a layer over a [B, H_kv, G*T, S] score tensor instead of four per sequence;
-    a padded row repeats its sequence's last real row and is dropped from the output. Longer spans (prompt chunks)
-    attend one by one. A row's scores, softmax and weighted sum are the ones it gets alone, masked keys adding
-    exact zeros.
-    """
+    """Attention of a ragged batch (Transformer.forward_ragged), its masks built once for every layer. Short
+    sequences (G x rows <= decode_attention.MAX_ROWS) are padded (repeating their last row) and attend together;
+    prompt chunks one by one. A row gets the same result as alone: masked keys add exact zeros."""
 
     def __init__(self, model: Transformer, positions: torch.Tensor, spans: list[tuple[int, int, int, int]]) -> None:
         c = model.config

@@ -13,11 +13,8 @@ from tandem.speculative.stats import GenerationStats
 
 
 class Choice:
-    """One choice of a response as its chunks arrive: text, tokens, logprobs, tool calls, how it finished.
-
-    Streamed and whole responses are built from the same `add` calls, so they carry the same answer: `add`
-    returns what a stream sends for the chunk (text, tool-call deltas, logprobs); `whole` is the choice object.
-    """
+    """One choice as its chunks arrive. Streamed and whole responses come from the same `add` calls, so they carry
+    the same answer: `add` returns what a stream sends for the chunk; `whole` is the choice object."""
 
     def __init__(self, index: int, kind: responses.Kind, piece: Callable[[int], str], tool_format: str | None,
                  tool_names: list[str], max_calls: int | None = None,

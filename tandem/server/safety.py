@@ -39,11 +39,7 @@ def is_loopback(host: str) -> bool:
 
 def allowed_hosts_for(bind_host: str, extra: Iterable[str] = ()) -> frozenset[str] | None:
     """The Host values to accept, or None for any: loopback binds check by default, others only when asked.
-
-    Args:
-        bind_host: the address the server listens on.
-        extra: `--allowed-hosts` entries (host names or addresses, without port; "*" accepts any).
-    """
+    extra: `--allowed-hosts` entries (names or addresses, without port; "*" accepts any)."""
     extra = frozenset(split_host(h) for h in extra if h.strip())
     if ANY_HOST in extra or (not extra and not is_loopback(bind_host)):
         return None

@@ -172,13 +172,9 @@ def parse_bare_calls(text: str, names: Collection[str]) -> list[ParsedCall] | No
 
 
 class ToolCallParser:
-    """Model text in, (text, calls) out, as the text arrives.
-
-    hermes and gemma4 calls are delimited, so text outside them streams at once (less a tail that may begin an
-    opening marker) and each call comes out when its closing marker arrives. Some calls are the whole reply: llama3's
-    always, hermes' when a model writes bare JSON (`parse_bare_calls`); a reply that begins like one (`{`,
-    `<|python_tag|>`, a ```json fence) is held until the end, and any other streams as it comes.
-    """
+    """Model text in, (text, calls) out, as the text arrives. Delimited calls (hermes, gemma4) come out at their
+    closing marker, the text around them at once; a reply that begins like a whole-reply call (llama3, bare JSON:
+    `{`, `<|python_tag|>`, a ```json fence) is held until the end."""
 
     def __init__(self, fmt: str, tool_names: Collection[str] = ()) -> None:
         """tool_names: the offered functions (hermes takes bare-JSON calls to these only)."""

@@ -60,11 +60,9 @@ def write_gemma4_assistant(
     sliding_window: int = 8,
     metadata: dict[str, Any] | None = None,
 ) -> str:
-    """Write a random-weight gemma4-assistant GGUF for a gemma4 "dense" target written by
-    `tandem.synthetic.tiny_gguf.write_tiny_gguf(arch="gemma4", ...)` with the same n_kv_heads, head_dim,
-    vocab_size and sliding_window, and d_model = target_d_model; return its path. Its own width d_model may differ
-    but not equal it (llama.cpp tells the two apart by it; the real assistants are narrower). qtype: the
-    matrices' storage type; metadata: keys to add or replace (None deletes one), for testing the loader's errors."""
+    """Write a random gemma4-assistant GGUF for a write_tiny_gguf(arch="gemma4") target of the same n_kv_heads,
+    head_dim, vocab_size and sliding_window; return its path. d_model must differ from target_d_model (llama.cpp
+    tells the two apart by it). metadata: keys to add or replace (None deletes one)."""
     if qtype not in SUPPORTED_QTYPES:
         raise ValueError(f"unsupported qtype {qtype!r}; supported: {', '.join(SUPPORTED_QTYPES)}")
     if d_model == target_d_model:
@@ -137,13 +135,11 @@ def write_eagle3(path: str | os.PathLike[str], target_d_model: int = 64,
                  vocab_size: int | None = None, context_length: int = 512, seed: int = 0, *,
                  rope_base: float = 10000.0, rms_eps: float = 1e-6, d2t: list[int] | None = None,
                  own_embedding: bool = True, metadata: dict[str, Any] | None = None) -> str:
-    """Write a random-weight EAGLE-3 drafter (llama.cpp's `eagle3` architecture, `llama_model_eagle3` in
-    src/models/eagle3.cpp) for a tiny `llama` target of width target_d_model written by write_tiny_gguf: `fc` fuses
-    the inputs of the target's `target_layers` (3 ids, each below its layer count) into d_model, one
-    decoder block reads [its token embedding, the fused features] (2 * d_model wide), and it has its own output
-    (the tiny vocabulary) and token embedding (own_embedding=False: the target's, as EAGLE-3 heads for Llama 3.1
-    8B). d2t: a draft vocabulary of its own, the target id of each of its rows (its output has one row each).
-    metadata: keys to add or replace (None deletes one). Return its path."""
+    """Write a random EAGLE-3 drafter (llama.cpp's `eagle3`) for a write_tiny_gguf `llama` target of width
+    target_d_model; return its path. `fc` fuses the features of `target_layers` (3 ids) into d_model; one block
+    reads [token embedding, fused features]. own_embedding=False shares the target's (as Llama 3.1 8B's heads do);
+    d2t: the target id of each row of a draft vocabulary of its own. metadata: keys to add or replace (None
+    deletes one)."""
     if len(target_layers) != 3:
         raise ValueError(f"EAGLE-3 reads exactly 3 target layers, got {target_layers}")
     path = os.fspath(path)

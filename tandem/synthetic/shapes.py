@@ -89,16 +89,9 @@ def tiny_tokenizer(vocab_size: int):
 
 def random_model(shape: str | ModelConfig, device: str = "cpu", dtype: str | torch.dtype = "bfloat16",
                  n_ctx: int = 4096, seed: int = 0):
-    """A TorchModel of `shape` with random weights (std WEIGHT_STD, norms 1) drawn on `device`.
-
-    Args:
-        shape: a name from SHAPES or a ModelConfig.
-        device, dtype: where and in what precision the weights live (bf16 32B: ~65 GB of device memory).
-        n_ctx: KV cache capacity of its sequences.
-        seed: seeds the device's generator, so two calls build the same weights.
-    Returns:
-        A TorchModel whose `path` is "synthetic:<name>" and whose tokenizer is the tiny test tokenizer.
-    """
+    """A TorchModel of `shape` (a SHAPES name or a ModelConfig) with random weights (std WEIGHT_STD, norms 1)
+    drawn on `device` (bf16 32B: ~65 GB); the same seed builds the same weights. Its path is "synthetic:<name>",
+    its tokenizer the tiny test one."""
     from tandem.backends.torch_backend import TorchModel, parse_device, parse_dtype
     from tandem.loading.weights import expected_tensors
 
