@@ -75,11 +75,12 @@ class DraftPolicy:
         left sequences running (the gap is the loop's, a server's streams, every step's cost) unless that is a pause
         (POLICY.step_gap_max_ms)."""
         if self._ended is not None:
-            args, ended, busy = self._ended
+            decoding, ks, prefills, target_rows, ms, drafted, ended, busy = self._ended
             self._ended = None
             gap_ms = 1000.0 * (now - ended)
-            self.observe_step(*args[:-2], args[-2] + (gap_ms if busy and gap_ms <= POLICY.step_gap_max_ms else 0.0),
-                              args[-1])
+            if busy and gap_ms <= POLICY.step_gap_max_ms:
+                ms += gap_ms
+            self.observe_step(decoding, ks, prefills, target_rows, ms, drafted)
         self._step_count += 1
         if len(self._values) > POLICY.values_kept:  # entries past their steps
             self._values = {k: v for k, v in self._values.items() if v[1] > self._step_count}
@@ -417,7 +418,7 @@ class DraftPolicy:
                    drafted: tuple[int, int] | None, ended: float, busy: bool) -> None:
         """A step took `ms` and ended at `ended` (perf_counter s), leaving sequences running where `busy`: observed
         when the next begins (begin_step), with the gap before it."""
-        self._ended = ((decoding, ks, prefills, target_rows, ms, drafted), ended, busy)
+        self._ended = (decoding, ks, prefills, target_rows, ms, drafted, ended, busy)
 
     def observe_step(self, decoding: list[Generation], ks: list[int], prefills: list, target_rows: int, ms: float,
                      drafted: tuple[int, int] | None) -> None:
